@@ -1,0 +1,1 @@
+"""Pieces shared by the router and the worker: errors, datatypes, logging."""

@@ -1,0 +1,1 @@
+"""Launchers, compose stacks and the small model repository `make run` serves."""

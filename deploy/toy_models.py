@@ -1,0 +1,127 @@
+"""Small ONNX models built from code (no downloads), in a Triton-layout repository.
+
+    python -m deploy.toy_models DIR
+
+- `mlp`: a tiny fp32 MLP, 16 -> 64 -> 4, seeded weights (the benchmark model).
+- `add_sub`: INT32 INPUT0, INPUT1 [-1, 16] -> OUTPUT0 = sum, OUTPUT1 = difference.
+- `identity_<type>`: one per v2 datatype, INPUT0 -> OUTPUT0, any [batch, n] shape.
+- `fixed`: no batch dimension, FP32 [2, 3] -> doubled.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+IR_VERSION = 9
+
+ONNX_TYPES = {
+    "BOOL": TensorProto.BOOL,
+    "UINT8": TensorProto.UINT8,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16,
+    "FP32": TensorProto.FLOAT,
+    "FP64": TensorProto.DOUBLE,
+    "BYTES": TensorProto.STRING,
+}
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> None:
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION
+    )
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+def mlp(hidden: int = 64, features: int = 16, classes: int = 4, seed: int = 0) -> onnx.GraphProto:
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((features, hidden)) / np.sqrt(features)).astype(np.float32)
+    w2 = (rng.standard_normal((hidden, classes)) / np.sqrt(hidden)).astype(np.float32)
+    return helper.make_graph(
+        [
+            helper.make_node("MatMul", ["INPUT0", "W1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("MatMul", ["r", "W2"], ["OUTPUT0"]),
+        ],
+        "mlp",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", features])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", classes])],
+        initializer=[numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")],
+    )
+
+
+def add_sub() -> onnx.GraphProto:
+    io = [
+        helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 16])
+        for n in ("INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1")
+    ]
+    return helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "add_sub",
+        io[:2],
+        io[2:],
+    )
+
+
+def identity(datatype: str) -> onnx.GraphProto:
+    t = ONNX_TYPES[datatype]
+    return helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        f"identity_{datatype.lower()}",
+        [helper.make_tensor_value_info("INPUT0", t, ["batch", "n"])],
+        [helper.make_tensor_value_info("OUTPUT0", t, ["batch", "n"])],
+    )
+
+
+def fixed() -> onnx.GraphProto:
+    return helper.make_graph(
+        [helper.make_node("Add", ["INPUT0", "INPUT0"], ["OUTPUT0"])],
+        "fixed",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [2, 3])],
+    )
+
+
+MLP_CONFIG = """\
+max_batch_size: 64
+dynamic_batching {
+  max_queue_delay_microseconds: 500
+}
+parameters {
+  key: "meshserve.price_per_call_micro_usd"
+  value { string_value: "100" }
+}
+parameters {
+  key: "meshserve.training_cost_micro_usd"
+  value { string_value: "5000000000" }
+}
+"""
+
+
+def build(root: Path) -> Path:
+    """Write the repository under root (idempotent) and return root."""
+    _save(mlp(), root / "mlp" / "1" / "model.onnx")
+    (root / "mlp" / "config.pbtxt").write_text(MLP_CONFIG)
+    _save(add_sub(), root / "add_sub" / "1" / "model.onnx")
+    for datatype in ONNX_TYPES:
+        _save(identity(datatype), root / f"identity_{datatype.lower()}" / "1" / "model.onnx")
+    _save(fixed(), root / "fixed" / "1" / "model.onnx")
+    return root
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "build/models")
+    print(build(target))

@@ -1,0 +1,1 @@
+"""meshserve quantize: real models to ONNX, quantized behind an accuracy gate."""

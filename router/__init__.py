@@ -1,0 +1,1 @@
+"""meshserve router: one KServe v2 endpoint over many worker replicas."""

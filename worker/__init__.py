@@ -1,0 +1,1 @@
+"""meshserve worker: serves ONNX models over the KServe v2 gRPC API with dynamic batching."""

@@ -1,0 +1,50 @@
+"""python -m worker --model-repository DIR --host 127.0.0.1 --port PORT"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from common import logging
+from worker.config import ConfigError
+from worker.runtime import GpuRequired, ModelLoadError
+from worker.server import serve
+from worker.settings import WorkerSettings
+
+
+def parse_args(argv: list[str]) -> WorkerSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="Serve an ONNX model repository over the KServe v2 gRPC API. "
+        "Every flag can also be set as MESHSERVE_WORKER_<FLAG>.",
+    )
+    parser.add_argument("--model-repository")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--providers", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--require-gpu", action="store_true", default=None)
+    parser.add_argument("--intra-op-threads", type=int)
+    parser.add_argument("--inter-op-threads", type=int)
+    parser.add_argument("--default-max-batch-size", type=int)
+    parser.add_argument("--default-max-queue-size", type=int)
+    parser.add_argument("--max-message-bytes", type=int)
+    parser.add_argument("--grace-seconds", type=float)
+    parser.add_argument("--log-level")
+    args = parser.parse_args(argv)
+    return WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.configure(settings.log_level, settings.log_json)
+    try:
+        asyncio.run(serve(settings))
+    except (ConfigError, GpuRequired, ModelLoadError) as e:
+        print(f"meshserve worker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

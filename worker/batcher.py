@@ -1,0 +1,218 @@
+"""Dynamic batching: concurrent requests for one model version become one session run.
+
+Requests wait in a bounded queue. An executor takes the oldest request, adds every queued
+request with the same non-batch shapes until `max_batch_size` rows, waits up to
+`max_queue_delay_us` (counted from the oldest request's arrival) for more, runs the merged
+batch once on a thread (onnxruntime releases the GIL), and splits the outputs back.
+While one batch runs, the next one gathers. `instance_count` executors share the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from worker.config import ModelSpec
+from worker.stats import ModelStats
+
+log = structlog.get_logger()
+
+RunFn = Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]
+
+
+@dataclass(eq=False)
+class _Pending:
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    rows: int
+    signature: tuple
+    future: asyncio.Future
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+def signature(inputs: dict[str, np.ndarray], batched: bool) -> tuple:
+    """Requests merge only when every input has the same dtype and non-batch shape."""
+    skip = 1 if batched else 0
+    return tuple((name, a.dtype.str, a.shape[skip:]) for name, a in sorted(inputs.items()))
+
+
+class Batcher:
+    def __init__(
+        self, spec: ModelSpec, run: RunFn, stats: ModelStats, max_queue_size: int
+    ) -> None:
+        self.spec = spec
+        self._run = run
+        self.stats = stats
+        self.max_queue_size = max_queue_size
+        self._batched = spec.max_batch_size > 0
+        self._merge = spec.dynamic_batching
+        self._delay_ns = spec.max_queue_delay_us * 1000
+        self._preferred = set(spec.preferred_batch_sizes)
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._running = 0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(
+            max_workers=spec.instance_count, thread_name_prefix=f"ort-{spec.name}"
+        )
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._executor())
+            for _ in range(spec.instance_count)
+        ]
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting plus requests in a running batch."""
+        return len(self._queue) + self._running
+
+    async def submit(
+        self, inputs: dict[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise Unavailable(f"model {self.spec.name!r} is shutting down")
+        if len(self._queue) >= self.max_queue_size:
+            raise ResourceExhausted(
+                f"model {self.spec.name!r} version {self.spec.version}: queue is full "
+                f"({self.max_queue_size} requests waiting); retry later or add replicas"
+            )
+        rows = next(iter(inputs.values())).shape[0] if self._batched else 1
+        pending = _Pending(
+            inputs,
+            outputs,
+            rows,
+            signature(inputs, self._batched),
+            asyncio.get_running_loop().create_future(),
+        )
+        self._queue.append(pending)
+        self._arrived.set()
+        return await pending.future  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        """Stop taking requests; wait for queued and running ones to finish."""
+        self._closed = True
+        while self._queue or self._running:
+            await asyncio.sleep(0.01)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=True)
+
+    async def _executor(self) -> None:
+        while True:
+            while not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+            batch = await self._gather()
+            if batch:
+                await self._execute(batch)
+
+    async def _gather(self) -> list[_Pending]:
+        head = self._queue.popleft()
+        if head.future.done():  # cancelled by its caller while waiting
+            return []
+        batch, rows = [head], head.rows
+        if not self._merge:
+            return batch
+        deadline = head.enqueued_ns + self._delay_ns
+        limit = self.spec.max_batch_size
+        while rows < limit:
+            keep: collections.deque[_Pending] = collections.deque()
+            while self._queue:
+                p = self._queue.popleft()
+                if p.future.done():
+                    continue
+                if p.signature == head.signature and rows + p.rows <= limit:
+                    batch.append(p)
+                    rows += p.rows
+                else:
+                    keep.append(p)
+            keep.extend(self._queue)
+            self._queue = keep
+            remaining = deadline - time.perf_counter_ns()
+            if rows >= limit or rows in self._preferred or remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining / 1e9)
+            except TimeoutError:
+                pass
+        return batch
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        self._running += len(batch)
+        try:
+            start = time.perf_counter_ns()
+            for p in batch:
+                self.stats.queue.add(start - p.enqueued_ns)
+            names = list(dict.fromkeys(n for p in batch for n in p.outputs))
+            loop = asyncio.get_running_loop()
+            try:
+                results, timings = await loop.run_in_executor(
+                    self._pool, self._run_batch, batch, names
+                )
+            except Exception as e:
+                if len(batch) > 1:  # find the one bad request: run each on its own
+                    for p in batch:
+                        await self._execute_alone(p, names)
+                    return
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(
+                        InvalidArgument(f"model {self.spec.name!r} failed on this input: {e}")
+                    )
+                return
+            rows = sum(p.rows for p in batch) if self._batched else 1
+            self.stats.record_execution(len(batch), rows, *timings)
+            for p, result in zip(batch, results, strict=True):
+                if not p.future.done():
+                    p.future.set_result({n: result[n] for n in p.outputs})
+        finally:
+            self._running -= len(batch)
+
+    async def _execute_alone(self, p: _Pending, names: list[str]) -> None:
+        try:
+            (result,), timings = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._run_batch, [p], names
+            )
+        except Exception as e:
+            if not p.future.done():
+                p.future.set_exception(
+                    InvalidArgument(f"model {self.spec.name!r} failed on this input: {e}")
+                )
+            return
+        self.stats.record_execution(1, p.rows, *timings)
+        if not p.future.done():
+            p.future.set_result({n: result[n] for n in p.outputs})
+
+    def _run_batch(
+        self, batch: list[_Pending], names: list[str]
+    ) -> tuple[list[dict[str, np.ndarray]], tuple[int, int, int]]:
+        """Runs on an executor thread: merge, run, split; returns results and timings."""
+        t0 = time.perf_counter_ns()
+        if len(batch) == 1:
+            feeds = batch[0].inputs
+        else:
+            feeds = {
+                name: np.concatenate([p.inputs[name] for p in batch], axis=0)
+                for name in batch[0].inputs
+            }
+        t1 = time.perf_counter_ns()
+        arrays = self._run(names, feeds)
+        t2 = time.perf_counter_ns()
+        if len(batch) == 1:
+            results = [dict(zip(names, arrays, strict=True))]
+        else:
+            offsets = np.cumsum([p.rows for p in batch])[:-1]
+            pieces = [np.split(a, offsets, axis=0) for a in arrays]
+            results = [
+                {n: pieces[j][i] for j, n in enumerate(names)} for i in range(len(batch))
+            ]
+        t3 = time.perf_counter_ns()
+        return results, (t1 - t0, t2 - t1, t3 - t2)

@@ -1,0 +1,182 @@
+"""Model configuration: read config.pbtxt, complete it from the ONNX graph, check it.
+
+The ModelConfig protobuf is the repository's file format, so it is parsed here; everything
+past this module works on the small `ModelSpec` dataclass instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from common import dtypes
+from protos import model_config_pb2 as mc
+
+# meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters).
+PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
+TRAINING_COST = "meshserve.training_cost_micro_usd"
+EXECUTION_PROVIDER = "meshserve.execution_provider"
+
+
+class ConfigError(Exception):
+    """A model whose config cannot be served; the message names the model and the field."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # v2 name: FP32, INT64, BYTES, ...
+    dims: tuple[int, ...]  # without the batch dimension when the model batches; -1 = any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    version: str
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+    max_batch_size: int  # 0: the model takes no batch dimension
+    dynamic_batching: bool
+    max_queue_delay_us: int
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_size: int
+    instance_count: int
+    parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GraphTensor:
+    """A graph input or output as onnxruntime reports it (dims: int, or None when dynamic)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int | None, ...]
+
+
+def read(model_dir: Path) -> mc.ModelConfig:
+    """The model's config.pbtxt, or an empty config named after the folder."""
+    path = model_dir / "config.pbtxt"
+    config = mc.ModelConfig()
+    if path.exists():
+        try:
+            text_format.Parse(path.read_text(), config)
+        except text_format.ParseError as e:
+            raise ConfigError(f"{path}: not a valid ModelConfig text proto: {e}") from e
+    if config.name and config.name != model_dir.name:
+        raise ConfigError(
+            f"{path}: name {config.name!r} does not match its folder {model_dir.name!r}"
+        )
+    config.name = model_dir.name
+    return config
+
+
+def complete(
+    config: mc.ModelConfig,
+    inputs: list[GraphTensor],
+    outputs: list[GraphTensor],
+    default_max_batch_size: int,
+    default_max_queue_size: int,
+) -> mc.ModelConfig:
+    """Fill what config.pbtxt left out from the ONNX graph, and check what it did say."""
+    config = mc.ModelConfig.FromString(config.SerializeToString())
+    config.platform = config.platform or "onnxruntime_onnx"
+    config.backend = config.backend or "onnxruntime"
+    graph = [*inputs, *outputs]
+    batchable = all(t.dims and t.dims[0] is None for t in graph)
+    if not config.input and not config.output and config.max_batch_size == 0 and batchable:
+        config.max_batch_size = default_max_batch_size
+    if config.max_batch_size > 0 and not batchable:
+        bad = [t.name for t in graph if not t.dims or t.dims[0] is not None]
+        raise ConfigError(
+            f"model {config.name!r}: max_batch_size is {config.max_batch_size} but tensors "
+            f"{bad} have no dynamic first dimension to batch along"
+        )
+    _complete_tensors(config, config.input, inputs, "input")
+    _complete_tensors(config, config.output, outputs, "output")
+    if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None:
+        config.dynamic_batching.SetInParent()
+    if config.HasField("dynamic_batching"):
+        policy = config.dynamic_batching.default_queue_policy
+        if policy.max_queue_size == 0:
+            policy.max_queue_size = default_max_queue_size
+    if not config.instance_group:
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    _check_parameters(config)
+    return config
+
+
+def _complete_tensors(config, declared, graph: list[GraphTensor], kind: str) -> None:  # type: ignore[no-untyped-def]
+    by_name = {t.name: t for t in graph}
+    skip = 1 if config.max_batch_size > 0 else 0
+    for tensor in declared:
+        actual = by_name.get(tensor.name)
+        if actual is None:
+            raise ConfigError(
+                f"model {config.name!r}: config {kind} {tensor.name!r} is not in the ONNX graph, "
+                f"which has {kind}s {sorted(by_name)}"
+            )
+        datatype = dtypes.from_config(mc.DataType.Name(tensor.data_type))
+        if datatype != actual.datatype:
+            raise ConfigError(
+                f"model {config.name!r}: config {kind} {tensor.name!r} is {datatype}, "
+                f"the ONNX graph has {actual.datatype}"
+            )
+        graph_dims = actual.dims[skip:]
+        if len(tensor.dims) != len(graph_dims) or any(
+            g is not None and d not in (-1, g) for d, g in zip(tensor.dims, graph_dims, strict=False)
+        ):
+            raise ConfigError(
+                f"model {config.name!r}: config {kind} {tensor.name!r} has dims "
+                f"{list(tensor.dims)}, the ONNX graph has {_show(graph_dims)}"
+                + (" after the batch dimension" if skip else "")
+            )
+    if not declared:
+        for t in graph:
+            declared.add(
+                name=t.name,
+                data_type=mc.DataType.Value(dtypes.to_config(t.datatype)),
+                dims=[-1 if d is None else d for d in t.dims[skip:]],
+            )
+
+
+def _show(dims: tuple[int | None, ...]) -> list[int]:
+    return [-1 if d is None else d for d in dims]
+
+
+def _check_parameters(config: mc.ModelConfig) -> None:
+    for key in (PRICE_PER_CALL, TRAINING_COST):
+        if key in config.parameters:
+            raw = config.parameters[key].string_value
+            if not raw.isdigit():
+                raise ConfigError(
+                    f"model {config.name!r}: parameter {key} must be a non-negative integer "
+                    f"(micro-USD), got {raw!r}"
+                )
+
+
+def spec(config: mc.ModelConfig, version: str) -> ModelSpec:
+    def tensors(declared) -> dict[str, TensorSpec]:  # type: ignore[no-untyped-def]
+        return {
+            t.name: TensorSpec(
+                t.name, dtypes.from_config(mc.DataType.Name(t.data_type)), tuple(t.dims)
+            )
+            for t in declared
+        }
+
+    batching = config.dynamic_batching
+    enabled = config.HasField("dynamic_batching") and config.max_batch_size > 0
+    return ModelSpec(
+        name=config.name,
+        version=version,
+        inputs=tensors(config.input),
+        outputs=tensors(config.output),
+        max_batch_size=config.max_batch_size,
+        dynamic_batching=enabled,
+        max_queue_delay_us=batching.max_queue_delay_microseconds,
+        preferred_batch_sizes=tuple(batching.preferred_batch_size),
+        max_queue_size=batching.default_queue_policy.max_queue_size or 0,
+        instance_count=sum(g.count or 1 for g in config.instance_group) or 1,
+        parameters={k: v.string_value for k, v in config.parameters.items()},
+    )

@@ -1,0 +1,130 @@
+"""The model repository in Triton's layout, loaded: DIR/<model>/<version>/model.onnx.
+
+Each loaded model version owns its onnxruntime session, its batcher and its statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from common.errors import NotFound
+from protos import model_config_pb2 as mc
+from worker import config as cfg
+from worker.batcher import Batcher
+from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
+from worker.stats import ModelStats
+
+log = structlog.get_logger()
+
+
+@dataclass
+class LoadedModel:
+    spec: cfg.ModelSpec
+    config: mc.ModelConfig  # completed, as ModelConfig answers it
+    session: OnnxSession
+    batcher: Batcher
+    stats: ModelStats
+
+
+def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
+    found = sorted(
+        (int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / "model.onnx").exists())
+    )
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "all":
+        chosen = found
+    elif choice == "specific":
+        chosen = [v for v in found if v in set(policy.specific.versions)]
+    else:
+        chosen = found[-(policy.latest.num_versions or 1) :]
+    return [str(v) for v in chosen]
+
+
+class Repository:
+    def __init__(
+        self,
+        root: Path,
+        options: RuntimeOptions,
+        default_max_batch_size: int = 32,
+        default_max_queue_size: int = 512,
+    ) -> None:
+        self.root = root
+        self.options = options
+        self.default_max_batch_size = default_max_batch_size
+        self.default_max_queue_size = default_max_queue_size
+        self.models: dict[str, dict[str, LoadedModel]] = {}
+        self._providers = requested_providers(options.providers)
+
+    def load(self) -> None:
+        if not self.root.is_dir():
+            raise cfg.ConfigError(f"model repository {self.root} is not a directory")
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            config = cfg.read(model_dir)
+            versions = _versions(model_dir, config.version_policy)
+            if not versions:
+                raise cfg.ConfigError(
+                    f"model {model_dir.name!r}: no version folder with a model.onnx in {model_dir}"
+                )
+            for version in versions:
+                self.models.setdefault(model_dir.name, {})[version] = self._load_version(
+                    model_dir, version, config
+                )
+
+    def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
+        path = model_dir / version / "model.onnx"
+        session = OnnxSession(path, self.options, self._providers)
+        if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
+            self._providers = [CPU]
+        completed = cfg.complete(
+            config,
+            session.inputs,
+            session.outputs,
+            self.default_max_batch_size,
+            self.default_max_queue_size,
+        )
+        completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        spec = cfg.spec(completed, version)
+        session.warm_up(spec)
+        stats = ModelStats()
+        batcher = Batcher(
+            spec, session.run, stats, spec.max_queue_size or self.default_max_queue_size
+        )
+        log.info(
+            "model_loaded",
+            model=spec.name,
+            version=version,
+            provider=session.provider,
+            max_batch_size=spec.max_batch_size,
+            dynamic_batching=spec.dynamic_batching,
+            max_queue_delay_us=spec.max_queue_delay_us,
+            instances=spec.instance_count,
+        )
+        return LoadedModel(spec, completed, session, batcher, stats)
+
+    def get(self, name: str, version: str = "") -> LoadedModel:
+        versions = self.models.get(name)
+        if versions is None:
+            raise NotFound(f"unknown model {name!r}; this worker serves {sorted(self.models)}")
+        if not version:
+            return versions[max(versions, key=int)]
+        model = versions.get(version)
+        if model is None:
+            raise NotFound(
+                f"model {name!r} has no version {version!r}; loaded versions: "
+                f"{sorted(versions, key=int)}"
+            )
+        return model
+
+    def all(self) -> list[LoadedModel]:
+        return [m for versions in self.models.values() for m in versions.values()]
+
+    @property
+    def providers(self) -> set[str]:
+        return {m.session.provider for m in self.all()}
+
+    async def close(self) -> None:
+        for model in self.all():
+            await model.batcher.close()

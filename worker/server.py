@@ -1,0 +1,83 @@
+"""The worker process: load the repository, serve gRPC, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from worker.repository import Repository
+from worker.runtime import RuntimeOptions
+from worker.servicer import WorkerServicer
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger()
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a taken port is an error, not a silent second listener
+    ]
+
+
+async def serve(settings: WorkerSettings) -> None:
+    repository = Repository(
+        settings.model_repository,
+        RuntimeOptions(
+            providers=settings.providers,
+            require_gpu=settings.require_gpu,
+            intra_op_threads=settings.intra_op_threads,
+            inter_op_threads=settings.inter_op_threads,
+        ),
+        default_max_batch_size=settings.default_max_batch_size,
+        default_max_queue_size=settings.default_max_queue_size,
+    )
+    repository.load()
+
+    server = grpc.aio.server(options=grpc_options(settings.max_message_bytes))
+    servicer = WorkerServicer(repository)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    address = f"{settings.host}:{settings.port}"
+    port = server.add_insecure_port(address)
+    await server.start()
+
+    servicer.ready = True
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "worker_ready",
+        address=f"{settings.host}:{port}",
+        models={m.spec.name: m.spec.version for m in repository.all()},
+        providers=sorted(repository.providers),
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("worker_draining", grace_seconds=settings.grace_seconds)
+    servicer.ready = False
+    await health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+    await server.stop(settings.grace_seconds)  # refuse new calls, let in-flight ones finish
+    await repository.close()
+    log.info("worker_stopped")

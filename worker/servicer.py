@@ -1,0 +1,186 @@
+"""inference.GRPCInferenceService on the worker: decode -> batcher -> encode.
+
+Thin on purpose: validation lives in codec, scheduling in batcher, sessions in runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from common.errors import MeshError, grpc_errors
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from worker import codec
+from worker.repository import LoadedModel, Repository
+from worker.stats import Duration
+
+log = structlog.get_logger()
+
+SERVER_NAME = "meshserve-worker"
+VERSION = "0.1.0"
+EXTENSIONS = ["model_configuration", "schedule_policy", "statistics"]
+
+
+class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repository: Repository) -> None:
+        self.repository = repository
+        self.ready = False  # set once every model is loaded and warm; cleared on drain
+
+    @grpc_errors
+    async def ServerLive(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ServerLiveResponse(live=True)
+
+    @grpc_errors
+    async def ServerReady(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ServerReadyResponse(ready=self.ready)
+
+    @grpc_errors
+    async def ModelReady(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            self.repository.get(request.name, request.version)
+        except MeshError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.ready)
+
+    @grpc_errors
+    async def ServerMetadata(self, request, context):  # type: ignore[no-untyped-def]
+        providers = [f"execution_provider/{p}" for p in sorted(self.repository.providers)]
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=VERSION, extensions=EXTENSIONS + providers
+        )
+
+    @grpc_errors
+    async def ModelMetadata(self, request, context):  # type: ignore[no-untyped-def]
+        model = self.repository.get(request.name, request.version)
+        spec = model.spec
+        batch = [-1] if spec.max_batch_size > 0 else []
+        response = pb.ModelMetadataResponse(
+            name=spec.name,
+            versions=sorted(self.repository.models[spec.name], key=int),
+            platform=model.config.platform,
+        )
+        for t in spec.inputs.values():
+            response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+        for t in spec.outputs.values():
+            response.outputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+        return response
+
+    @grpc_errors
+    async def ModelConfig(self, request, context):  # type: ignore[no-untyped-def]
+        model = self.repository.get(request.name, request.version)
+        return pb.ModelConfigResponse(config=model.config)
+
+    @grpc_errors
+    async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
+        return await self._infer(request)
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        structlog.contextvars.bind_contextvars(
+            request_id=request.id, model=request.model_name
+        )
+        model = self.repository.get(request.model_name, request.model_version)
+        start = time.perf_counter_ns()
+        ok = False
+        try:
+            inputs, outputs = codec.decode_request(request, model.spec)
+            results = await model.batcher.submit(inputs, outputs)
+            response = codec.encode_response(request, model.spec, results)
+            ok = True
+            return response
+        finally:
+            model.stats.record_request(ok, time.perf_counter_ns() - start)
+
+    async def ModelStreamInfer(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently; responses go back as they finish."""
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = await self._infer(request)
+                await out.put(pb.ModelStreamInferResponse(infer_response=response))
+            except MeshError as e:
+                await out.put(
+                    pb.ModelStreamInferResponse(
+                        error_message=e.message,
+                        infer_response=pb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name
+                        ),
+                    )
+                )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+
+    @grpc_errors
+    async def ModelStatistics(self, request, context):  # type: ignore[no-untyped-def]
+        if request.name:
+            if request.version:
+                models = [self.repository.get(request.name, request.version)]
+            else:
+                self.repository.get(request.name)
+                models = list(self.repository.models[request.name].values())
+        else:
+            models = self.repository.all()
+        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in models])
+
+    @grpc_errors
+    async def RepositoryIndex(self, request, context):  # type: ignore[no-untyped-def]
+        response = pb.RepositoryIndexResponse()
+        for model in self.repository.all():
+            response.models.add(
+                name=model.spec.name, version=model.spec.version, state="READY"
+            )
+        return response
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _statistics(model: LoadedModel) -> pb.ModelStatistics:
+    s = model.stats
+    return pb.ModelStatistics(
+        name=model.spec.name,
+        version=model.spec.version,
+        last_inference=s.last_inference_ms,
+        inference_count=s.inference_count,
+        execution_count=s.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=_duration(s.success),
+            fail=_duration(s.fail),
+            queue=_duration(s.queue),
+            compute_input=_duration(s.compute_input),
+            compute_infer=_duration(s.compute_infer),
+            compute_output=_duration(s.compute_output),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size,
+                compute_input=_duration(b.compute_input),
+                compute_infer=_duration(b.compute_infer),
+                compute_output=_duration(b.compute_output),
+            )
+            for size, b in sorted(s.batches.items())
+        ],
+    )

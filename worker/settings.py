@@ -1,0 +1,26 @@
+"""Worker settings: CLI flags over MESHSERVE_WORKER_* environment variables over defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHSERVE_WORKER_")
+
+    model_repository: Path = Path("models")
+    host: str = "127.0.0.1"
+    port: int = 8001
+    providers: Literal["auto", "cuda", "cpu"] = "auto"
+    require_gpu: bool = False
+    intra_op_threads: int = 0
+    inter_op_threads: int = 1
+    default_max_batch_size: int = 32  # for models whose config does not say
+    default_max_queue_size: int = 512
+    max_message_bytes: int = 64 * 1024 * 1024
+    grace_seconds: float = 10.0
+    log_level: str = "info"
+    log_json: bool | None = None  # default: JSON when stderr is not a terminal
