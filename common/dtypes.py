@@ -38,6 +38,7 @@ FROM_ONNX: dict[str, str] = {
     "tensor(string)": "BYTES",
 }
 
+
 # config.pbtxt DataType enum names are "TYPE_" + the v2 name, except BYTES <-> TYPE_STRING.
 def to_config(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"

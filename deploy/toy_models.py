@@ -111,10 +111,16 @@ parameters {
 """
 
 
+def write(model_dir: Path, graph: onnx.GraphProto, config: str | None = None) -> None:
+    """One model in Triton's layout: model_dir/1/model.onnx and optional config.pbtxt."""
+    _save(graph, model_dir / "1" / "model.onnx")
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(config)
+
+
 def build(root: Path) -> Path:
     """Write the repository under root (idempotent) and return root."""
-    _save(mlp(), root / "mlp" / "1" / "model.onnx")
-    (root / "mlp" / "config.pbtxt").write_text(MLP_CONFIG)
+    write(root / "mlp", mlp(), MLP_CONFIG)
     _save(add_sub(), root / "add_sub" / "1" / "model.onnx")
     for datatype in ONNX_TYPES:
         _save(identity(datatype), root / f"identity_{datatype.lower()}" / "1" / "model.onnx")

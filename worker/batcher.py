@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +46,7 @@ def signature(inputs: dict[str, np.ndarray], batched: bool) -> tuple:
 
 
 class Batcher:
-    def __init__(
-        self, spec: ModelSpec, run: RunFn, stats: ModelStats, max_queue_size: int
-    ) -> None:
+    def __init__(self, spec: ModelSpec, run: RunFn, stats: ModelStats, max_queue_size: int) -> None:
         self.spec = spec
         self._run = run
         self.stats = stats
@@ -58,6 +57,7 @@ class Batcher:
         self._preferred = set(spec.preferred_batch_sizes)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
+        self._gathering = 0  # taken off the queue into a batch that has not started yet
         self._running = 0
         self._closed = False
         self._pool = ThreadPoolExecutor(
@@ -71,14 +71,14 @@ class Batcher:
     @property
     def depth(self) -> int:
         """Requests waiting plus requests in a running batch."""
-        return len(self._queue) + self._running
+        return len(self._queue) + self._gathering + self._running
 
     async def submit(
         self, inputs: dict[str, np.ndarray], outputs: list[str]
     ) -> dict[str, np.ndarray]:
         if self._closed:
             raise Unavailable(f"model {self.spec.name!r} is shutting down")
-        if len(self._queue) >= self.max_queue_size:
+        if len(self._queue) + self._gathering >= self.max_queue_size:
             raise ResourceExhausted(
                 f"model {self.spec.name!r} version {self.spec.version}: queue is full "
                 f"({self.max_queue_size} requests waiting); retry later or add replicas"
@@ -98,7 +98,7 @@ class Batcher:
     async def close(self) -> None:
         """Stop taking requests; wait for queued and running ones to finish."""
         self._closed = True
-        while self._queue or self._running:
+        while self._queue or self._gathering or self._running:
             await asyncio.sleep(0.01)
         for task in self._tasks:
             task.cancel()
@@ -111,6 +111,7 @@ class Batcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             batch = await self._gather()
+            self._gathering -= len(batch)  # no await until _execute counts them as running
             if batch:
                 await self._execute(batch)
 
@@ -119,6 +120,7 @@ class Batcher:
         if head.future.done():  # cancelled by its caller while waiting
             return []
         batch, rows = [head], head.rows
+        self._gathering += 1
         if not self._merge:
             return batch
         deadline = head.enqueued_ns + self._delay_ns
@@ -132,6 +134,7 @@ class Batcher:
                 if p.signature == head.signature and rows + p.rows <= limit:
                     batch.append(p)
                     rows += p.rows
+                    self._gathering += 1
                 else:
                     keep.append(p)
             keep.extend(self._queue)
@@ -140,10 +143,8 @@ class Batcher:
             if rows >= limit or rows in self._preferred or remaining <= 0:
                 break
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining / 1e9)
-            except TimeoutError:
-                pass
         return batch
 
     async def _execute(self, batch: list[_Pending]) -> None:
@@ -211,8 +212,6 @@ class Batcher:
         else:
             offsets = np.cumsum([p.rows for p in batch])[:-1]
             pieces = [np.split(a, offsets, axis=0) for a in arrays]
-            results = [
-                {n: pieces[j][i] for j, n in enumerate(names)} for i in range(len(batch))
-            ]
+            results = [{n: pieces[j][i] for j, n in enumerate(names)} for i in range(len(batch))]
         t3 = time.perf_counter_ns()
         return results, (t1 - t0, t2 - t1, t3 - t2)

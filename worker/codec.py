@@ -160,9 +160,7 @@ def _decode_tensor(
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
-def _check_shape(
-    name: str, shape: tuple[int, ...], expected: TensorSpec, spec: ModelSpec
-) -> None:
+def _check_shape(name: str, shape: tuple[int, ...], expected: TensorSpec, spec: ModelSpec) -> None:
     dims = expected.dims
     if spec.max_batch_size > 0:
         if len(shape) != len(dims) + 1 or any(

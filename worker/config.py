@@ -125,7 +125,8 @@ def _complete_tensors(config, declared, graph: list[GraphTensor], kind: str) -> 
             )
         graph_dims = actual.dims[skip:]
         if len(tensor.dims) != len(graph_dims) or any(
-            g is not None and d not in (-1, g) for d, g in zip(tensor.dims, graph_dims, strict=False)
+            g is not None and d not in (-1, g)
+            for d, g in zip(tensor.dims, graph_dims, strict=False)
         ):
             raise ConfigError(
                 f"model {config.name!r}: config {kind} {tensor.name!r} has dims "

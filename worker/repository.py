@@ -31,7 +31,7 @@ class LoadedModel:
 
 def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
     found = sorted(
-        (int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / "model.onnx").exists())
+        int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / "model.onnx").exists()
     )
     choice = policy.WhichOneof("policy_choice")
     if choice == "all":

@@ -84,9 +84,7 @@ class OnnxSession:
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take `str`.
-        feeds = {
-            name: _as_str(a) if a.dtype == object else a for name, a in feeds.items()
-        }
+        feeds = {name: _as_str(a) if a.dtype == object else a for name, a in feeds.items()}
         return self.session.run(output_names, feeds)  # type: ignore[no-any-return]
 
     def warm_up(self, spec: ModelSpec) -> None:

@@ -9,7 +9,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import grpc
 import structlog
 
 from common.errors import MeshError, grpc_errors
@@ -80,9 +79,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._infer(request)
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        structlog.contextvars.bind_contextvars(
-            request_id=request.id, model=request.model_name
-        )
+        structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
         model = self.repository.get(request.model_name, request.model_version)
         start = time.perf_counter_ns()
         ok = False
@@ -148,9 +145,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):  # type: ignore[no-untyped-def]
         response = pb.RepositoryIndexResponse()
         for model in self.repository.all():
-            response.models.add(
-                name=model.spec.name, version=model.spec.version, state="READY"
-            )
+            response.models.add(name=model.spec.name, version=model.spec.version, state="READY")
         return response
 
 

@@ -1,0 +1,294 @@
+"""A real worker process on 127.0.0.1, called with tritonclient.grpc as any user would."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.grpc.aio as triton_aio
+from tritonclient.utils import InferenceServerException
+
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+
+
+def client(worker) -> triton.InferenceServerClient:  # type: ignore[no-untyped-def]
+    return triton.InferenceServerClient(worker.address)
+
+
+def infer_input(name: str, array: np.ndarray, datatype: str) -> triton.InferInput:
+    i = triton.InferInput(name, list(array.shape), datatype)
+    i.set_data_from_numpy(array)
+    return i
+
+
+def test_health_and_metadata(worker) -> None:  # type: ignore[no-untyped-def]
+    c = client(worker)
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.is_model_ready("mlp") and not c.is_model_ready("nope")
+    meta = c.get_server_metadata()
+    assert meta.name == "meshserve-worker"
+    assert {"model_configuration", "statistics"} <= set(meta.extensions)
+    assert "execution_provider/CPUExecutionProvider" in meta.extensions
+    model = c.get_model_metadata("mlp")
+    assert model.versions == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [
+        ("INPUT0", "FP32", [-1, 16])
+    ]
+    assert [(t.name, list(t.shape)) for t in model.outputs] == [("OUTPUT0", [-1, 4])]
+    index = {m.name for m in c.get_model_repository_index().models}
+    assert {"mlp", "add_sub", "identity_bytes", "fixed"} <= index
+
+
+def test_model_config(worker) -> None:  # type: ignore[no-untyped-def]
+    config = client(worker).get_model_config("mlp").config
+    assert config.max_batch_size == 64
+    assert config.dynamic_batching.max_queue_delay_microseconds == 500
+    assert config.parameters["meshserve.execution_provider"].string_value == "CPUExecutionProvider"
+    assert config.parameters["meshserve.price_per_call_micro_usd"].string_value == "100"
+
+
+def test_mlp_matches_onnxruntime(worker, model_repository) -> None:  # type: ignore[no-untyped-def]
+    import onnxruntime as ort
+
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    reference = ort.InferenceSession(
+        str(model_repository / "mlp/1/model.onnx"), providers=["CPUExecutionProvider"]
+    ).run(None, {"INPUT0": x})[0]
+    result = client(worker).infer("mlp", [infer_input("INPUT0", x, "FP32")], request_id="abc-1")
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference, rtol=1e-5)
+    assert result.get_response().id == "abc-1"
+
+
+@pytest.mark.parametrize(
+    ("datatype", "array"),
+    [
+        ("FP32", np.array([[1.5, -2.0]], np.float32)),
+        ("FP16", np.array([[1.5, -2.0]], np.float16)),
+        ("FP64", np.array([[1e300, -2.0]], np.float64)),
+        ("INT8", np.array([[-128, 127]], np.int8)),
+        ("INT16", np.array([[-300, 300]], np.int16)),
+        ("INT32", np.array([[-(2**31), 2**31 - 1]], np.int32)),
+        ("INT64", np.array([[-(2**62), 2**62]], np.int64)),
+        ("UINT8", np.array([[0, 255]], np.uint8)),
+        ("BOOL", np.array([[True, False]], np.bool_)),
+        ("BYTES", np.array([[b"hello", b"\xc3\xa9t\xc3\xa9"], [b"", b"x"]], dtype=object)),
+    ],
+)
+def test_every_datatype_round_trips(worker, datatype: str, array: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    result = client(worker).infer(
+        f"identity_{datatype.lower()}", [infer_input("INPUT0", array, datatype)]
+    )
+    out = result.as_numpy("OUTPUT0")
+    assert out.shape == array.shape
+    assert out.tolist() == array.tolist()
+
+
+def test_requested_output_subset(worker) -> None:  # type: ignore[no-untyped-def]
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), np.int32)
+    result = client(worker).infer(
+        "add_sub",
+        [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", b, "INT32")],
+        outputs=[triton.InferRequestedOutput("OUTPUT1")],
+    )
+    assert [o.name for o in result.get_response().outputs] == ["OUTPUT1"]
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+
+
+def test_typed_contents_and_fixed_shape(worker) -> None:  # type: ignore[no-untyped-def]
+    # tritonclient always sends raw bytes; typed `contents` goes over our own stub.
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelInferRequest(model_name="fixed")
+        tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 3])
+        tensor.contents.fp32_contents.extend([1, 2, 3, 4, 5, 6])
+        reply = stub.ModelInfer(request, timeout=10)
+    out = np.frombuffer(reply.raw_output_contents[0], np.float32)
+    assert out.tolist() == [2, 4, 6, 8, 10, 12]
+    assert list(reply.outputs[0].shape) == [2, 3]
+
+
+def test_stream_infer(worker) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> list:
+        c = triton_aio.InferenceServerClient(worker.address)
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for i in range(5):
+                x = np.full((1, 16), i, np.float32)
+                yield {
+                    "model_name": "mlp",
+                    "inputs": [infer_input("INPUT0", x, "FP32")],
+                    "request_id": str(i),
+                }
+            yield {
+                "model_name": "nope",
+                "inputs": [infer_input("INPUT0", x, "FP32")],
+                "request_id": "bad",
+            }
+
+        got = []
+        async for result, error in c.stream_infer(requests(), stream_timeout=20):
+            got.append(result.get_response().id if error is None else f"error:{error}")
+        await c.close()
+        return got
+
+    got = asyncio.run(run())
+    assert sorted(g for g in got if not g.startswith("error")) == ["0", "1", "2", "3", "4"]
+    assert any("unknown model 'nope'" in g for g in got)
+
+
+def test_concurrent_calls_are_batched(worker) -> None:  # type: ignore[no-untyped-def]
+    n = 12
+
+    async def run() -> None:
+        c = triton_aio.InferenceServerClient(worker.address)
+        xs = [np.full((1, 16), i, np.float32) for i in range(n)]
+        results = await asyncio.gather(
+            *(c.infer("mlp_batched", [infer_input("INPUT0", x, "FP32")]) for x in xs)
+        )
+        await c.close()
+        # Each row's answer is its own, not a neighbour's from the merged batch.
+        for x, r in zip(xs, results, strict=True):
+            single = client(worker).infer("mlp_unbatched", [infer_input("INPUT0", x, "FP32")])
+            np.testing.assert_allclose(r.as_numpy("OUTPUT0"), single.as_numpy("OUTPUT0"), rtol=1e-5)
+
+    asyncio.run(run())
+    stats = client(worker).get_inference_statistics("mlp_batched").model_stats[0]
+    assert stats.inference_stats.success.count == n
+    assert stats.inference_count == n
+    assert stats.execution_count < n / 2
+    assert any(b.batch_size > 1 for b in stats.batch_stats)
+
+
+def test_statistics_count_success_and_failure(worker) -> None:  # type: ignore[no-untyped-def]
+    c = client(worker)
+    before = c.get_inference_statistics("add_sub").model_stats[0].inference_stats
+    ok = np.ones((1, 16), np.int32)
+    c.infer("add_sub", [infer_input("INPUT0", ok, "INT32"), infer_input("INPUT1", ok, "INT32")])
+    with pytest.raises(InferenceServerException):
+        c.infer("add_sub", [infer_input("INPUT0", ok, "INT32")])
+    after = c.get_inference_statistics("add_sub").model_stats[0].inference_stats
+    assert after.success.count == before.success.count + 1
+    assert after.fail.count == before.fail.count + 1
+    assert after.success.ns > before.success.ns
+    everything = c.get_inference_statistics()
+    assert {"mlp", "add_sub"} <= {s.name for s in everything.model_stats}
+
+
+def _status(call) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return str(info.value.status()), info.value.message()
+
+
+def test_bad_inputs_get_clear_statuses(worker) -> None:  # type: ignore[no-untyped-def]
+    c = client(worker)
+    x = np.ones((1, 16), np.float32)
+    cases = [
+        (
+            lambda: c.infer("nope", [infer_input("INPUT0", x, "FP32")]),
+            "NOT_FOUND",
+            "unknown model 'nope'",
+        ),
+        (
+            lambda: c.infer("mlp", [infer_input("INPUT0", x, "FP32")], model_version="7"),
+            "NOT_FOUND",
+            "no version '7'",
+        ),
+        (
+            lambda: c.infer("add_sub", [infer_input("INPUT0", x.astype(np.int32), "INT32")]),
+            "INVALID_ARGUMENT",
+            "INPUT1 (INT32 [-1, 16])",
+        ),
+        (
+            lambda: c.infer(
+                "mlp", [infer_input("INPUT0", x, "FP32"), infer_input("EXTRA", x, "FP32")]
+            ),
+            "INVALID_ARGUMENT",
+            "'EXTRA' is not an input",
+        ),
+        (
+            lambda: c.infer("mlp", [infer_input("INPUT0", x.astype(np.float64), "FP64")]),
+            "INVALID_ARGUMENT",
+            "datatype FP64, model 'mlp' expects FP32",
+        ),
+        (
+            lambda: c.infer("mlp", [infer_input("INPUT0", np.ones((1, 15), np.float32), "FP32")]),
+            "INVALID_ARGUMENT",
+            "shape [1, 15] does not fit",
+        ),
+        (
+            lambda: c.infer("mlp", [infer_input("INPUT0", np.ones((65, 16), np.float32), "FP32")]),
+            "INVALID_ARGUMENT",
+            "batch size 65 is outside 1..64",
+        ),
+        (lambda: c.get_model_config("nope"), "NOT_FOUND", "unknown model"),
+    ]
+    for call, code, message in cases:
+        status, text = _status(call)
+        assert status == f"StatusCode.{code}", text
+        assert message in text
+    # Byte length that does not match the shape: tritonclient cannot send it, our stub can.
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelInferRequest(model_name="mlp")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(b"\0" * 60)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "raw content is 60 bytes" in info.value.details()
+        assert "needs 64" in info.value.details()
+    # Still serving.
+    assert c.infer("mlp", [infer_input("INPUT0", x, "FP32")]).as_numpy("OUTPUT0").shape == (1, 4)
+
+
+def test_full_queue_is_resource_exhausted(worker) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> list:
+        c = triton_aio.InferenceServerClient(worker.address)
+        x = np.ones((1, 16), np.float32)
+        calls = [c.infer("mlp_tiny_queue", [infer_input("INPUT0", x, "FP32")]) for _ in range(5)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await c.close()
+        return results
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if isinstance(r, InferenceServerException)]
+    assert len(rejected) == 3
+    assert all(str(r.status()) == "StatusCode.RESOURCE_EXHAUSTED" for r in rejected)
+    assert all("queue is full (2 requests waiting)" in r.message() for r in rejected)
+
+
+def test_sigterm_under_load_drops_no_call(worker_factory) -> None:  # type: ignore[no-untyped-def]
+    w = worker_factory("--grace-seconds", "15")
+    n = 24
+
+    async def run() -> list:
+        c = triton_aio.InferenceServerClient(w.address)
+        x = np.ones((1, 16), np.float32)
+        # mlp_batched holds each batch for 200 ms, so these are in flight at SIGTERM.
+        calls = [
+            asyncio.ensure_future(
+                c.infer("mlp_batched", [infer_input("INPUT0", x, "FP32")], client_timeout=20)
+            )
+            for _ in range(n)
+        ]
+        await asyncio.sleep(0.1)  # all sent and queued, none answered yet
+        w.process.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await c.close()
+        return results
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    assert w.process.wait(20) == 0
+    assert time.monotonic() - started < 15
+    assert "worker_stopped" in w.log.read_text()

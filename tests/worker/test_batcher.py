@@ -1,0 +1,159 @@
+"""The batcher with a plain numpy model in place of onnxruntime (the contract is `run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from common.errors import InvalidArgument, ResourceExhausted
+from worker.batcher import Batcher
+from worker.config import ModelSpec, TensorSpec
+from worker.stats import ModelStats
+
+
+def make_spec(
+    max_batch: int = 8, delay_us: int = 20_000, merge: bool = True, queue: int = 64
+) -> ModelSpec:
+    return ModelSpec(
+        name="double",
+        version="1",
+        inputs={"x": TensorSpec("x", "FP32", (-1,))},
+        outputs={"y": TensorSpec("y", "FP32", (-1,))},
+        max_batch_size=max_batch,
+        dynamic_batching=merge,
+        max_queue_delay_us=delay_us,
+        preferred_batch_sizes=(),
+        max_queue_size=queue,
+        instance_count=1,
+    )
+
+
+class Model:
+    """y = 2x; fails on NaN input, like a model that rejects some values; records batches."""
+
+    def __init__(self, hold: threading.Event | None = None) -> None:
+        self.batches: list[tuple[int, ...]] = []
+        self.hold = hold
+
+    def __call__(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.hold is not None:
+            self.hold.wait(5)
+        x = feeds["x"]
+        self.batches.append(x.shape)
+        if np.isnan(x).any():
+            raise ValueError("NaN input")
+        return [x * 2]
+
+
+async def _with_batcher(spec: ModelSpec, model: Model, body):  # type: ignore[no-untyped-def]
+    stats = ModelStats()
+    batcher = Batcher(spec, model, stats, spec.max_queue_size)
+    try:
+        return await body(batcher, stats)
+    finally:
+        await batcher.close()
+
+
+def test_concurrent_requests_merge_and_split_back() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        arrays = [np.full((1, 3), i, np.float32) for i in range(6)]
+        results = await asyncio.gather(*(batcher.submit({"x": a}, ["y"]) for a in arrays))
+        for a, r in zip(arrays, results, strict=True):
+            np.testing.assert_array_equal(r["y"], a * 2)
+        assert stats.execution_count == 1
+        assert stats.inference_count == 6
+        assert model.batches == [(6, 3)]
+
+    asyncio.run(_with_batcher(make_spec(), model, body))
+
+
+def test_different_shapes_are_not_merged() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        a, b = np.ones((1, 3), np.float32), np.ones((1, 5), np.float32)
+        await asyncio.gather(*(batcher.submit({"x": x}, ["y"]) for x in (a, b, a, b)))
+        assert sorted(model.batches) == [(2, 3), (2, 5)]
+
+    asyncio.run(_with_batcher(make_spec(), model, body))
+
+
+def test_max_batch_size_caps_a_batch() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        xs = [np.ones((3, 2), np.float32) for _ in range(4)]  # 12 rows, limit 8
+        await asyncio.gather(*(batcher.submit({"x": x}, ["y"]) for x in xs))
+        assert all(shape[0] <= 8 for shape in model.batches)
+        assert sum(shape[0] for shape in model.batches) == 12
+
+    asyncio.run(_with_batcher(make_spec(max_batch=8), model, body))
+
+
+def test_no_merging_without_dynamic_batching() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        await asyncio.gather(
+            *(batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"]) for _ in range(5))
+        )
+        assert stats.execution_count == 5
+
+    asyncio.run(_with_batcher(make_spec(merge=False), model, body))
+
+
+def test_one_bad_request_fails_alone() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        good = [np.ones((1, 2), np.float32) for _ in range(3)]
+        bad = np.array([[np.nan, 1]], np.float32)
+        results = await asyncio.gather(
+            *(batcher.submit({"x": x}, ["y"]) for x in [*good, bad]), return_exceptions=True
+        )
+        assert all(isinstance(r, dict) for r in results[:3])
+        assert isinstance(results[3], InvalidArgument)
+        assert "NaN input" in results[3].message
+
+    asyncio.run(_with_batcher(make_spec(), model, body))
+
+
+def test_full_queue_rejects_at_once() -> None:
+    hold = threading.Event()
+    model = Model(hold)
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        first = asyncio.ensure_future(batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"]))
+        await asyncio.sleep(0.05)  # the first request is running, held by the model
+        queued = [
+            asyncio.ensure_future(batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"]))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceExhausted, match="queue is full"):
+            await batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"])
+        assert batcher.depth == 3
+        hold.set()
+        await asyncio.gather(first, *queued)
+        assert batcher.depth == 0
+
+    asyncio.run(_with_batcher(make_spec(delay_us=0, queue=2), model, body))
+
+
+def test_cancelled_request_is_skipped() -> None:
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        doomed = asyncio.ensure_future(batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"]))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        result = await batcher.submit({"x": np.ones((1, 2), np.float32)}, ["y"])
+        assert result["y"].shape == (1, 2)
+        assert stats.inference_count == 1
+
+    asyncio.run(_with_batcher(make_spec(delay_us=50_000), model, body))
