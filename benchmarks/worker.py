@@ -1,0 +1,127 @@
+"""Worker throughput and latency on a tiny MLP: batching on vs off, against a bare server.
+
+    python benchmarks/worker.py [--seconds 5]
+
+Client, server and onnxruntime share this machine's cores; the load generator is a
+closed loop (each of C callers sends its next request when the last one returns).
+Writes benchmarks/results/worker.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import (
+    closed_loop,
+    free_port,
+    infer_request,
+    machine,
+    spawn,
+    wait_ready,
+    write_result,
+)
+from deploy import toy_models
+
+CONFIGS = {
+    "mlp_batching": "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 0 }\n",
+    "mlp_no_batching": "max_batch_size: 64\n",
+}
+CONCURRENCY = [1, 8, 32]
+
+
+def run_against(address: str, model: str, seconds: float) -> list[dict]:
+    x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    request = infer_request(model, "INPUT0", x, "FP32")
+    return [asyncio.run(closed_loop(address, request, c, seconds)) for c in CONCURRENCY]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "models"
+        for name, config in CONFIGS.items():
+            toy_models.write(repo / name, toy_models.mlp(), config)
+        results: dict[str, list[dict]] = {}
+
+        port = free_port()
+        worker = spawn(
+            [
+                "-m",
+                "worker",
+                "--model-repository",
+                str(repo),
+                "--port",
+                str(port),
+                "--providers",
+                "cpu",
+                "--intra-op-threads",
+                "1",
+            ],
+            Path(tmp) / "worker.log",
+        )
+        try:
+            wait_ready(f"127.0.0.1:{port}")
+            for model in CONFIGS:
+                results[f"worker/{model}"] = run_against(f"127.0.0.1:{port}", model, args.seconds)
+        finally:
+            worker.terminate()
+            worker.wait(30)
+
+        port = free_port()
+        bare = spawn(
+            ["benchmarks/bare_server.py", str(repo / "mlp_no_batching/1/model.onnx"), str(port)],
+            Path(tmp) / "bare.log",
+        )
+        try:
+            wait_ready(f"127.0.0.1:{port}")
+            results["bare_grpc_aio"] = run_against(f"127.0.0.1:{port}", "mlp", args.seconds)
+        finally:
+            bare.terminate()
+            bare.wait(30)
+
+    def at(key: str, c: int) -> dict:
+        return next(r for r in results[key] if r["concurrency"] == c)
+
+    summary = {
+        f"c{c}": {
+            "batching_rps": at("worker/mlp_batching", c)["throughput_rps"],
+            "no_batching_rps": at("worker/mlp_no_batching", c)["throughput_rps"],
+            "bare_rps": at("bare_grpc_aio", c)["throughput_rps"],
+            "batching_over_bare": round(
+                at("worker/mlp_batching", c)["throughput_rps"]
+                / at("bare_grpc_aio", c)["throughput_rps"],
+                2,
+            ),
+        }
+        for c in CONCURRENCY
+    }
+    path = write_result(
+        "worker",
+        {
+            "benchmark": "worker",
+            "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
+            "seconds_per_point": args.seconds,
+            "machine": machine(),
+            "results": results,
+            "summary": summary,
+        },
+    )
+    for key, rows in results.items():
+        for r in rows:
+            print(
+                f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
+                f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
+            )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
