@@ -48,6 +48,14 @@ class FailedPrecondition(MeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class UpstreamError(MeshError):
+    """A status from a server this one called (the router's workers), passed on unchanged."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 R = TypeVar("R")
 
 

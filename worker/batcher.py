@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from worker.config import ModelSpec
+from worker.config import SIMULATED_COMPUTE_US, ModelSpec
 from worker.stats import ModelStats
 
 log = structlog.get_logger()
@@ -67,6 +67,7 @@ class Batcher:
         self._running = 0
         self._closed = False
         self._infer_ns_avg = float(INLINE_BELOW_NS)  # start on the thread until measured
+        self._simulated_s = int(spec.parameters.get(SIMULATED_COMPUTE_US, "0")) / 1e6
         self._pool = ThreadPoolExecutor(
             max_workers=spec.instance_count, thread_name_prefix=f"ort-{spec.name}"
         )
@@ -203,6 +204,8 @@ class Batcher:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._pool, self._run_batch, batch, names)
         self._infer_ns_avg = 0.8 * self._infer_ns_avg + 0.2 * out[1][1]
+        if self._simulated_s:
+            await asyncio.sleep(self._simulated_s)
         return out
 
     def _run_batch(

@@ -18,6 +18,10 @@ from protos import model_config_pb2 as mc
 PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
 TRAINING_COST = "meshserve.training_cost_micro_usd"
 EXECUTION_PROVIDER = "meshserve.execution_provider"
+# Adds this many microseconds of waiting to every execution while holding the model
+# instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
+# machine whose few cores cannot also host real compute for several replicas.
+SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
 
 
 class ConfigError(Exception):
@@ -147,13 +151,13 @@ def _show(dims: tuple[int | None, ...]) -> list[int]:
 
 
 def _check_parameters(config: mc.ModelConfig) -> None:
-    for key in (PRICE_PER_CALL, TRAINING_COST):
+    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US):
         if key in config.parameters:
             raw = config.parameters[key].string_value
             if not raw.isdigit():
                 raise ConfigError(
-                    f"model {config.name!r}: parameter {key} must be a non-negative integer "
-                    f"(micro-USD), got {raw!r}"
+                    f"model {config.name!r}: parameter {key} must be a non-negative integer, "
+                    f"got {raw!r}"
                 )
 
 

@@ -11,8 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from common.mesh_state import ModelEntry, WorkerInfo
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
+from worker.config import PRICE_PER_CALL
+from worker.registration import Registration, now_ms
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
 from worker.servicer import WorkerServicer
@@ -72,6 +75,19 @@ async def serve(settings: WorkerSettings) -> None:
         providers=sorted(repository.providers),
     )
 
+    registration = None
+    if settings.redis_url:
+        registration = Registration(
+            settings.redis_url,
+            worker_info(settings, repository, port),
+            depth=lambda: sum(m.batcher.depth for m in repository.all()),
+            heartbeat_s=settings.heartbeat_seconds,
+            ttl_s=settings.registry_ttl_seconds,
+            depth_interval_s=settings.depth_interval_seconds,
+        )
+        registration.start()
+        log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -79,8 +95,30 @@ async def serve(settings: WorkerSettings) -> None:
     await stop.wait()
 
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
+    if registration is not None:
+        await registration.deregister()  # routers stop picking us...
+        await asyncio.sleep(settings.drain_seconds)  # ...once they next read the registry
     servicer.ready = False
     await health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
     await server.stop(settings.grace_seconds)  # refuse new calls, let in-flight ones finish
     await repository.close()
     log.info("worker_stopped")
+
+
+def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> WorkerInfo:
+    models = {}
+    for name, versions in repository.models.items():
+        latest = repository.get(name)
+        models[name] = ModelEntry(
+            versions=sorted(versions, key=int),
+            max_queue=latest.batcher.max_queue_size,
+            price_micro_usd=int(latest.spec.parameters.get(PRICE_PER_CALL, "0")),
+        )
+    return WorkerInfo(
+        id=settings.worker_id or f"worker-{settings.host}-{port}",
+        address=settings.advertise_address or f"{settings.host}:{port}",
+        models=models,
+        provider=",".join(sorted(repository.providers)),
+        tp=1,
+        started_ms=now_ms(),
+    )

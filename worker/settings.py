@@ -22,5 +22,13 @@ class WorkerSettings(BaseSettings):
     default_max_queue_size: int = 512
     max_message_bytes: int = 64 * 1024 * 1024
     grace_seconds: float = 10.0
+    # Mesh membership: with a Redis URL the worker registers itself for routers to find.
+    redis_url: str | None = None
+    worker_id: str | None = None  # default: worker-<host>-<port>
+    advertise_address: str | None = None  # default: host:port as bound
+    heartbeat_seconds: float = 1.0
+    registry_ttl_seconds: float = 5.0
+    depth_interval_seconds: float = 0.1
+    drain_seconds: float = 0.5  # after leaving the registry, before refusing new calls
     log_level: str = "info"
     log_json: bool | None = None  # default: JSON when stderr is not a terminal

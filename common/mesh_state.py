@@ -1,0 +1,91 @@
+"""Redis as the mesh's shared state: every key meshserve uses, built here and nowhere else.
+
+Every key, its type, its writer -> its readers, and what it holds:
+
+- meshserve:workers (ZSET, worker -> router): worker id -> last heartbeat, unix ms.
+- meshserve:worker:{id} (STRING, worker -> router): WorkerInfo as JSON; expires after the
+  registry TTL unless the heartbeat renews it.
+- meshserve:depth:{id} (STRING, worker -> router): "depth:unix_ms", the worker's requests
+  waiting + running and when that was sampled; expires with the registry TTL.
+- meshserve:usage:{router} (HASH, router -> ledger, tests): "{model}|{version}|{field}" ->
+  the router's cumulative count since it started.
+- meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
+
+Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
+twice changes nothing, and a Redis that restarted empty gets the full totals back on the
+router's next flush. Fields: calls, success, errors, revenue_micro_usd.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+PREFIX = "meshserve"
+WORKERS = f"{PREFIX}:workers"
+ROUTERS = f"{PREFIX}:routers"
+USAGE_FIELDS = ("calls", "success", "errors", "revenue_micro_usd")
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def depth_key(worker_id: str) -> str:
+    return f"{PREFIX}:depth:{worker_id}"
+
+
+def usage_key(router_id: str) -> str:
+    return f"{PREFIX}:usage:{router_id}"
+
+
+def usage_field(model: str, version: str, name: str) -> str:
+    return f"{model}|{version}|{name}"
+
+
+def parse_usage_field(key: str) -> tuple[str, str, str]:
+    model, version, name = key.rsplit("|", 2)
+    return model, version, name
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    versions: list[str]
+    max_queue: int
+    price_micro_usd: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    address: str  # host:port the router dials
+    models: dict[str, ModelEntry]
+    provider: str  # the execution provider onnxruntime actually runs on
+    tp: int = 1  # tensor-parallel size; the router treats a TP group as one replica
+    started_ms: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerInfo:
+        raw = json.loads(text)
+        raw["models"] = {name: ModelEntry(**m) for name, m in raw["models"].items()}
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class DepthSample:
+    depth: int
+    at_ms: int
+
+    def encode(self) -> str:
+        return f"{self.depth}:{self.at_ms}"
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> DepthSample:
+        if isinstance(text, bytes):
+            text = text.decode()
+        depth, at_ms = text.split(":")
+        return cls(int(depth), int(at_ms))

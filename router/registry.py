@@ -1,0 +1,204 @@
+"""The router's view of the mesh, refreshed from Redis; the last known view when Redis is down.
+
+One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
+worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
+A worker missing from Redis is dropped only after it has been missing for the registry TTL:
+a Redis that restarted empty must not empty the mesh before the workers' next heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
+
+from common import mesh_state
+from common.mesh_state import DepthSample, WorkerInfo
+
+log = structlog.get_logger()
+
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class Replica:
+    info: WorkerInfo
+    channel: grpc.aio.Channel
+    sample: DepthSample | None = None
+    inflight: dict[int, int] = field(default_factory=dict)  # call token -> start unix ms
+    last_seen: float = field(default_factory=time.monotonic)
+    ejected_until: float = 0.0
+    backoff_s: float = 0.0
+    checking: bool = False
+
+    def __post_init__(self) -> None:
+        # Bytes in, bytes out: the request is forwarded as it came.
+        self.infer = self.channel.unary_unary(INFER_METHOD)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def ejected(self) -> bool:
+        return time.monotonic() < self.ejected_until
+
+
+class Registry:
+    def __init__(
+        self,
+        redis_url: str,
+        channel_options: list[tuple[str, int]],
+        poll_s: float = 0.05,
+        ttl_s: float = 5.0,
+        eject_base_s: float = 1.0,
+        eject_max_s: float = 30.0,
+    ) -> None:
+        self.redis = aioredis.from_url(
+            redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+        )
+        self.channel_options = channel_options
+        self.poll_s = poll_s
+        self.ttl_s = ttl_s
+        self.eject_base_s = eject_base_s
+        self.eject_max_s = eject_max_s
+        self.replicas: dict[str, Replica] = {}
+        self.redis_ok = True
+        self._tokens = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._checks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, *self._checks, return_exceptions=True)
+        for replica in self.replicas.values():
+            await replica.channel.close()
+        await self.redis.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.refresh()
+            self._check_ejected()
+
+    async def refresh(self) -> None:
+        try:
+            cutoff = now_ms() - int(self.ttl_s * 1000)
+            ids = await self.redis.zrangebyscore(mesh_state.WORKERS, cutoff, "+inf")
+            infos, depths = [], []
+            if ids:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.mget([mesh_state.worker_key(i) for i in ids])
+                    pipe.mget([mesh_state.depth_key(i) for i in ids])
+                    infos, depths = await pipe.execute()
+        except (RedisError, OSError) as e:
+            if self.redis_ok:
+                log.warning("redis_unreachable_using_last_known_registry", error=str(e))
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            log.info("redis_reconnected")
+        self.redis_ok = True
+        seen = set()
+        for worker_id, info_json, depth in zip(ids, infos, depths, strict=True):
+            if info_json is None:
+                continue
+            seen.add(worker_id)
+            self._upsert(WorkerInfo.from_json(info_json), depth)
+        now = time.monotonic()
+        for worker_id in [i for i, r in self.replicas.items() if i not in seen]:
+            if now - self.replicas[worker_id].last_seen > self.ttl_s:
+                await self._remove(worker_id, "left the registry")
+
+    def _upsert(self, info: WorkerInfo, depth: str | None) -> None:
+        replica = self.replicas.get(info.id)
+        if replica is not None and replica.info.address != info.address:
+            asyncio.get_running_loop().create_task(replica.channel.close())
+            replica = None
+        if replica is None:
+            channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
+            replica = Replica(info, channel)
+            self.replicas[info.id] = replica
+            log.info(
+                "replica_joined",
+                worker=info.id,
+                address=info.address,
+                models=sorted(info.models),
+                provider=info.provider,
+                tp=info.tp,
+            )
+        replica.info = info
+        replica.last_seen = time.monotonic()
+        if depth is not None:
+            replica.sample = DepthSample.decode(depth)
+
+    async def _remove(self, worker_id: str, reason: str) -> None:
+        replica = self.replicas.pop(worker_id)
+        log.info("replica_left", worker=worker_id, reason=reason)
+        await replica.channel.close(grace=1.0)
+
+    def replicas_for(self, model: str, version: str = "") -> list[Replica]:
+        return [
+            r
+            for r in self.replicas.values()
+            if model in r.info.models and (not version or version in r.info.models[model].versions)
+        ]
+
+    def begin(self, replica: Replica) -> int:
+        token = next(self._tokens)
+        replica.inflight[token] = now_ms()
+        return token
+
+    def end(self, replica: Replica, token: int) -> None:
+        replica.inflight.pop(token, None)
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        replica.backoff_s = min(
+            self.eject_max_s, replica.backoff_s * 2 if replica.backoff_s else self.eject_base_s
+        )
+        replica.ejected_until = time.monotonic() + replica.backoff_s
+        log.warning(
+            "replica_ejected", worker=replica.id, reason=reason, backoff_s=replica.backoff_s
+        )
+
+    def _check_ejected(self) -> None:
+        now = time.monotonic()
+        for replica in self.replicas.values():
+            if replica.backoff_s and not replica.checking and now >= replica.ejected_until:
+                replica.checking = True
+                task = asyncio.get_running_loop().create_task(self._health_check(replica))
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+
+    async def _health_check(self, replica: Replica) -> None:
+        """Re-admit an ejected replica once its gRPC health check says SERVING."""
+        try:
+            stub = health_pb2_grpc.HealthStub(replica.channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        finally:
+            replica.checking = False
+        if healthy:
+            replica.backoff_s = 0.0
+            replica.ejected_until = 0.0
+            log.info("replica_readmitted", worker=replica.id)
+        else:
+            self.eject(replica, "health check failed")

@@ -1,0 +1,221 @@
+"""inference.GRPCInferenceService on the router.
+
+ModelInfer is registered with no (de)serializers: the handler gets the request's bytes and
+returns the worker's reply bytes (see dispatch). The other methods are plain messages:
+aggregates over the registry, or forwarded to one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from common.errors import MeshError, NotFound, UpstreamError, grpc_errors
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from router.aggregate import sum_statistics
+from router.dispatch import Dispatcher
+from router.registry import Registry, Replica
+
+log = structlog.get_logger()
+
+SERVICE = "inference.GRPCInferenceService"
+SERVER_NAME = "meshserve-router"
+VERSION = "0.1.0"
+UPSTREAM_TIMEOUT_S = 10.0
+
+
+class RouterServicer:
+    def __init__(self, registry: Registry, dispatcher: Dispatcher) -> None:
+        self.registry = registry
+        self.dispatcher = dispatcher
+
+    # -- inference -------------------------------------------------------------------------
+
+    @grpc_errors
+    async def ModelInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self.dispatcher.infer(request, _deadline(context))
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each streamed request is dispatched on its own; replies return as they finish."""
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        deadline = _deadline(context)
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                raw = await self.dispatcher.infer(request.SerializeToString(), deadline)
+                reply = pb.ModelStreamInferResponse(
+                    infer_response=pb.ModelInferResponse.FromString(raw)
+                )
+            except MeshError as e:
+                reply = pb.ModelStreamInferResponse(
+                    error_message=e.message,
+                    infer_response=pb.ModelInferResponse(
+                        id=request.id, model_name=request.model_name
+                    ),
+                )
+            await out.put(reply)
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+
+    # -- health and metadata ---------------------------------------------------------------
+
+    @grpc_errors
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @grpc_errors
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=bool(self._healthy(self.registry.replicas.values())))
+
+    @grpc_errors
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        providers = sorted(
+            {f"execution_provider/{r.info.provider}" for r in self.registry.replicas.values()}
+        )
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME,
+            version=VERSION,
+            extensions=["model_configuration", "statistics", *providers],
+        )
+
+    @grpc_errors
+    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+        for replica in self._healthy(self.registry.replicas_for(request.name, request.version)):
+            try:
+                reply = await _stub(replica).ModelReady(request, timeout=UPSTREAM_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                continue
+            if reply.ready:
+                return reply
+        return pb.ModelReadyResponse(ready=False)
+
+    @grpc_errors
+    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+        return await self._forward("ModelMetadata", request, request.name, request.version)
+
+    @grpc_errors
+    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+        return await self._forward("ModelConfig", request, request.name, request.version)
+
+    @grpc_errors
+    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+        versions = {
+            (name, v)
+            for r in self.registry.replicas.values()
+            for name, entry in r.info.models.items()
+            for v in entry.versions
+        }
+        reply = pb.RepositoryIndexResponse()
+        for name, version in sorted(versions):
+            reply.models.add(name=name, version=version, state="READY")
+        return reply
+
+    @grpc_errors
+    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+        if request.name:
+            replicas = self.registry.replicas_for(request.name, request.version)
+            if not replicas:
+                raise NotFound(f"no replica serves model {request.name!r}")
+        else:
+            replicas = list(self.registry.replicas.values())
+        replies = await asyncio.gather(
+            *(_stub(r).ModelStatistics(request, timeout=UPSTREAM_TIMEOUT_S) for r in replicas),
+            return_exceptions=True,
+        )
+        return sum_statistics([r for r in replies if isinstance(r, pb.ModelStatisticsResponse)])
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _healthy(replicas: Any) -> list[Replica]:
+        return [r for r in replicas if not r.ejected]
+
+    async def _forward(self, method: str, request: Any, model: str, version: str) -> Any:
+        replicas = self._healthy(self.registry.replicas_for(model, version))
+        if not replicas:
+            what = f"model {model!r}" + (f" version {version!r}" if version else "")
+            raise NotFound(f"no replica serves {what}")
+        last: grpc.aio.AioRpcError | None = None
+        for replica in replicas:
+            try:
+                return await getattr(_stub(replica), method)(request, timeout=UPSTREAM_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _upstream(e) from None
+                last = e
+        assert last is not None
+        raise _upstream(last)
+
+
+def _upstream(e: grpc.aio.AioRpcError) -> MeshError:
+    return UpstreamError(e.code(), e.details() or e.code().name)
+
+
+def _stub(replica: Replica) -> pb_grpc.GRPCInferenceServiceStub:
+    return pb_grpc.GRPCInferenceServiceStub(replica.channel)
+
+
+def _deadline(context: Any) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
+    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn,
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+
+    s = servicer
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(s.ModelInfer),  # bytes <-> bytes
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                s.ModelStreamInfer,
+                request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+            ),
+            "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                s.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                s.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelConfig": unary(s.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelStatistics": unary(
+                s.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
+            ),
+            "RepositoryIndex": unary(
+                s.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
+            ),
+        },
+    )

@@ -1,0 +1,30 @@
+"""Router settings: CLI flags over MESHSERVE_ROUTER_* environment variables over defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHSERVE_ROUTER_")
+
+    host: str = "127.0.0.1"
+    port: int = 8001
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    router_id: str | None = None  # default: router-<host>-<port>-<pid>
+    policy: Literal["p2c", "least_loaded", "round_robin", "random"] = "p2c"
+    poll_seconds: float = 0.05  # registry and depth refresh
+    registry_ttl_seconds: float = 5.0
+    sample_max_age_ms: int = 1000  # an older depth sample counts as unknown
+    default_timeout_seconds: float = 60.0  # for callers that set no deadline
+    eject_base_seconds: float = 1.0
+    eject_max_seconds: float = 30.0
+    flush_seconds: float = 0.2  # usage counters to Redis
+    max_message_bytes: int = 64 * 1024 * 1024
+    metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    metrics_host: str = "127.0.0.1"
+    grace_seconds: float = 10.0
+    log_level: str = "info"
+    log_json: bool | None = None

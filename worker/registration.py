@@ -1,0 +1,103 @@
+"""The worker's presence in Redis: registration with a heartbeat TTL, and its queue depth.
+
+Redis trouble never stops serving: a failed write is logged once per outage and tried again
+on the next tick, and a Redis that restarted empty gets the registration back within one
+heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from common import mesh_state
+from common.mesh_state import DepthSample, WorkerInfo
+
+log = structlog.get_logger()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Registration:
+    def __init__(
+        self,
+        redis_url: str,
+        info: WorkerInfo,
+        depth: Callable[[], int],
+        heartbeat_s: float = 1.0,
+        ttl_s: float = 5.0,
+        depth_interval_s: float = 0.1,
+    ) -> None:
+        self.redis = aioredis.from_url(
+            redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+        )
+        self.info = info
+        self.depth = depth
+        self.heartbeat_s = heartbeat_s
+        self.ttl_ms = int(ttl_s * 1000)
+        self.depth_interval_s = depth_interval_s
+        self._healthy = True
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        last_beat = 0.0
+        last_depth: DepthSample | None = None
+        poll = min(0.01, self.depth_interval_s)
+        while True:
+            now = time.monotonic()
+            depth = self.depth()
+            due = last_depth is None or now_ms() - last_depth.at_ms >= self.depth_interval_s * 1000
+            try:
+                if now - last_beat >= self.heartbeat_s:
+                    await self._heartbeat()
+                    last_beat = now
+                if due or depth != last_depth.depth:  # type: ignore[union-attr]
+                    sample = DepthSample(depth, now_ms())
+                    await self.redis.set(
+                        mesh_state.depth_key(self.info.id), sample.encode(), px=self.ttl_ms
+                    )
+                    last_depth = sample
+                self._mark(True)
+            except (RedisError, OSError) as e:
+                self._mark(False, e)
+                await asyncio.sleep(self.heartbeat_s / 2)
+                continue
+            await asyncio.sleep(poll)
+
+    async def _heartbeat(self) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(mesh_state.worker_key(self.info.id), self.info.to_json(), px=self.ttl_ms)
+            pipe.zadd(mesh_state.WORKERS, {self.info.id: now_ms()})
+            await pipe.execute()
+
+    def _mark(self, ok: bool, error: Exception | None = None) -> None:
+        if ok and not self._healthy:
+            log.info("redis_reconnected", worker=self.info.id)
+        elif not ok and self._healthy:
+            log.warning("redis_unreachable", worker=self.info.id, error=str(error))
+        self._healthy = ok
+
+    async def deregister(self) -> None:
+        """Leave the registry at once (drain), so routers stop sending before we stop."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(mesh_state.worker_key(self.info.id), mesh_state.depth_key(self.info.id))
+                pipe.zrem(mesh_state.WORKERS, self.info.id)
+                await pipe.execute()
+            log.info("worker_deregistered", worker=self.info.id)
+        except (RedisError, OSError) as e:
+            log.warning("deregister_failed", worker=self.info.id, error=str(e))
+        await self.redis.aclose()
