@@ -27,8 +27,10 @@ test: $(STUBS)
 $(MODELS)/mlp/config.pbtxt: deploy/toy_models.py $(STUBS)
 	$(BIN)/python -m deploy.toy_models $(MODELS)
 
+# The whole mesh: private Redis, $(WORKERS) workers, the router on 127.0.0.1:8001.
+WORKERS ?= 2
 run: $(STUBS) $(MODELS)/mlp/config.pbtxt
-	$(BIN)/python -m worker --model-repository $(MODELS) --host 127.0.0.1 --port 8001
+	$(BIN)/python -m deploy.launch --workers $(WORKERS) --model-repository $(MODELS) $(RUN_ARGS)
 
 lint: $(STUBS)
 	$(BIN)/ruff check .

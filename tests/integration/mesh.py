@@ -1,0 +1,143 @@
+"""A real mesh for tests: private redis-server, worker processes, a router process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis
+
+from common import mesh_state
+from deploy import processes, toy_models
+from deploy.processes import Process
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+
+
+def mlp_repository(root: Path, config: str) -> Path:
+    toy_models.write(root / "mlp", toy_models.mlp(), config)
+    return root
+
+
+def mlp_config(
+    simulated_us: int = 0, max_batch: int = 8, queue: int = 128, delay_us: int = 0
+) -> str:
+    return (
+        f"max_batch_size: {max_batch}\n"
+        f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} "
+        f"default_queue_policy {{ max_queue_size: {queue} }} }}\n"
+        'parameters { key: "meshserve.price_per_call_micro_usd" value { string_value: "250" } }\n'
+        f'parameters {{ key: "meshserve.simulated_compute_us" value {{ string_value: "{simulated_us}" }} }}\n'
+    )
+
+
+@dataclass
+class Mesh:
+    log_dir: Path
+    redis_port: int = 0
+    redis: Process | None = None
+    workers: dict[str, Process] = field(default_factory=dict)  # address -> process
+    router: Process | None = None
+    router_address: str = ""
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def start_redis(self) -> None:
+        self.redis_port = self.redis_port or processes.free_port()
+        self.redis = processes.redis_process(self.redis_port, self.log_dir).start()
+        processes.wait_redis(self.redis_port)
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis(port=self.redis_port, decode_responses=True, socket_timeout=2)
+
+    def add_worker(self, repository: Path, *extra: str) -> str:
+        port = processes.free_port()
+        address = f"127.0.0.1:{port}"
+        worker = processes.worker_process(
+            repository,
+            port,
+            self.log_dir,
+            self.redis_url,
+            "--providers",
+            "cpu",
+            "--intra-op-threads",
+            "1",
+            "--heartbeat-seconds",
+            "0.2",
+            *extra,
+        )
+        worker.start()
+        processes.wait_serving(address, worker)
+        self.workers[address] = worker
+        return address
+
+    def start_router(self, *extra: str) -> str:
+        port = processes.free_port()
+        self.router_address = f"127.0.0.1:{port}"
+        self.router = processes.router_process(port, self.redis_url, self.log_dir, *extra)
+        self.router.start()
+        processes.wait_serving(self.router_address, self.router)
+        return self.router_address
+
+    def wait_registered(self, n: int, timeout: float = 10.0) -> None:
+        client = self.redis_client()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.zcard(mesh_state.WORKERS) >= n:
+                time.sleep(0.3)  # a few router polls
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"fewer than {n} workers registered")
+
+    def stop(self) -> None:
+        for process in [self.router, *self.workers.values(), self.redis]:
+            if process is not None:
+                process.kill()
+
+
+def worker_successes(address: str, model: str = "mlp") -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=5)
+    return sum(s.inference_stats.success.count for s in reply.model_stats)
+
+
+def mlp_request(i: int = 0) -> pb.ModelInferRequest:
+    x = np.full((1, 16), i % 7, np.float32)
+    request = pb.ModelInferRequest(model_name="mlp", id=str(i))
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
+async def call_many(
+    address: str, n: int, concurrency: int, max_seconds: float = 60.0, timeout: float = 10.0
+) -> Counter[str]:
+    """n ModelInfer calls, `concurrency` at a time; status code name -> count. Bounded in
+    count and in time (calls not started by max_seconds are not made)."""
+    codes: Counter[str] = Counter()
+    next_i = 0
+    stop_at = time.monotonic() + max_seconds
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def caller() -> None:
+            nonlocal next_i
+            while next_i < n and time.monotonic() < stop_at:
+                i = next_i
+                next_i += 1
+                try:
+                    await stub.ModelInfer(mlp_request(i), timeout=timeout)
+                    codes["OK"] += 1
+                except grpc.aio.AioRpcError as e:
+                    codes[e.code().name] += 1
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return codes
