@@ -21,7 +21,7 @@ import redis
 from common import mesh_state
 from common.mesh_state import WorkerInfo
 from deploy import processes, toy_models
-from deploy.processes import Process
+from deploy.processes import LocalMesh
 
 ROOT = processes.ROOT
 
@@ -41,12 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class Mesh:
+class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.redis: Process | None = None
-        self.workers: list[Process] = []
-        self.router: Process | None = None
+        self.mesh = LocalMesh(args.log_dir, worker_args=("--providers", args.providers))
         self.stopping = False
 
     def start(self) -> None:
@@ -56,37 +54,24 @@ class Mesh:
             toy_models.build(args.model_repository)
         if args.redis_url:
             self.redis_url = args.redis_url
+            self.mesh.redis_port = int(args.redis_url.rsplit(":", 1)[1].split("/")[0])
         else:
-            port = processes.free_port()
-            self.redis = processes.redis_process(port, args.log_dir).start()
-            processes.wait_redis(port)
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.mesh.start_redis()
+            self.redis_url = self.mesh.redis_url
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]
         for port in ports:
-            worker = processes.worker_process(
-                args.model_repository,
-                port,
-                args.log_dir,
-                self.redis_url,
-                "--providers",
-                args.providers,
-            )
-            self.workers.append(worker.start())
-        for port, worker in zip(ports, self.workers, strict=True):
-            processes.wait_serving(f"127.0.0.1:{port}", worker)
+            self.mesh.add_worker(args.model_repository, port=port)
         extra = ["--policy", args.policy]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
-        self.router = processes.router_process(args.port, self.redis_url, args.log_dir, *extra)
-        self.router.start()
-        processes.wait_serving(f"127.0.0.1:{args.port}", self.router)
+        self.mesh.start_router(*extra, port=args.port)
 
     def describe(self) -> str:
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        ids = client.zrange(mesh_state.WORKERS, 0, -1)
+        ids: list[str] = client.zrange(mesh_state.WORKERS, 0, -1)  # type: ignore[assignment]
         lines = [f"meshserve is up: router 127.0.0.1:{self.args.port}, redis {self.redis_url}"]
         for worker_id in ids:
-            raw = client.get(mesh_state.worker_key(worker_id))
+            raw: str | None = client.get(mesh_state.worker_key(worker_id))  # type: ignore[assignment]
             if raw:
                 info = WorkerInfo.from_json(raw)
                 lines.append(
@@ -106,27 +91,23 @@ class Mesh:
         return "\n".join(lines)
 
     def supervise(self) -> None:
+        """Restart whatever dies, until asked to stop."""
         while not self.stopping:
-            for worker in self.workers:
-                if not worker.alive and not self.stopping:
-                    code = worker.popen.returncode if worker.popen else None
-                    print(f"{worker.name} exited with {code}; restarting it", flush=True)
-                    worker.start()
-            if self.router is not None and not self.router.alive and not self.stopping:
-                print("router exited; restarting it", flush=True)
-                self.router.start()
+            for process in [*self.mesh.workers.values(), self.mesh.router]:
+                if process is not None and not process.alive and not self.stopping:
+                    code = process.popen.returncode if process.popen else None
+                    print(f"{process.name} exited with {code}; restarting it", flush=True)
+                    process.start()
             time.sleep(0.5)
 
     def stop(self) -> None:
         self.stopping = True
-        for process in [self.router, *self.workers, self.redis]:
-            if process is not None:
-                process.stop()
+        self.mesh.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    mesh = Mesh(args)
+    mesh = Launcher(args)
 
     def on_signal(signum: int, frame: object) -> None:
         mesh.stopping = True

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import mesh_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,8 +112,6 @@ def redis_process(port: int, log_dir: Path) -> Process:
 
 
 def wait_redis(port: int, timeout: float = 10.0) -> None:
-    import redis
-
     deadline = time.monotonic() + timeout
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
     while time.monotonic() < deadline:
@@ -176,3 +177,65 @@ def wait_serving(address: str, process: Process, timeout: float = 60.0) -> None:
                 pass
             time.sleep(0.1)
     raise TimeoutError(f"{process.name} at {address} not serving after {timeout}s")
+
+
+@dataclass
+class LocalMesh:
+    """A private redis-server, worker processes and a router, all on 127.0.0.1."""
+
+    log_dir: Path
+    redis_port: int = 0
+    redis_server: Process | None = None
+    workers: dict[str, Process] = field(default_factory=dict)  # address -> process
+    router: Process | None = None
+    router_address: str = ""
+    worker_args: tuple[str, ...] = ()
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def start_redis(self) -> None:
+        """Start (or, after a kill, restart on the same port) the private redis-server."""
+        self.redis_port = self.redis_port or free_port()
+        self.redis_server = redis_process(self.redis_port, self.log_dir).start()
+        wait_redis(self.redis_port)
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis(port=self.redis_port, decode_responses=True, socket_timeout=2)
+
+    def add_worker(self, repository: Path, *extra: str, port: int = 0) -> str:
+        port = port or free_port()
+        address = f"127.0.0.1:{port}"
+        worker = worker_process(
+            repository, port, self.log_dir, self.redis_url, *self.worker_args, *extra
+        )
+        worker.start()
+        wait_serving(address, worker)
+        self.workers[address] = worker
+        return address
+
+    def start_router(self, *extra: str, port: int = 0) -> str:
+        port = port or free_port()
+        self.router_address = f"127.0.0.1:{port}"
+        self.router = router_process(port, self.redis_url, self.log_dir, *extra)
+        self.router.start()
+        wait_serving(self.router_address, self.router)
+        return self.router_address
+
+    def wait_registered(self, n: int, timeout: float = 10.0) -> None:
+        """Until n workers are in the registry, plus a few router polls."""
+        client = self.redis_client()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if int(client.zcard(mesh_state.WORKERS)) >= n:  # type: ignore[arg-type]
+                time.sleep(0.3)
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"fewer than {n} workers registered after {timeout}s")
+
+    def stop(self, kill: bool = False) -> None:
+        """Router first (no new calls), then the workers (they drain), then Redis."""
+        for process in [self.router, *self.workers.values(), self.redis_server]:
+            if process is not None:
+                process.kill() if kill else process.stop()

@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
-import redis
 
-from common import mesh_state
-from deploy import processes, toy_models
-from deploy.processes import Process
+from deploy import toy_models
+from deploy.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -32,74 +29,29 @@ def mlp_config(
         f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} "
         f"default_queue_policy {{ max_queue_size: {queue} }} }}\n"
         'parameters { key: "meshserve.price_per_call_micro_usd" value { string_value: "250" } }\n'
-        f'parameters {{ key: "meshserve.simulated_compute_us" value {{ string_value: "{simulated_us}" }} }}\n'
+        'parameters { key: "meshserve.simulated_compute_us" '
+        f'value {{ string_value: "{simulated_us}" }} }}\n'
     )
 
 
-@dataclass
-class Mesh:
-    log_dir: Path
-    redis_port: int = 0
-    redis: Process | None = None
-    workers: dict[str, Process] = field(default_factory=dict)  # address -> process
-    router: Process | None = None
-    router_address: str = ""
+class Mesh(LocalMesh):
+    """The mesh as tests start it: CPU, one onnxruntime thread, fast heartbeats."""
 
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
-
-    def start_redis(self) -> None:
-        self.redis_port = self.redis_port or processes.free_port()
-        self.redis = processes.redis_process(self.redis_port, self.log_dir).start()
-        processes.wait_redis(self.redis_port)
-
-    def redis_client(self) -> redis.Redis:
-        return redis.Redis(port=self.redis_port, decode_responses=True, socket_timeout=2)
-
-    def add_worker(self, repository: Path, *extra: str) -> str:
-        port = processes.free_port()
-        address = f"127.0.0.1:{port}"
-        worker = processes.worker_process(
-            repository,
-            port,
-            self.log_dir,
-            self.redis_url,
-            "--providers",
-            "cpu",
-            "--intra-op-threads",
-            "1",
-            "--heartbeat-seconds",
-            "0.2",
-            *extra,
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(
+            log_dir,
+            worker_args=(
+                "--providers",
+                "cpu",
+                "--intra-op-threads",
+                "1",
+                "--heartbeat-seconds",
+                "0.2",
+            ),
         )
-        worker.start()
-        processes.wait_serving(address, worker)
-        self.workers[address] = worker
-        return address
 
-    def start_router(self, *extra: str) -> str:
-        port = processes.free_port()
-        self.router_address = f"127.0.0.1:{port}"
-        self.router = processes.router_process(port, self.redis_url, self.log_dir, *extra)
-        self.router.start()
-        processes.wait_serving(self.router_address, self.router)
-        return self.router_address
-
-    def wait_registered(self, n: int, timeout: float = 10.0) -> None:
-        client = self.redis_client()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if client.zcard(mesh_state.WORKERS) >= n:
-                time.sleep(0.3)  # a few router polls
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"fewer than {n} workers registered")
-
-    def stop(self) -> None:
-        for process in [self.router, *self.workers.values(), self.redis]:
-            if process is not None:
-                process.kill()
+    def stop(self, kill: bool = True) -> None:
+        super().stop(kill=kill)
 
 
 def worker_successes(address: str, model: str = "mlp") -> int:

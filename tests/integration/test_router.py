@@ -135,8 +135,8 @@ def test_redis_restart_keeps_serving_and_counts_exactly(mesh: Mesh, tmp_path: Pa
     router = mesh.start_router()
 
     def bounce() -> None:
-        assert mesh.redis is not None
-        mesh.redis.kill()  # kill -9: Redis keeps nothing on disk, it comes back empty
+        assert mesh.redis_server is not None
+        mesh.redis_server.kill()  # kill -9: Redis keeps nothing on disk, it comes back empty
         time.sleep(1.0)
         mesh.start_redis()
 
