@@ -38,7 +38,9 @@ lint: $(STUBS)
 	$(BIN)/mypy common worker router quantize deploy benchmarks
 
 bench: $(STUBS)
-	$(BIN)/python benchmarks/worker.py
+	$(BIN)/python -m benchmarks.worker
+	$(BIN)/python -m benchmarks.router
+	$(BIN)/python -m benchmarks.summary
 
 clean:
 	rm -rf $(VENV) build protos/*_pb2*.py protos/*_pb2*.pyi

@@ -129,3 +129,67 @@ def write_result(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+async def open_loop(
+    address: str,
+    request: pb.ModelInferRequest,
+    rate: float,
+    seconds: float,
+    warmup: float = 1.0,
+    timeout: float = 30.0,
+    seed: int = 0,
+) -> dict:
+    """Poisson arrivals at `rate` per second, each sent whether or not earlier ones returned.
+
+    Latency counts from the arrival's scheduled time, not from when the client got round to
+    sending it, so a stalled client cannot hide queueing (no coordinated omission).
+    """
+    rng = np.random.default_rng(seed)
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    loop = asyncio.get_running_loop()
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    start = loop.time()
+    measure_from = start + warmup
+    end = measure_from + seconds
+    tasks = []
+
+    async def one(scheduled: float) -> None:
+        try:
+            await stub.ModelInfer(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if scheduled >= measure_from:
+                errors[e.code().name] += 1
+            return
+        if scheduled >= measure_from:
+            latencies.append(loop.time() - scheduled)
+
+    t = start
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= end:
+            break
+        delay = t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(t)))
+    await asyncio.gather(*tasks)
+    await channel.close()
+    lat = np.array(latencies) * 1000
+    return {
+        "offered_rps": rate,
+        "requests": len(latencies),
+        "throughput_rps": round(len(latencies) / seconds, 1),
+        "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
+        "errors": dict(errors),
+    }
+
+
+def model_successes(address: str, model: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10)
+    return sum(s.inference_stats.success.count for s in reply.model_stats)
