@@ -26,7 +26,8 @@ def worker_section(r: dict) -> str:
             "## Worker: tiny MLP, batching on vs off, against a bare grpc.aio server",
             f"`python -m benchmarks.worker` — {r['model']}; closed loop, "
             f"{r['seconds_per_point']} s per point. `bare_grpc_aio` is the floor: one "
-            "onnxruntime session behind a grpc.aio ModelInfer with no validation, batching, statistics or health.",
+            "onnxruntime session behind a grpc.aio ModelInfer with no validation, batching, "
+            "statistics or health.",
             table(["server/model", "concurrency", "req/s", "p50 ms", "p99 ms"], rows),
             "Worker with batching over the bare server: "
             + ", ".join(f"{c}: {v['batching_over_bare']}x" for c, v in s.items())
