@@ -10,6 +10,12 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:usage:{router} (HASH, router -> ledger, tests): "{model}|{version}|{field}" ->
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
+- meshserve:calls:{router} (STREAM, router -> ledger): one entry per accounting batch, id
+  "{seq}-1" with seq counting 1, 2, 3... per router; field "usage" is JSON
+  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]}, field "at_ms"
+  when the batch closed. The ledger applies entries in seq order, exactly once.
+- meshserve:ledger:ack:{router} (STRING, ledger -> router): the highest seq of that router the
+  durable ledger has committed; the router forgets batches up to it.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
@@ -39,8 +45,20 @@ def usage_key(router_id: str) -> str:
     return f"{PREFIX}:usage:{router_id}"
 
 
+def model_key(model: str, version: str) -> str:
+    return f"{model}|{version}"
+
+
 def usage_field(model: str, version: str, name: str) -> str:
     return f"{model}|{version}|{name}"
+
+
+def calls_stream(router_id: str) -> str:
+    return f"{PREFIX}:calls:{router_id}"
+
+
+def ledger_ack_key(router_id: str) -> str:
+    return f"{PREFIX}:ledger:ack:{router_id}"
 
 
 def parse_usage_field(key: str) -> tuple[str, str, str]:
@@ -53,6 +71,7 @@ class ModelEntry:
     versions: list[str]
     max_queue: int
     price_micro_usd: int = 0
+    training_cost_micro_usd: int = 0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ def parse_args(argv: list[str]) -> RouterSettings:
     parser.add_argument("--sample-max-age-ms", type=int)
     parser.add_argument("--default-timeout-seconds", type=float)
     parser.add_argument("--eject-base-seconds", type=float)
-    parser.add_argument("--flush-seconds", type=float)
+    parser.add_argument(
+        "--no-accounting",
+        dest="accounting",
+        action="store_false",
+        default=None,
+        help="do not count calls (only to measure what accounting costs)",
+    )
+    parser.add_argument("--accounting-wait-seconds", type=float)
     parser.add_argument("--metrics-port", type=int)
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--log-level")

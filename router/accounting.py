@@ -1,18 +1,31 @@
-"""Per-call accounting: calls, successes, errors and revenue per model and version.
+"""Per-call accounting: calls, successes, errors, revenue and upstream time per model version.
 
-The request path only bumps integers in memory. A flusher writes this router's cumulative
-totals to Redis every `interval_s` in one pipelined transaction, off the request path.
-Absolute totals make the write idempotent: a flush retried after a lost reply counts nothing
-twice, and a Redis that restarted empty is made whole by the next flush. While Redis is
-unreachable the totals simply keep growing in memory.
+Two outputs, one flusher:
+
+- live totals: this router's cumulative counts, HSET as absolute values (idempotent; a Redis
+  that restarted empty is made whole by the next flush);
+- batches for the durable ledger: every flush closes a batch with the next sequence number
+  and appends it to this router's stream. The router keeps each batch until the ledger acks
+  its seq, and appends again what a restarted Redis lost: the ledger applies each seq once.
+
+A Redis that restarted empty is caught before anything new is appended: the append script
+refuses when this router's stream should exist and does not, and the router then appends
+every batch the ledger has not acked, oldest first, before the new ones.
+
+Group commit: a successful call's reply waits until the batch holding its record is in Redis
+(one pipelined round trip shared by every call in the batch), so a router killed after a
+reply loses no count. When Redis is unreachable or slower than `wait_s`, replies do not
+wait: counts stay in memory and reach Redis when it is back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
+import json
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
@@ -22,6 +35,21 @@ from common import mesh_state
 
 log = structlog.get_logger()
 
+FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+
+# KEYS[1]: the stream. ARGV[1]: "1" if the stream must exist already. Then (id, usage, at_ms)
+# per batch. Returns the number appended, or -1 when the stream vanished (Redis restarted).
+APPEND = """
+if ARGV[1] == "1" and redis.call("EXISTS", KEYS[1]) == 0 then return -1 end
+for i = 2, #ARGV, 3 do
+  local r = redis.pcall("XADD", KEYS[1], ARGV[i], "usage", ARGV[i + 1], "at_ms", ARGV[i + 2])
+  if type(r) == "table" and r.err and not string.find(r.err, "equal or smaller") then
+    return redis.error_reply(r.err)
+  end
+end
+return (#ARGV - 1) / 3
+"""
+
 
 @dataclass
 class Usage:
@@ -29,78 +57,184 @@ class Usage:
     success: int = 0
     errors: int = 0
     revenue_micro_usd: int = 0
+    upstream_ns: int = 0
+
+    def add(self, ok: bool, price: int, upstream_ns: int) -> None:
+        self.calls += 1
+        self.success += ok
+        self.errors += not ok
+        self.revenue_micro_usd += price if ok else 0
+        self.upstream_ns += upstream_ns
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, f) for f in FIELDS]
+
+
+@dataclass
+class Batch:
+    seq: int
+    usage: dict[str, Usage] = field(default_factory=lambda: defaultdict(Usage))
+    at_ms: int = 0
+    durable: asyncio.Future | None = None
+
+    def args(self) -> list[str]:
+        usage = json.dumps({k: u.as_list() for k, u in self.usage.items()})
+        return [f"{self.seq}-1", usage, str(self.at_ms)]
 
 
 class Accounting:
-    def __init__(self, redis_url: str, router_id: str, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        router_id: str,
+        wait_s: float = 0.25,
+        maintenance_s: float = 1.0,
+        retain_max: int = 200_000,
+    ) -> None:
         self.redis = aioredis.from_url(
             redis_url, socket_timeout=1.0, socket_connect_timeout=0.5, decode_responses=True
         )
         self.router_id = router_id
-        self.interval_s = interval_s
-        self.usage: dict[tuple[str, str], Usage] = defaultdict(Usage)
-        self._version = 0  # bumped on every record
-        self._flushed = 0  # the _version the last successful flush wrote
+        self.wait_s = wait_s
+        self.maintenance_s = maintenance_s
+        self.retain_max = retain_max
+        self.totals: dict[tuple[str, str], Usage] = defaultdict(Usage)
+        self._seq = 0
+        self._current = self._new_batch()
+        self._unsent: list[Batch] = []  # closed, not yet in Redis
+        self._retained: list[Batch] = []  # in Redis, not yet acked by the ledger
+        self._wake = asyncio.Event()
         self._redis_ok = True
+        self._stream_exists = False  # once we appended, the stream must be there
+        self._append = self.redis.register_script(APPEND)
         self._task: asyncio.Task | None = None
 
-    def record(self, model: str, version: str, ok: bool, price_micro_usd: int) -> None:
-        u = self.usage[(model, version)]
-        u.calls += 1
-        if ok:
-            u.success += 1
-            u.revenue_micro_usd += price_micro_usd
-        else:
-            u.errors += 1
-        self._version += 1
+    def _new_batch(self) -> Batch:
+        self._seq += 1
+        return Batch(self._seq)
+
+    # -- the request path ------------------------------------------------------------------
+
+    def record(
+        self, model: str, version: str, ok: bool, price_micro_usd: int, upstream_ns: int = 0
+    ) -> asyncio.Future:
+        """Count one call; the returned future resolves once its batch is in Redis."""
+        self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns)
+        batch = self._current
+        batch.usage[mesh_state.model_key(model, version)].add(ok, price_micro_usd, upstream_ns)
+        if batch.durable is None:
+            batch.durable = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        return batch.durable
+
+    async def durable(self, future: asyncio.Future) -> None:
+        """Wait for a record to reach Redis, unless Redis is down or slow."""
+        if not self._redis_ok or future.done():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(future), self.wait_s)
+
+    # -- the flusher -----------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
-        # Every 10th flush rewrites even unchanged totals, in case Redis restarted empty
-        # between two flushes without this router noticing.
-        for tick in itertools.count(1):
-            await asyncio.sleep(self.interval_s)
-            await self.flush(force=tick % 10 == 0)
+        next_maintenance = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.maintenance_s)
+            self._wake.clear()
+            if time.monotonic() >= next_maintenance:
+                await self._maintain()
+                next_maintenance = time.monotonic() + self.maintenance_s
+            await self.flush()
 
-    async def flush(self, force: bool = False) -> bool:
-        """Write the totals; True when Redis holds everything recorded so far."""
-        version = self._version
-        if version == self._flushed and not force and self._redis_ok:
+    async def flush(self) -> bool:
+        """Close the current batch and write everything unsent; True when Redis has it all."""
+        if self._current.usage:
+            batch, self._current = self._current, self._new_batch()
+            batch.at_ms = time.time_ns() // 1_000_000
+            self._unsent.append(batch)
+        if not self._unsent:
             return True
-        mapping = {
-            mesh_state.usage_field(model, ver, name): getattr(u, name)
-            for (model, ver), u in list(self.usage.items())
-            for name in mesh_state.USAGE_FIELDS
+        sending = list(self._unsent)
+        totals = {
+            mesh_state.usage_field(model, version, name): getattr(u, name)
+            for (model, version), u in list(self.totals.items())
+            for name in FIELDS
         }
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
+            appended = await self._send(sending)
+            if appended < 0:  # Redis lost our stream: put back what the ledger has not acked
+                log.warning("redis_restarted_resending_batches", batches=len(self._retained))
+                self._unsent[:0] = self._retained
+                self._retained = []
+                self._stream_exists = False
+                sending = list(self._unsent)
+                await self._send(sending)
+            async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.sadd(mesh_state.ROUTERS, self.router_id)
-                if mapping:
-                    pipe.hset(mesh_state.usage_key(self.router_id), mapping=mapping)
+                pipe.hset(mesh_state.usage_key(self.router_id), mapping=totals)
                 await pipe.execute()
         except (RedisError, OSError) as e:
-            if self._redis_ok:
-                log.warning("usage_flush_failed_keeping_in_memory", error=str(e))
-            self._redis_ok = False
+            self._mark(False, e)
+            self._release(sending)  # replies do not wait on a Redis that is down
             return False
-        if not self._redis_ok:
-            log.info("usage_flush_recovered", records=version)
-        self._redis_ok = True
-        self._flushed = version
+        self._mark(True)
+        del self._unsent[: len(sending)]
+        self._retained.extend(sending)
+        if len(self._retained) > self.retain_max:
+            dropped = self._retained[: len(self._retained) - self.retain_max]
+            del self._retained[: len(dropped)]
+            log.error("ledger_not_draining_forgetting_batches", up_to_seq=dropped[-1].seq)
+        self._release(sending)
         return True
+
+    async def _send(self, batches: list[Batch]) -> int:
+        args = ["1" if self._stream_exists else "0"]
+        for b in batches:
+            args += b.args()
+        appended = int(
+            await self._append(keys=[mesh_state.calls_stream(self.router_id)], args=args)
+        )
+        if appended >= 0:
+            self._stream_exists = True
+        return appended
+
+    async def _maintain(self) -> None:
+        """Forget the batches the ledger has committed."""
+        try:
+            ack = await self.redis.get(mesh_state.ledger_ack_key(self.router_id))
+        except (RedisError, OSError) as e:
+            self._mark(False, e)
+            return
+        acked = int(ack) if ack else 0
+        self._retained = [b for b in self._retained if b.seq > acked]
+
+    @staticmethod
+    def _release(batches: list[Batch]) -> None:
+        for b in batches:
+            if b.durable is not None and not b.durable.done():
+                b.durable.set_result(None)
+
+    def _mark(self, ok: bool, error: Exception | None = None) -> None:
+        if ok and not self._redis_ok:
+            log.info("usage_flush_recovered", unsent=len(self._unsent))
+        elif not ok and self._redis_ok:
+            log.warning("usage_flush_failed_keeping_in_memory", error=str(error))
+        self._redis_ok = ok
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self.flush(force=True)
+        await self.flush()
         await self.redis.aclose()
 
 
 async def read_usage(redis: aioredis.Redis) -> dict[tuple[str, str], Usage]:
-    """Totals over every router, as Redis holds them now."""
+    """Live totals over every router, as Redis holds them now."""
     totals: dict[tuple[str, str], Usage] = defaultdict(Usage)
     for router_id in await redis.smembers(mesh_state.ROUTERS):  # type: ignore[misc]
         fields = await redis.hgetall(mesh_state.usage_key(router_id))  # type: ignore[misc]

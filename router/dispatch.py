@@ -8,8 +8,10 @@ the caller's deadline allows; never after INVALID_ARGUMENT, NOT_FOUND and the li
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -29,7 +31,7 @@ class Dispatcher:
     def __init__(
         self,
         registry: Registry,
-        accounting: Accounting,
+        accounting: Accounting | None,
         policy_name: str = "p2c",
         sample_max_age_ms: int = 1000,
         default_timeout_s: float = 60.0,
@@ -73,78 +75,96 @@ class Dispatcher:
         return by_id[policy.choose(self.policy, open_, self.rng, self._tick).id]
 
     async def infer(self, raw: bytes, deadline: float | None) -> bytes:
-        """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based."""
+        """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based.
+
+        A success is answered once its record is in Redis (group commit, see accounting)."""
         start = time.perf_counter()
         header = InferHeader.FromString(raw)
         model, version = header.model_name, header.model_version
-        upstream_s = 0.0
-        served: Replica | None = None
+        attempt = _Attempt()
         code = grpc.StatusCode.OK
         try:
-            replicas = self.registry.replicas_for(model, version)
-            if not replicas:
-                known = sorted({m for r in self.registry.replicas.values() for m in r.info.models})
-                what = f"model {model!r}" + (f" version {version!r}" if version else "")
-                raise NotFound(f"no replica serves {what}; the mesh serves {known}")
-            tried: set[str] = set()
-            while True:
-                pool = [r for r in replicas if r.id not in tried and not r.ejected]
-                if not pool:
-                    raise Unavailable(
-                        f"no healthy replica of model {model!r}: "
-                        f"{len(replicas)} known, all failed or ejected"
-                    )
-                replica = self.pick(pool, model)
-                timeout = (
-                    self.default_timeout_s if deadline is None else deadline - time.monotonic()
-                )
-                if timeout <= 0:
-                    raise UpstreamError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before forwarding"
-                    )
-                token = self.registry.begin(replica)
-                metrics.INFLIGHT.labels(replica.id).inc()
-                t0 = time.perf_counter()
-                try:
-                    reply: bytes = await replica.infer(raw, timeout=timeout)
-                    served = replica
-                    return reply
-                except grpc.aio.AioRpcError as e:
-                    status = e.code()
-                    if status in RETRYABLE and not tried:
-                        tried.add(replica.id)
-                        metrics.RETRIES.labels(status.name).inc()
-                        if status == grpc.StatusCode.UNAVAILABLE:
-                            self.registry.eject(replica, e.details() or status.name)
-                            metrics.EJECTIONS.labels(replica.id).inc()
-                        log.info("retrying", worker=replica.id, code=status.name, model=model)
-                        continue
-                    if status == grpc.StatusCode.UNAVAILABLE:
-                        self.registry.eject(replica, e.details() or status.name)
-                        metrics.EJECTIONS.labels(replica.id).inc()
-                    raise UpstreamError(status, e.details() or status.name) from None
-                finally:
-                    upstream_s += time.perf_counter() - t0
-                    self.registry.end(replica, token)
-                    metrics.INFLIGHT.labels(replica.id).dec()
+            reply = await self._forward(raw, model, version, deadline, attempt)
         except MeshError as e:
             code = e.code
             raise
         finally:
             metrics.REQUESTS.labels(model, code.name).inc()
-            metrics.LATENCY.labels("upstream").observe(upstream_s)
-            metrics.LATENCY.labels("router").observe(time.perf_counter() - start - upstream_s)
-            self._account(model, version, served, code)
+            metrics.LATENCY.labels("upstream").observe(attempt.upstream_s)
+            metrics.LATENCY.labels("router").observe(
+                time.perf_counter() - start - attempt.upstream_s
+            )
+            recorded = self._account(model, version, attempt, code)
+        if recorded is not None and self.accounting is not None:
+            await self.accounting.durable(recorded)
+        return reply
+
+    async def _forward(
+        self, raw: bytes, model: str, version: str, deadline: float | None, attempt: _Attempt
+    ) -> bytes:
+        replicas = self.registry.replicas_for(model, version)
+        if not replicas:
+            known = sorted({m for r in self.registry.replicas.values() for m in r.info.models})
+            what = f"model {model!r}" + (f" version {version!r}" if version else "")
+            raise NotFound(f"no replica serves {what}; the mesh serves {known}")
+        tried: set[str] = set()
+        while True:
+            pool = [r for r in replicas if r.id not in tried and not r.ejected]
+            if not pool:
+                raise Unavailable(
+                    f"no healthy replica of model {model!r}: "
+                    f"{len(replicas)} known, all failed or ejected"
+                )
+            replica = self.pick(pool, model)
+            attempt.replica = replica
+            timeout = self.default_timeout_s if deadline is None else deadline - time.monotonic()
+            if timeout <= 0:
+                raise UpstreamError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before forwarding"
+                )
+            token = self.registry.begin(replica)
+            metrics.INFLIGHT.labels(replica.id).inc()
+            t0 = time.perf_counter()
+            try:
+                reply: bytes = await replica.infer(raw, timeout=timeout)
+                return reply
+            except grpc.aio.AioRpcError as e:
+                status = e.code()
+                if status == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.eject(replica, e.details() or status.name)
+                    metrics.EJECTIONS.labels(replica.id).inc()
+                if status in RETRYABLE and not tried:
+                    tried.add(replica.id)
+                    metrics.RETRIES.labels(status.name).inc()
+                    log.info("retrying", worker=replica.id, code=status.name, model=model)
+                    continue
+                raise UpstreamError(status, e.details() or status.name) from None
+            finally:
+                attempt.upstream_s += time.perf_counter() - t0
+                self.registry.end(replica, token)
+                metrics.INFLIGHT.labels(replica.id).dec()
 
     def _account(
-        self, model: str, version: str, served: Replica | None, code: grpc.StatusCode
-    ) -> None:
-        entry = None
-        for r in [served] if served else self.registry.replicas_for(model):
-            entry = r.info.models.get(model) if r else None
-            if entry:
-                break
+        self, model: str, version: str, attempt: _Attempt, code: grpc.StatusCode
+    ) -> asyncio.Future | None:
+        if self.accounting is None:
+            return None
+        replicas = [attempt.replica] if attempt.replica else self.registry.replicas_for(model)
+        entry = next((r.info.models[model] for r in replicas if model in r.info.models), None)
         if entry is None:  # a model no replica serves: nothing to attribute the call to
-            return
-        version = version or entry.versions[-1]
-        self.accounting.record(model, version, code == grpc.StatusCode.OK, entry.price_micro_usd)
+            return None
+        return self.accounting.record(
+            model,
+            version or entry.versions[-1],
+            code == grpc.StatusCode.OK,
+            entry.price_micro_usd,
+            int(attempt.upstream_s * 1e9),
+        )
+
+
+@dataclass
+class _Attempt:
+    """What one call went through: the replica that answered (or last tried), time upstream."""
+
+    replica: Replica | None = None
+    upstream_s: float = 0.0

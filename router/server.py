@@ -39,10 +39,10 @@ async def serve(settings: RouterSettings) -> None:
         eject_base_s=settings.eject_base_seconds,
         eject_max_s=settings.eject_max_seconds,
     )
-    accounting = Accounting(settings.redis_url, router_id, settings.flush_seconds)
+    accounting = Accounting(settings.redis_url, router_id, settings.accounting_wait_seconds)
     dispatcher = Dispatcher(
         registry,
-        accounting,
+        accounting if settings.accounting else None,
         policy_name=settings.policy,
         sample_max_age_ms=settings.sample_max_age_ms,
         default_timeout_s=settings.default_timeout_seconds,

@@ -21,7 +21,8 @@ class RouterSettings(BaseSettings):
     default_timeout_seconds: float = 60.0  # for callers that set no deadline
     eject_base_seconds: float = 1.0
     eject_max_seconds: float = 30.0
-    flush_seconds: float = 0.2  # usage counters to Redis
+    accounting: bool = True  # off only to measure what accounting costs
+    accounting_wait_seconds: float = 0.25  # longest a reply waits for its record to be in Redis
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     metrics_host: str = "127.0.0.1"

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from common.mesh_state import ModelEntry, WorkerInfo
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from worker.config import PRICE_PER_CALL
+from worker.config import PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration, now_ms
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
@@ -113,6 +113,7 @@ def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> 
             versions=sorted(versions, key=int),
             max_queue=latest.batcher.max_queue_size,
             price_micro_usd=int(latest.spec.parameters.get(PRICE_PER_CALL, "0")),
+            training_cost_micro_usd=int(latest.spec.parameters.get(TRAINING_COST, "0")),
         )
     return WorkerInfo(
         id=settings.worker_id or f"worker-{settings.host}-{port}",
