@@ -139,3 +139,42 @@ def worker(
     yield w
     w.process.kill()
     w.process.wait(10)
+
+
+# -- the ledger's durable store: SQLite, and the PostgreSQL this machine and CI run ----------
+
+PG_URL = os.environ.get("MESHSERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_store() -> Iterator:
+    import uuid
+
+    import psycopg
+
+    from ledger.store import Store
+
+    schema = f"ledger_test_{uuid.uuid4().hex[:8]}"
+    try:
+        admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as e:
+        pytest.skip(f"no PostgreSQL at {PG_URL} (set MESHSERVE_TEST_POSTGRES_URL): {e}")
+    admin.execute(f"CREATE SCHEMA {schema}")
+    store = Store(f"{PG_URL}?options=-csearch_path%3D{schema}")
+    try:
+        yield store
+    finally:
+        store.close()
+        admin.execute(f"DROP SCHEMA {schema} CASCADE")
+        admin.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
+    from ledger.store import Store
+
+    if request.param == "sqlite":
+        store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+        yield store
+        store.close()
+    else:
+        yield from _postgres_store()

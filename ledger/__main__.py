@@ -1,0 +1,126 @@
+"""python -m ledger run | report
+
+python -m ledger run --redis-url URL [--db sqlite:///build/ledger.db] [--config FILE.toml]
+python -m ledger report [--db URL] [--config FILE.toml] [--model M] [--json] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import structlog
+from prometheus_client import Gauge, start_http_server
+from redis.exceptions import RedisError
+
+from common import logging
+from ledger import config as ledger_config
+from ledger import report
+from ledger.consumer import Consumer
+from ledger.settings import LedgerSettings
+from ledger.store import Store
+
+log = structlog.get_logger()
+
+GAUGES = {
+    name: Gauge(f"meshserve_ledger_{name}", doc, ["model"])
+    for name, doc in [
+        ("calls", "Successful calls N in the durable ledger"),
+        ("revenue_micro_usd", "Revenue p x N"),
+        ("training_cost_micro_usd", "Training cost T"),
+        ("recovered_fraction", "p x N / T"),
+        ("serving_cost_micro_usd", "Machine time spent serving the model"),
+        ("cost_per_call_micro_usd", "Serving cost per call c"),
+        ("break_even_calls", "N* = T / (p - c); -1 when p <= c"),
+    ]
+}
+
+
+def run(settings: LedgerSettings) -> int:
+    config = ledger_config.load(settings.config)
+    store = Store(settings.db)
+    consumer = Consumer(settings.redis_url, store, config)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.info("ledger_running", db=settings.db, redis=settings.redis_url)
+    redis_ok = True
+    while True:
+        try:
+            applied = consumer.flush()
+            if applied:
+                log.debug("ledger_applied", batches=applied)
+            if not redis_ok:
+                log.info("ledger_redis_reconnected")
+            redis_ok = True
+        except (RedisError, OSError) as error:
+            if redis_ok:
+                log.warning("ledger_redis_unreachable", error=str(error))
+            redis_ok = False
+        for row in report.build(store, config):
+            values = row.as_dict()
+            for name, gauge in GAUGES.items():
+                value = values[name]
+                if name == "break_even_calls" and row.never_breaks_even:
+                    value = -1
+                gauge.labels(row.model).set(value or 0)
+        if stop.wait(settings.interval_seconds):
+            break
+    consumer.close()
+    store.close()
+    log.info("ledger_stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ledger",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="move the routers' counters into the durable ledger")
+    p_run.add_argument("--redis-url")
+    p_run.add_argument("--interval-seconds", type=float)
+    p_run.add_argument("--metrics-port", type=int)
+    p_run.add_argument("--log-level")
+    p_report = sub.add_parser("report", help="economics per model")
+    p_report.add_argument("--model")
+    p_report.add_argument("--json", action="store_true")
+    p_report.add_argument("--plot", type=Path, help="write a PNG of revenue vs T and cost per call")
+    for p in (p_run, p_report):
+        p.add_argument("--db")
+        p.add_argument("--config", type=Path)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = {
+        k: v for k, v in vars(args).items() if v is not None and k in LedgerSettings.model_fields
+    }
+    settings = LedgerSettings(**overrides)
+    logging.configure(settings.log_level, settings.log_json)
+    try:
+        if args.command == "run":
+            return run(settings)
+        config = ledger_config.load(settings.config)
+        store = Store(settings.db)
+        rows = report.build(store, config, args.model)
+        if args.json:
+            print(json.dumps([e.as_dict() for e in rows], indent=2))
+        else:
+            print(report.text(rows))
+        if args.plot:
+            report.plot(store, config, rows, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
+        return 0
+    except ledger_config.LedgerConfigError as e:
+        print(f"meshserve ledger: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

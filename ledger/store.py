@@ -1,0 +1,213 @@
+"""The durable ledger: SQLite (one file, the default) or PostgreSQL (by URL).
+
+Exactly once: a router's batches carry consecutive sequence numbers. `apply` adds a batch's
+counts and advances that router's cursor in ONE transaction, skipping every seq at or below
+the cursor. A batch seen twice (re-read after a crash between commit and ack, or re-sent by
+a router after a Redis restart) therefore changes nothing, and a crash mid-transaction
+leaves neither the counts nor the cursor moved.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS cursors (
+        router_id TEXT PRIMARY KEY, seq BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS usage (
+        model TEXT NOT NULL, version TEXT NOT NULL, calls BIGINT NOT NULL,
+        success BIGINT NOT NULL, errors BIGINT NOT NULL, revenue_micro_usd BIGINT NOT NULL,
+        upstream_ns BIGINT NOT NULL, PRIMARY KEY (model, version))""",
+    """CREATE TABLE IF NOT EXISTS usage_minutes (
+        model TEXT NOT NULL, minute BIGINT NOT NULL, calls BIGINT NOT NULL,
+        revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (model, minute))""",
+    """CREATE TABLE IF NOT EXISTS workers (
+        worker_id TEXT NOT NULL, started_ms BIGINT NOT NULL, kind TEXT NOT NULL,
+        last_seen_ms BIGINT NOT NULL, PRIMARY KEY (worker_id, started_ms))""",
+    """CREATE TABLE IF NOT EXISTS models (
+        model TEXT PRIMARY KEY, price_micro_usd BIGINT NOT NULL,
+        training_cost_micro_usd BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS gaps (
+        router_id TEXT NOT NULL, after_seq BIGINT NOT NULL, next_seq BIGINT NOT NULL,
+        noticed_ms BIGINT NOT NULL)""",
+]
+
+FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    seq: int
+    usage: dict[tuple[str, str], list[int]]  # (model, version) -> [calls, success, ...]
+    at_ms: int
+
+
+@dataclass(frozen=True)
+class WorkerSpan:
+    worker_id: str
+    started_ms: int
+    kind: str
+    last_seen_ms: int
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        if url.startswith(("postgresql://", "postgres://")):
+            import psycopg
+
+            self.postgres = True
+            self.conn: Any = psycopg.connect(url, autocommit=False)
+        else:
+            path = url.removeprefix("sqlite:///") if url.startswith("sqlite:") else url
+            if path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.postgres = False
+            self.conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+        with self.transaction() as cur:
+            for statement in SCHEMA:
+                cur.execute(statement)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        cur = self.conn.cursor()
+        if not self.postgres:
+            cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield _Cursor(cur, self.postgres)
+        except BaseException:
+            self.conn.rollback()
+            raise
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def cursor(self, router_id: str) -> int:
+        with self.transaction() as cur:
+            row = cur.execute("SELECT seq FROM cursors WHERE router_id = ?", (router_id,)).one()
+        return int(row[0]) if row else 0
+
+    def apply(self, router_id: str, entries: Sequence[BatchEntry], now_ms: int) -> int:
+        """Apply the batches above this router's cursor, in seq order; return the new cursor."""
+        with self.transaction() as cur:
+            lock = " FOR UPDATE" if self.postgres else ""
+            row = cur.execute(
+                f"SELECT seq FROM cursors WHERE router_id = ?{lock}", (router_id,)
+            ).one()
+            cursor = int(row[0]) if row else 0
+            for entry in sorted(entries, key=lambda e: e.seq):
+                if entry.seq <= cursor:
+                    continue  # applied before: exactly once
+                if entry.seq != cursor + 1:
+                    cur.execute(
+                        "INSERT INTO gaps VALUES (?, ?, ?, ?)",
+                        (router_id, cursor, entry.seq, now_ms),
+                    )
+                for (model, version), counts in entry.usage.items():
+                    self._add_usage(cur, model, version, counts, entry.at_ms)
+                cursor = entry.seq
+            cur.execute(
+                "INSERT INTO cursors VALUES (?, ?) ON CONFLICT (router_id) "
+                "DO UPDATE SET seq = excluded.seq",
+                (router_id, cursor),
+            )
+        return cursor
+
+    @staticmethod
+    def _add_usage(cur: _Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
+        sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
+        cur.execute(
+            f"INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
+            f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
+            (model, version, *counts),
+        )
+        cur.execute(
+            "INSERT INTO usage_minutes VALUES (?, ?, ?, ?) ON CONFLICT (model, minute) "
+            "DO UPDATE SET calls = usage_minutes.calls + excluded.calls, "
+            "revenue_micro_usd = usage_minutes.revenue_micro_usd + excluded.revenue_micro_usd",
+            (model, at_ms // 60_000, counts[0], counts[3]),
+        )
+
+    def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
+        with self.transaction() as cur:
+            for s in spans:
+                cur.execute(
+                    "INSERT INTO workers VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (worker_id, started_ms) DO UPDATE SET last_seen_ms = CASE "
+                    "WHEN excluded.last_seen_ms > workers.last_seen_ms "
+                    "THEN excluded.last_seen_ms ELSE workers.last_seen_ms END",
+                    (s.worker_id, s.started_ms, s.kind, s.last_seen_ms),
+                )
+
+    def record_model(self, model: str, price_micro_usd: int, training_cost_micro_usd: int) -> None:
+        with self.transaction() as cur:
+            cur.execute(
+                "INSERT INTO models VALUES (?, ?, ?) ON CONFLICT (model) DO UPDATE SET "
+                "price_micro_usd = excluded.price_micro_usd, "
+                "training_cost_micro_usd = excluded.training_cost_micro_usd",
+                (model, price_micro_usd, training_cost_micro_usd),
+            )
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def usage(self) -> dict[tuple[str, str], dict[str, int]]:
+        with self.transaction() as cur:
+            rows = cur.execute(f"SELECT model, version, {', '.join(FIELDS)} FROM usage").all()
+        return {(r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+
+    def minutes(self, model: str) -> list[tuple[int, int, int]]:
+        """(minute, calls, revenue) in time order."""
+        with self.transaction() as cur:
+            rows = cur.execute(
+                "SELECT minute, calls, revenue_micro_usd FROM usage_minutes "
+                "WHERE model = ? ORDER BY minute",
+                (model,),
+            ).all()
+        return [(int(a), int(b), int(c)) for a, b, c in rows]
+
+    def workers(self) -> list[WorkerSpan]:
+        with self.transaction() as cur:
+            rows = cur.execute(
+                "SELECT worker_id, started_ms, kind, last_seen_ms FROM workers"
+            ).all()
+        return [WorkerSpan(r[0], int(r[1]), r[2], int(r[3])) for r in rows]
+
+    def models(self) -> dict[str, tuple[int, int]]:
+        with self.transaction() as cur:
+            rows = cur.execute(
+                "SELECT model, price_micro_usd, training_cost_micro_usd FROM models"
+            ).all()
+        return {r[0]: (int(r[1]), int(r[2])) for r in rows}
+
+    def gaps(self) -> list[tuple[str, int, int]]:
+        with self.transaction() as cur:
+            rows = cur.execute("SELECT router_id, after_seq, next_seq FROM gaps").all()
+        return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+class _Cursor:
+    """One SQL dialect for both backends: write `?` placeholders, PostgreSQL gets `%s`."""
+
+    def __init__(self, cur: Any, postgres: bool) -> None:
+        self.cur = cur
+        self.postgres = postgres
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> _Cursor:
+        self.cur.execute(sql.replace("?", "%s") if self.postgres else sql, params)
+        return self
+
+    def one(self) -> Any:
+        return self.cur.fetchone()
+
+    def all(self) -> list[Any]:
+        return list(self.cur.fetchall())

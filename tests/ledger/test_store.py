@@ -1,0 +1,75 @@
+"""The durable store on SQLite and on the PostgreSQL this machine runs: exactly-once apply."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger.store import BatchEntry, Store, WorkerSpan
+
+
+def batch(seq: int, calls: int, price: int = 100) -> BatchEntry:
+    return BatchEntry(
+        seq, {("mlp", "1"): [calls, calls, 0, calls * price, calls * 1000]}, 60_000 * seq
+    )
+
+
+def test_apply_counts_each_batch_once(ledger_store: Store) -> None:
+    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5)], 0) == 2
+    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5), batch(3, 1)], 0) == 3  # replayed
+    assert ledger_store.apply("r1", [batch(3, 1)], 0) == 3
+    usage = ledger_store.usage()[("mlp", "1")]
+    assert usage == {
+        "calls": 16,
+        "success": 16,
+        "errors": 0,
+        "revenue_micro_usd": 1600,
+        "upstream_ns": 16000,
+    }
+    assert ledger_store.cursor("r1") == 3 and ledger_store.cursor("other") == 0
+    assert [m[1] for m in ledger_store.minutes("mlp")] == [10, 5, 1]
+    assert ledger_store.gaps() == []
+
+
+def test_routers_have_their_own_cursors(ledger_store: Store) -> None:
+    ledger_store.apply("r1", [batch(1, 10)], 0)
+    ledger_store.apply("r2", [batch(1, 7)], 0)
+    assert ledger_store.usage()[("mlp", "1")]["calls"] == 17
+
+
+def test_a_crash_inside_the_transaction_writes_nothing(
+    ledger_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    ledger_store.apply("r1", [batch(1, 10)], 0)
+    calls = {"n": 0}
+    original = Store._add_usage
+
+    def crash_on_second(cur, *args):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("killed mid-flush")
+        original(cur, *args)
+
+    monkeypatch.setattr(Store, "_add_usage", staticmethod(crash_on_second))
+    with pytest.raises(RuntimeError):
+        ledger_store.apply("r1", [batch(2, 5), batch(3, 1)], 0)
+    monkeypatch.setattr(Store, "_add_usage", staticmethod(original))
+    assert ledger_store.cursor("r1") == 1
+    assert ledger_store.usage()[("mlp", "1")]["calls"] == 10  # batch 2 rolled back with batch 3
+    assert ledger_store.apply("r1", [batch(2, 5), batch(3, 1)], 0) == 3
+    assert ledger_store.usage()[("mlp", "1")]["calls"] == 16
+
+
+def test_a_gap_is_recorded_not_hidden(ledger_store: Store) -> None:
+    ledger_store.apply("r1", [batch(1, 1), batch(3, 1)], 42)
+    assert ledger_store.gaps() == [("r1", 1, 3)]
+
+
+def test_worker_spans_keep_the_latest_sighting(ledger_store: Store) -> None:
+    ledger_store.record_workers([WorkerSpan("w", 1000, "cpu", 5000)])
+    ledger_store.record_workers([WorkerSpan("w", 1000, "cpu", 9000)])
+    ledger_store.record_workers([WorkerSpan("w", 1000, "cpu", 7000)])  # an older pass, late
+    ledger_store.record_workers([WorkerSpan("w", 20_000, "cpu", 21_000)])  # restarted: a new span
+    assert sorted(ledger_store.workers(), key=lambda s: s.started_ms) == [
+        WorkerSpan("w", 1000, "cpu", 9000),
+        WorkerSpan("w", 20_000, "cpu", 21_000),
+    ]
