@@ -22,6 +22,9 @@ from common import mesh_state
 from common.mesh_state import WorkerInfo
 from deploy import processes, toy_models
 from deploy.processes import LocalMesh
+from ledger import config as ledger_config
+from ledger import report
+from ledger.store import Store
 
 ROOT = processes.ROOT
 
@@ -37,6 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--policy", default="p2c")
     parser.add_argument("--providers", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--ledger-db", help="default: sqlite:///build/ledger.db")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "build" / "logs")
     return parser.parse_args(argv)
 
@@ -65,6 +69,21 @@ class Launcher:
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
         self.mesh.start_router(*extra, port=args.port)
+        self.ledger_db = args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}"
+        self.ledger = processes.Process(
+            "ledger",
+            [
+                sys.executable,
+                "-m",
+                "ledger",
+                "run",
+                "--redis-url",
+                self.redis_url,
+                "--db",
+                self.ledger_db,
+            ],
+            args.log_dir / "ledger.log",
+        ).start()
 
     def describe(self) -> str:
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
@@ -79,6 +98,8 @@ class Launcher:
                     f"models={','.join(sorted(info.models))}"
                 )
         lines += [
+            f"ledger: {self.ledger_db}",
+            f"  report: python -m ledger report --db {self.ledger_db} --plot ledger.png",
             f"logs: {self.args.log_dir}",
             "call it:",
             '  python -c "import numpy as np, tritonclient.grpc as t; '
@@ -93,7 +114,7 @@ class Launcher:
     def supervise(self) -> None:
         """Restart whatever dies, until asked to stop."""
         while not self.stopping:
-            for process in [*self.mesh.workers.values(), self.mesh.router]:
+            for process in [*self.mesh.workers.values(), self.mesh.router, self.ledger]:
                 if process is not None and not process.alive and not self.stopping:
                     code = process.popen.returncode if process.popen else None
                     print(f"{process.name} exited with {code}; restarting it", flush=True)
@@ -101,8 +122,19 @@ class Launcher:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """Mesh first (the router's last batches reach Redis), then the ledger's last pass."""
         self.stopping = True
-        self.mesh.stop()
+        if self.mesh.router is not None:
+            self.mesh.router.stop()
+        for worker in self.mesh.workers.values():
+            worker.stop()
+        if getattr(self, "ledger", None) is not None:
+            self.ledger.stop()
+            store = Store(self.ledger_db)
+            print(report.one_line(report.build(store, ledger_config.load(None))), flush=True)
+            store.close()
+        if self.mesh.redis_server is not None:
+            self.mesh.redis_server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

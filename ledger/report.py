@@ -7,9 +7,9 @@ from pathlib import Path
 
 from ledger.config import LedgerConfig
 from ledger.economics import MS_PER_DAY, Economics, economics, serving_cost
-from ledger.store import Store
+from ledger.store import BUCKET_MS, Store
 
-RATE_WINDOW_MINUTES = 60
+RATE_WINDOW_MS = 3_600_000  # the call rate that projects break-even: the last hour of calls
 
 
 def build(store: Store, config: LedgerConfig, model: str | None = None) -> list[Economics]:
@@ -52,17 +52,17 @@ def build(store: Store, config: LedgerConfig, model: str | None = None) -> list[
 
 
 def _calls_per_day(store: Store, model: str) -> float:
-    minutes = store.minutes(model)
-    if not minutes:
+    buckets = store.buckets(model)
+    if not buckets:
         return 0.0
-    last = minutes[-1][0]
-    recent = [m for m in minutes if m[0] > last - RATE_WINDOW_MINUTES]
-    span = max(1, last - recent[0][0] + 1)
-    return sum(m[1] for m in recent) / span * (MS_PER_DAY / 60_000)
+    last = buckets[-1][0] + BUCKET_MS
+    recent = [b for b in buckets if b[0] >= last - RATE_WINDOW_MS]
+    span_ms = last - recent[0][0]
+    return sum(b[1] for b in recent) / span_ms * MS_PER_DAY
 
 
 def usd(micro: float | int | None) -> str:
-    return "-" if micro is None else f"${micro / 1e6:,.6f}".rstrip("0").rstrip(".")
+    return "-" if micro is None else f"${micro / 1e6:,.9f}".rstrip("0").rstrip(".")
 
 
 def text(rows: list[Economics]) -> str:
@@ -109,44 +109,68 @@ def plot(store: Store, config: LedgerConfig, rows: list[Economics], path: Path) 
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
     spans = store.workers()
-    fig, (ax_rev, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_rev, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.8))
     for e in rows:
-        minutes = store.minutes(e.model)
-        if not minutes:
+        buckets = store.buckets(e.model)
+        if not buckets:
             continue
-        times = [dt.datetime.fromtimestamp((m + 1) * 60, dt.UTC) for m, _, _ in minutes]
+        times, cum_rev, cost_per_call = [], [], []
         calls = revenue = 0
-        cum_rev, cost_per_call = [], []
-        for m, n, r in minutes:
+        for start_ms, n, r in buckets:
+            end_ms = start_ms + BUCKET_MS
             calls += n
             revenue += r
+            times.append(dt.datetime.fromtimestamp(end_ms / 1000, dt.UTC))
             cum_rev.append(revenue / 1e6)
-            cost = serving_cost(spans, config.machine_prices, until_ms=(m + 1) * 60_000)
+            cost = serving_cost(spans, config.machine_prices, until_ms=end_ms)
             cost_per_call.append(cost / calls / 1e6 if calls else float("nan"))
-        ax_rev.step(times, cum_rev, where="post", label=f"{e.model}: revenue p x N")
+        ax_rev.plot(times, cum_rev, "o-", label=f"{e.model}: revenue p x N")
         if e.training_cost_micro_usd:
             ax_rev.axhline(
                 e.training_cost_micro_usd / 1e6,
                 ls="--",
                 color="tab:red",
-                label=f"{e.model}: training cost T",
+                label=f"{e.model}: training cost T = {usd(e.training_cost_micro_usd)}",
             )
-        ax_cost.plot(times, cost_per_call, marker="o", label=f"{e.model}: serving cost per call")
+        ax_cost.plot(times, cost_per_call, "o-", label=f"{e.model}: serving cost per call c")
         ax_cost.axhline(
             e.price_micro_usd / 1e6,
             ls="--",
             color="tab:green",
-            label=f"{e.model}: price per call p",
+            label=f"{e.model}: price per call p = {usd(e.price_micro_usd)}",
         )
-    ax_rev.set(title="Cumulative revenue against training cost", ylabel="USD")
-    ax_rev.set_yscale("symlog", linthresh=1e-3)
-    ax_cost.set(title="Serving cost per call (falls as use grows)", ylabel="USD per call")
-    ax_cost.set_yscale("log")
+        be = (
+            "never"
+            if e.never_breaks_even
+            else f"{e.break_even_calls:,} calls"
+            if e.break_even_calls
+            else "-"
+        )
+        ax_rev.text(
+            0.02,
+            0.5,
+            f"{e.model}: N = {e.calls:,}, recovered {e.recovered_fraction:.4%} of T\n"
+            f"break-even N* = {be}"
+            + (f" (~{e.projected_break_even})" if e.projected_break_even else ""),
+            transform=ax_rev.transAxes,
+            fontsize=9,
+            va="center",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+        )
+    ax_rev.set(title="Cumulative revenue against training cost T", ylabel="USD (log)", yscale="log")
+    ax_cost.set(
+        title="Serving cost per call (falls as use grows)",
+        ylabel="USD per call (log)",
+        yscale="log",
+    )
     for ax in (ax_rev, ax_cost):
-        ax.legend(fontsize=8)
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+        ax.set_xlabel("time (UTC)")
+        ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

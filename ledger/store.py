@@ -23,9 +23,9 @@ SCHEMA = [
         model TEXT NOT NULL, version TEXT NOT NULL, calls BIGINT NOT NULL,
         success BIGINT NOT NULL, errors BIGINT NOT NULL, revenue_micro_usd BIGINT NOT NULL,
         upstream_ns BIGINT NOT NULL, PRIMARY KEY (model, version))""",
-    """CREATE TABLE IF NOT EXISTS usage_minutes (
-        model TEXT NOT NULL, minute BIGINT NOT NULL, calls BIGINT NOT NULL,
-        revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (model, minute))""",
+    """CREATE TABLE IF NOT EXISTS usage_buckets (
+        model TEXT NOT NULL, bucket BIGINT NOT NULL, calls BIGINT NOT NULL,
+        revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (model, bucket))""",
     """CREATE TABLE IF NOT EXISTS workers (
         worker_id TEXT NOT NULL, started_ms BIGINT NOT NULL, kind TEXT NOT NULL,
         last_seen_ms BIGINT NOT NULL, PRIMARY KEY (worker_id, started_ms))""",
@@ -38,6 +38,7 @@ SCHEMA = [
 ]
 
 FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+BUCKET_MS = 10_000  # time series resolution for rates and plots
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,10 @@ class Store:
             (model, version, *counts),
         )
         cur.execute(
-            "INSERT INTO usage_minutes VALUES (?, ?, ?, ?) ON CONFLICT (model, minute) "
-            "DO UPDATE SET calls = usage_minutes.calls + excluded.calls, "
-            "revenue_micro_usd = usage_minutes.revenue_micro_usd + excluded.revenue_micro_usd",
-            (model, at_ms // 60_000, counts[0], counts[3]),
+            "INSERT INTO usage_buckets VALUES (?, ?, ?, ?) ON CONFLICT (model, bucket) "
+            "DO UPDATE SET calls = usage_buckets.calls + excluded.calls, "
+            "revenue_micro_usd = usage_buckets.revenue_micro_usd + excluded.revenue_micro_usd",
+            (model, at_ms // BUCKET_MS, counts[1], counts[3]),
         )
 
     def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
@@ -165,15 +166,15 @@ class Store:
             rows = cur.execute(f"SELECT model, version, {', '.join(FIELDS)} FROM usage").all()
         return {(r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True)) for r in rows}
 
-    def minutes(self, model: str) -> list[tuple[int, int, int]]:
-        """(minute, calls, revenue) in time order."""
+    def buckets(self, model: str) -> list[tuple[int, int, int]]:
+        """(bucket start ms, successful calls, revenue) in time order."""
         with self.transaction() as cur:
             rows = cur.execute(
-                "SELECT minute, calls, revenue_micro_usd FROM usage_minutes "
-                "WHERE model = ? ORDER BY minute",
+                "SELECT bucket, calls, revenue_micro_usd FROM usage_buckets "
+                "WHERE model = ? ORDER BY bucket",
                 (model,),
             ).all()
-        return [(int(a), int(b), int(c)) for a, b, c in rows]
+        return [(int(a) * BUCKET_MS, int(b), int(c)) for a, b, c in rows]
 
     def workers(self) -> list[WorkerSpan]:
         with self.transaction() as cur:

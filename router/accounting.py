@@ -36,6 +36,7 @@ from common import mesh_state
 log = structlog.get_logger()
 
 FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+TOTALS_EVERY_S = 0.2
 
 # KEYS[1]: the stream. ARGV[1]: "1" if the stream must exist already. Then (id, usage, at_ms)
 # per batch. Returns the number appended, or -1 when the stream vanished (Redis restarted).
@@ -106,6 +107,9 @@ class Accounting:
         self._wake = asyncio.Event()
         self._redis_ok = True
         self._stream_exists = False  # once we appended, the stream must be there
+        self._totals_due = 0.0
+        self._records = 0  # calls recorded so far
+        self._totals_written = -1  # self._records as of the last totals write
         self._append = self.redis.register_script(APPEND)
         self._task: asyncio.Task | None = None
 
@@ -120,6 +124,7 @@ class Accounting:
     ) -> asyncio.Future:
         """Count one call; the returned future resolves once its batch is in Redis."""
         self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns)
+        self._records += 1
         batch = self._current
         batch.usage[mesh_state.model_key(model, version)].add(ok, price_micro_usd, upstream_ns)
         if batch.durable is None:
@@ -143,12 +148,15 @@ class Accounting:
         next_maintenance = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.maintenance_s)
+                await asyncio.wait_for(self._wake.wait(), TOTALS_EVERY_S)
             self._wake.clear()
             if time.monotonic() >= next_maintenance:
                 await self._maintain()
                 next_maintenance = time.monotonic() + self.maintenance_s
             await self.flush()
+            if self._records != self._totals_written and time.monotonic() >= self._totals_due:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._write_totals()
 
     async def flush(self) -> bool:
         """Close the current batch and write everything unsent; True when Redis has it all."""
@@ -159,11 +167,6 @@ class Accounting:
         if not self._unsent:
             return True
         sending = list(self._unsent)
-        totals = {
-            mesh_state.usage_field(model, version, name): getattr(u, name)
-            for (model, version), u in list(self.totals.items())
-            for name in FIELDS
-        }
         try:
             appended = await self._send(sending)
             if appended < 0:  # Redis lost our stream: put back what the ledger has not acked
@@ -173,10 +176,6 @@ class Accounting:
                 self._stream_exists = False
                 sending = list(self._unsent)
                 await self._send(sending)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.sadd(mesh_state.ROUTERS, self.router_id)
-                pipe.hset(mesh_state.usage_key(self.router_id), mapping=totals)
-                await pipe.execute()
         except (RedisError, OSError) as e:
             self._mark(False, e)
             self._release(sending)  # replies do not wait on a Redis that is down
@@ -190,6 +189,21 @@ class Accounting:
             log.error("ledger_not_draining_forgetting_batches", up_to_seq=dropped[-1].seq)
         self._release(sending)
         return True
+
+    async def _write_totals(self) -> None:
+        """The live view (a few times a second at most; the batches are the exact record)."""
+        written = self._records
+        totals = {
+            mesh_state.usage_field(model, version, name): getattr(u, name)
+            for (model, version), u in list(self.totals.items())
+            for name in FIELDS
+        }
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(mesh_state.ROUTERS, self.router_id)
+            pipe.hset(mesh_state.usage_key(self.router_id), mapping=totals)
+            await pipe.execute()
+        self._totals_due = time.monotonic() + TOTALS_EVERY_S
+        self._totals_written = written
 
     async def _send(self, batches: list[Batch]) -> int:
         args = ["1" if self._stream_exists else "0"]
@@ -230,6 +244,8 @@ class Accounting:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.flush()
+        with contextlib.suppress(RedisError, OSError):
+            await self._write_totals()
         await self.redis.aclose()
 
 

@@ -26,7 +26,7 @@ def test_apply_counts_each_batch_once(ledger_store: Store) -> None:
         "upstream_ns": 16000,
     }
     assert ledger_store.cursor("r1") == 3 and ledger_store.cursor("other") == 0
-    assert [m[1] for m in ledger_store.minutes("mlp")] == [10, 5, 1]
+    assert [b[1] for b in ledger_store.buckets("mlp")] == [10, 5, 1]
     assert ledger_store.gaps() == []
 
 
