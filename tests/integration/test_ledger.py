@@ -144,3 +144,35 @@ def test_router_killed_mid_run(mesh: Mesh, tmp_path: Path) -> None:
     more = asyncio.run(call_many(router, 500, concurrency=8))
     assert more == {"OK": 500}
     assert wait_durable(store, counted + 500)[0] == counted + 500
+
+
+def test_replayed_batches_after_a_lost_ack_count_once(mesh: Mesh, tmp_path: Path) -> None:
+    from common import mesh_state
+    from ledger.config import LedgerConfig
+    from ledger.consumer import Consumer
+
+    store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    consumer = Consumer(mesh.redis_url, store, LedgerConfig())
+    r = mesh.redis_client()
+    r.sadd(mesh_state.ROUTERS, "r1")
+    for seq in (1, 2, 3):
+        r.xadd(
+            mesh_state.calls_stream("r1"),
+            {"usage": '{"mlp|1": [2, 2, 0, 500, 10]}', "at_ms": "1000"},
+            id=f"{seq}-1",
+        )
+    assert consumer.flush() == 3
+    assert r.get(mesh_state.ledger_ack_key("r1")) == "3"
+    assert r.xlen(mesh_state.calls_stream("r1")) == 0  # trimmed after the commit
+    # Redis restarted empty (ack and stream gone) and the router re-sent every batch it still
+    # held: the same three arrive again, plus a new one.
+    r.delete(mesh_state.ledger_ack_key("r1"), mesh_state.calls_stream("r1"))
+    for seq in (1, 2, 3, 4):
+        r.xadd(
+            mesh_state.calls_stream("r1"),
+            {"usage": '{"mlp|1": [2, 2, 0, 500, 10]}', "at_ms": "1000"},
+            id=f"{seq}-2",
+        )
+    assert consumer.flush() == 1
+    assert durable_calls(store) == (8, 0, 2000)
+    assert r.get(mesh_state.ledger_ack_key("r1")) == "4"
