@@ -221,3 +221,21 @@ def test_router_sees_workers_join_and_leave(mesh: Mesh, tmp_path: Path) -> None:
     codes = asyncio.run(call_many(router, 100, concurrency=4))
     assert codes == {"OK": 100}
     assert worker_successes(second) == before + 100
+
+
+def test_prometheus_metrics(mesh: Mesh, tmp_path: Path) -> None:
+    import urllib.request
+
+    from deploy.processes import free_port
+
+    mesh.add_worker(repo(tmp_path, "r"))
+    mesh.wait_registered(1)
+    port = free_port()
+    router = mesh.start_router("--metrics-port", str(port))
+    assert asyncio.run(call_many(router, 20, concurrency=2)) == {"OK": 20}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert 'meshserve_router_requests_total{code="OK",model="mlp"} 20.0' in text
+    assert 'meshserve_router_latency_seconds_count{part="router"} 20.0' in text
+    assert 'meshserve_router_latency_seconds_count{part="upstream"} 20.0' in text
+    assert "meshserve_router_inflight{" in text
