@@ -6,12 +6,13 @@ import asyncio
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy.processes import Process
+from deploy.processes import Process, free_port
 from ledger.store import Store
 from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
 
@@ -26,7 +27,7 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
     m.stop()
 
 
-def ledger_process(mesh: Mesh, db: str) -> Process:
+def ledger_process(mesh: Mesh, db: str, *extra: str) -> Process:
     return Process(
         "ledger",
         [
@@ -40,6 +41,7 @@ def ledger_process(mesh: Mesh, db: str) -> Process:
             db,
             "--interval-seconds",
             "0.1",
+            *extra,
         ],
         mesh.log_dir / "ledger.log",
     ).start()
@@ -73,10 +75,21 @@ def test_ten_thousand_calls_counted_exactly(
     # `ledger_store` runs this once on SQLite and once on PostgreSQL.
     store = ledger_store
     router = start_mesh(mesh, tmp_path)
-    ledger = ledger_process(mesh, store.url)
+    metrics = free_port()
+    ledger = ledger_process(mesh, store.url, "--metrics-port", str(metrics))
     codes = asyncio.run(call_many(router, 10_000, concurrency=32, max_seconds=120))
     assert codes == {"OK": 10_000}
     assert wait_durable(store, 10_000) == (10_000, 0, 10_000 * PRICE)
+    time.sleep(0.3)  # one more pass updates the gauges
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert 'meshserve_ledger_calls{model="mlp"} 10000.0' in text
+    revenue = next(
+        line.split()[-1]
+        for line in text.splitlines()
+        if line.startswith('meshserve_ledger_revenue_micro_usd{model="mlp"}')
+    )
+    assert float(revenue) == 10_000 * PRICE
     ledger.stop()
     assert durable_calls(store) == (10_000, 0, 10_000 * PRICE)
 

@@ -239,3 +239,13 @@ def test_prometheus_metrics(mesh: Mesh, tmp_path: Path) -> None:
     assert 'meshserve_router_latency_seconds_count{part="router"} 20.0' in text
     assert 'meshserve_router_latency_seconds_count{part="upstream"} 20.0' in text
     assert "meshserve_router_inflight{" in text
+
+
+def test_deadline_reaches_the_worker(mesh: Mesh, tmp_path: Path) -> None:
+    mesh.add_worker(repo(tmp_path, "r", simulated_us=2_000_000, max_batch=1))
+    mesh.wait_registered(1)
+    router = mesh.start_router()
+    started = time.monotonic()
+    codes = asyncio.run(call_many(router, 1, concurrency=1, timeout=0.3))
+    assert codes == {"DEADLINE_EXCEEDED": 1}
+    assert time.monotonic() - started < 1.5  # the caller's deadline, not the model's 2 s
