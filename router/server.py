@@ -39,7 +39,12 @@ async def serve(settings: RouterSettings) -> None:
         eject_base_s=settings.eject_base_seconds,
         eject_max_s=settings.eject_max_seconds,
     )
-    accounting = Accounting(settings.redis_url, router_id, settings.accounting_wait_seconds)
+    accounting = Accounting(
+        settings.redis_url,
+        router_id,
+        settings.accounting_wait_seconds,
+        inflight=lambda: sum(len(r.inflight) for r in registry.replicas.values()),
+    )
     dispatcher = Dispatcher(
         registry,
         accounting if settings.accounting else None,
