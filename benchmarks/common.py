@@ -1,8 +1,8 @@
-"""Helpers the benchmark scripts share: machine facts, a closed-loop gRPC load, results."""
+"""Helpers the benchmark scripts share: machine facts, processes, the load tool's loops,
+results."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
@@ -10,13 +10,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import grpc
 import numpy as np
 import onnxruntime
 
+from loadtest import runner as loadtest_runner
+from loadtest.runner import Load, measured
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -87,41 +88,10 @@ async def closed_loop(
     warmup: float = 1.0,
     max_requests: int = 1_000_000,
 ) -> dict:
-    """`concurrency` callers, each sending the next request when the last one answers."""
-    channel = grpc.aio.insecure_channel(address)
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    latencies: list[int] = []
-    errors: Counter[str] = Counter()
-    loop = asyncio.get_running_loop()
-    measure_from = loop.time() + warmup
-    stop_at = measure_from + seconds
-    sent = 0
-
-    async def caller() -> None:
-        nonlocal sent
-        while loop.time() < stop_at and sent < max_requests:
-            sent += 1
-            t0 = time.perf_counter_ns()
-            try:
-                await stub.ModelInfer(request, timeout=30)
-            except grpc.aio.AioRpcError as e:
-                if loop.time() >= measure_from:
-                    errors[e.code().name] += 1
-                continue
-            if loop.time() >= measure_from:
-                latencies.append(time.perf_counter_ns() - t0)
-
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    await channel.close()
-    lat = np.array(latencies) / 1e6
-    return {
-        "concurrency": concurrency,
-        "requests": len(latencies),
-        "throughput_rps": round(len(latencies) / seconds, 1),
-        "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
-        "errors": dict(errors),
-    }
+    """`concurrency` callers, each sending the next request when the last one answers
+    (the load tool's closed loop; HDR percentiles, errors by status code)."""
+    load = Load(address, [request.SerializeToString()], seconds, warmup, 30.0, max_requests)
+    return measured(await loadtest_runner.closed_loop(load, concurrency))
 
 
 def write_result(name: str, payload: dict) -> Path:
@@ -140,52 +110,10 @@ async def open_loop(
     timeout: float = 30.0,
     seed: int = 0,
 ) -> dict:
-    """Poisson arrivals at `rate` per second, each sent whether or not earlier ones returned.
-
-    Latency counts from the arrival's scheduled time, not from when the client got round to
-    sending it, so a stalled client cannot hide queueing (no coordinated omission).
-    """
-    rng = np.random.default_rng(seed)
-    channel = grpc.aio.insecure_channel(address)
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    loop = asyncio.get_running_loop()
-    latencies: list[float] = []
-    errors: Counter[str] = Counter()
-    start = loop.time()
-    measure_from = start + warmup
-    end = measure_from + seconds
-    tasks = []
-
-    async def one(scheduled: float) -> None:
-        try:
-            await stub.ModelInfer(request, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            if scheduled >= measure_from:
-                errors[e.code().name] += 1
-            return
-        if scheduled >= measure_from:
-            latencies.append(loop.time() - scheduled)
-
-    t = start
-    while True:
-        t += float(rng.exponential(1.0 / rate))
-        if t >= end:
-            break
-        delay = t - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(t)))
-    await asyncio.gather(*tasks)
-    await channel.close()
-    lat = np.array(latencies) * 1000
-    return {
-        "offered_rps": rate,
-        "requests": len(latencies),
-        "throughput_rps": round(len(latencies) / seconds, 1),
-        "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
-        "errors": dict(errors),
-    }
+    """Poisson arrivals at `rate` per second, latency from each arrival's scheduled time
+    (the load tool's open loop: no coordinated omission)."""
+    load = Load(address, [request.SerializeToString()], seconds, warmup, timeout)
+    return measured(await loadtest_runner.open_loop(load, rate, seed=seed))
 
 
 def model_successes(address: str, model: str) -> int:

@@ -1,0 +1,69 @@
+"""PNG plots from load-test results: latency CDF, and latency against offered load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label(run: dict) -> str:
+    if "concurrency" in run:
+        return f"c={run['concurrency']}"
+    return f"{run['offered_rps']:g} rps offered"
+
+
+def latency_cdf(runs: list[tuple[str, dict]], path: Path, title: str = "Latency") -> Path:
+    """Latency by percentile, the x axis in "nines" (90, 99, 99.9, ...) so the tail shows."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in runs:
+        points = [(p, ms) for p, ms in run.get("cdf", []) if p < 100.0]
+        if not points:
+            continue
+        pct = np.array([p for p, _ in points])
+        ax.plot(1 / (1 - pct / 100), [ms for _, ms in points], label=name)
+    ticks = [1, 2, 10, 100, 1000, 10000]
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, ["0%", "50%", "90%", "99%", "99.9%", "99.99%"])
+    ax.set(xlabel="percentile", ylabel="latency (ms)", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def latency_vs_load(
+    series: dict[str, list[dict]], path: Path, title: str = "Latency vs load"
+) -> Path:
+    """p50 and p99 against offered load (open loop) or achieved throughput (closed loop)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, runs in series.items():
+        xs = [r.get("offered_rps", r["throughput_rps"]) for r in runs]
+        for key, style in (("p50_ms", "o-"), ("p99_ms", "s--")):
+            ax.plot(xs, [r[key] for r in runs], style, label=f"{name} {key[:-3]}")
+    offered = any("offered_rps" in r for runs in series.values() for r in runs)
+    ax.set(
+        xlabel="offered load (req/s)" if offered else "throughput (req/s)",
+        ylabel="latency (ms)",
+        yscale="log",
+        title=title,
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,168 @@
+"""The two load shapes, on one grpc.aio channel, sending pre-serialized requests.
+
+- closed loop: `concurrency` callers, each sends its next request when the last returns.
+  Throughput at a given concurrency; latency as a caller that waits sees it.
+- open loop: Poisson arrivals at `rate` per second, each sent whether or not earlier ones
+  returned. Latency counts from the arrival's scheduled time, not from when the client got
+  round to sending it, so a stalled client or server cannot hide queueing (no coordinated
+  omission).
+
+Both warm up first (not measured), stop starting requests after `duration` (or at
+`max_requests`), wait for those in flight (each has a deadline), and count what started in
+the measured window. Responses are not decoded: the caller measures the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from client.client import MAX_MESSAGE_BYTES, channel_options
+from loadtest.stats import Recorder
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+Progress = Callable[[str, bool], None]  # (line, final)
+
+
+@dataclass
+class Load:
+    address: str
+    requests: list[bytes]  # serialized ModelInferRequests, cycled through
+    duration: float = 10.0
+    warmup: float = 1.0
+    timeout: float = 30.0
+    max_requests: int = 10_000_000
+    progress_seconds: float = 1.0
+
+
+class _Run:
+    """State one run shares with its progress line."""
+
+    def __init__(self, load: Load, label: str, progress: Progress | None) -> None:
+        self.load, self.label, self.progress = load, label, progress
+        self.recorder = Recorder()
+        self.sent = 0
+        self.completed = 0  # including warm-up, for the live rate
+        self.channel = grpc.aio.insecure_channel(
+            load.address, options=channel_options(MAX_MESSAGE_BYTES)
+        )
+        self.call = self.channel.unary_unary(METHOD)
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
+        self.measure_from = self.start + load.warmup
+        self.stop_at = self.measure_from + load.duration
+
+    def body(self) -> bytes:
+        self.sent += 1
+        return self.load.requests[self.sent % len(self.load.requests)]
+
+    async def send(self, body: bytes, started: float, t0: float) -> None:
+        """One call; latency from t0 (loop clock), counted if it started in the window."""
+        try:
+            await self.call(body, timeout=self.load.timeout)
+        except grpc.aio.AioRpcError as e:
+            if started >= self.measure_from:
+                self.recorder.error(e.code().name)
+            return
+        finally:
+            self.completed += 1
+        if started >= self.measure_from:
+            self.recorder.ok(self.loop.time() - t0)
+
+    async def ticker(self) -> None:
+        last_completed, last_time = 0, self.loop.time()
+        while True:
+            await asyncio.sleep(self.load.progress_seconds)
+            now = self.loop.time()
+            rate = (self.completed - last_completed) / max(1e-9, now - last_time)
+            last_completed, last_time = self.completed, now
+            assert self.progress is not None
+            self.progress(self.line(now, rate), False)
+
+    def line(self, now: float, rate: float) -> str:
+        phase = "warm-up" if now < self.measure_from else "measure"
+        r = self.recorder
+        return (
+            f"{self.label} {phase} {now - self.start:5.1f}/"
+            f"{self.load.warmup + self.load.duration:.0f}s  sent {self.sent}  ok {r.count}  "
+            f"errors {sum(r.errors.values())}  {rate:7.0f} req/s  "
+            f"p50 {r.percentile_ms(50) or 0:.2f} ms  p99 {r.percentile_ms(99) or 0:.2f} ms"
+        )
+
+    async def finish(self, workers: list[asyncio.Task]) -> dict:
+        ticker = asyncio.ensure_future(self.ticker()) if self.progress else None
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            if ticker:
+                ticker.cancel()
+            await self.channel.close()
+        seconds = min(self.load.duration, max(1e-9, self.loop.time() - self.measure_from))
+        if self.progress:
+            rate = self.recorder.count / seconds
+            self.progress(self.line(self.loop.time(), rate).replace("measure", "done   "), True)
+        out = self.recorder.summary(seconds)
+        out.update(seconds=round(seconds, 3), sent=self.sent, cdf=self.recorder.cdf())
+        return out
+
+
+async def closed_loop(load: Load, concurrency: int, progress: Progress | None = None) -> dict:
+    run = _Run(load, f"[c={concurrency}]", progress)
+
+    async def caller() -> None:
+        while (now := run.loop.time()) < run.stop_at and run.sent < load.max_requests:
+            await run.send(run.body(), now, now)
+
+    result = await run.finish([asyncio.ensure_future(caller()) for _ in range(concurrency)])
+    return {"concurrency": concurrency, **result}
+
+
+async def open_loop(
+    load: Load,
+    rate: float,
+    seed: int = 0,
+    max_in_flight: int = 20_000,
+    progress: Progress | None = None,
+) -> dict:
+    """Arrivals beyond `max_in_flight` outstanding are not sent; they count as the error
+    CLIENT_BACKLOG (the offered load is far past what the server answers)."""
+    run = _Run(load, f"[rate={rate:g}/s]", progress)
+    rng = np.random.default_rng(seed)
+    in_flight: set[asyncio.Task] = set()
+
+    async def arrivals() -> None:
+        t = run.start
+        while run.sent < load.max_requests:
+            t += float(rng.exponential(1.0 / rate))
+            if t >= run.stop_at:
+                break
+            await asyncio.sleep(max(0.0, t - run.loop.time()))
+            if len(in_flight) >= max_in_flight:
+                if t >= run.measure_from:
+                    run.recorder.error("CLIENT_BACKLOG")
+                continue
+            task = asyncio.ensure_future(run.send(run.body(), t, t))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
+
+    result = await run.finish([asyncio.ensure_future(arrivals())])
+    return {"offered_rps": rate, **result}
+
+
+def measured(result: dict) -> dict:
+    """The result without its CDF points (for tables)."""
+    return {k: v for k, v in result.items() if k != "cdf"}
+
+
+def elapsed_bound(load: Load) -> float:
+    """Upper bound on one run's wall time: warm-up, duration, then the last deadlines."""
+    return load.warmup + load.duration + load.timeout
+
+
+__all__ = ["Load", "closed_loop", "elapsed_bound", "measured", "open_loop"]
