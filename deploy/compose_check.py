@@ -26,6 +26,7 @@ INSTALL_STEPS = [
 VARIANTS = [
     ["compose.yaml"],
     ["compose.yaml", "compose.gpu.yaml"],
+    ["compose.yaml", "compose.tp.yaml"],
 ]
 
 

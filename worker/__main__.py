@@ -11,6 +11,7 @@ from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
 from worker.server import serve
 from worker.settings import WorkerSettings
+from worker.tp_serve import GroupFailed
 
 
 def parse_args(argv: list[str]) -> WorkerSettings:
@@ -35,6 +36,11 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--advertise-address")
     parser.add_argument("--heartbeat-seconds", type=float)
     parser.add_argument("--registry-ttl-seconds", type=float)
+    parser.add_argument("--tp", type=int, help="serve tp<N> shard sets with N ranks")
+    parser.add_argument("--tp-backend", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--tp-master-addr")
+    parser.add_argument("--tp-timeout-seconds", type=float)
+    parser.add_argument("--memory-budget-bytes", type=int, help="weight bytes per rank")
     parser.add_argument("--log-level")
     args = parser.parse_args(argv)
     return WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
@@ -48,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, GpuRequired, ModelLoadError) as e:
         print(f"meshserve worker: {e}", file=sys.stderr)
         return 2
+    except GroupFailed as e:
+        print(f"meshserve worker: tensor-parallel group failed: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

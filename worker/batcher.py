@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from common.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from worker.config import SIMULATED_COMPUTE_US, ModelSpec
 from worker.stats import ModelStats
 
@@ -164,6 +164,11 @@ class Batcher:
             names = list(dict.fromkeys(n for p in batch for n in p.outputs))
             try:
                 results, timings = await self._call(batch, names)
+            except MeshError as e:  # the runtime said what happened (a failed TP group)
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                return
             except Exception as e:
                 if len(batch) > 1:  # find the one bad request: run each on its own
                     for p in batch:

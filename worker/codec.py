@@ -90,7 +90,7 @@ def decode_request(
         if tensor.name in arrays:
             raise InvalidArgument(f"input {tensor.name!r} appears twice in the request")
         arrays[tensor.name] = _decode_tensor(tensor, raw[i] if raw else None, expected, spec)
-    missing = [n for n in spec.inputs if n not in arrays]
+    missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
     if missing:
         want = ", ".join(f"{n} ({spec.inputs[n].datatype} {_dims(spec, n)})" for n in missing)
         raise InvalidArgument(

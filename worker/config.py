@@ -22,6 +22,15 @@ EXECUTION_PROVIDER = "meshserve.execution_provider"
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
 # machine whose few cores cannot also host real compute for several replicas.
 SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
+# Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
+# the tokens. The worker then adds a BYTES input TEXT (and, to generators, an output
+# TEXT_OUTPUT); the graph's token inputs become optional.
+TOKENIZER = "meshserve.tokenizer"
+TEXT_TASK = "meshserve.text_task"  # embed | generate
+MAX_NEW_TOKENS = "meshserve.max_new_tokens"
+TEXT_TASKS = ("embed", "generate")
+TEXT_INPUT = "TEXT"
+TEXT_OUTPUT = "TEXT_OUTPUT"
 
 
 class ConfigError(Exception):
@@ -33,6 +42,7 @@ class TensorSpec:
     name: str
     datatype: str  # v2 name: FP32, INT64, BYTES, ...
     dims: tuple[int, ...]  # without the batch dimension when the model batches; -1 = any
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,7 +161,7 @@ def _show(dims: tuple[int | None, ...]) -> list[int]:
 
 
 def _check_parameters(config: mc.ModelConfig) -> None:
-    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US):
+    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, MAX_NEW_TOKENS):
         if key in config.parameters:
             raw = config.parameters[key].string_value
             if not raw.isdigit():
@@ -161,11 +171,36 @@ def _check_parameters(config: mc.ModelConfig) -> None:
                 )
 
 
+def add_text_tensors(config: mc.ModelConfig) -> None:
+    """For a config naming a tokenizer: the TEXT input (and TEXT_OUTPUT for generators),
+    token inputs made optional. Call after `complete`, which checks tensors against the graph."""
+    params = config.parameters
+    if TOKENIZER not in params and TEXT_TASK not in params:
+        return
+    task = params[TEXT_TASK].string_value if TEXT_TASK in params else ""
+    if TOKENIZER not in params or task not in TEXT_TASKS:
+        raise ConfigError(
+            f"model {config.name!r}: text serving needs both {TOKENIZER} (a tokenizer.json in "
+            f"the model folder) and {TEXT_TASK} in {list(TEXT_TASKS)}; got "
+            f"tokenizer={params[TOKENIZER].string_value if TOKENIZER in params else None!r}, "
+            f"task={task!r}"
+        )
+    dims = [1] if config.max_batch_size > 0 else [-1, 1]
+    for tensor in config.input:
+        tensor.optional = True
+    config.input.add(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=dims, optional=True)
+    if task == "generate":
+        config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=dims)
+
+
 def spec(config: mc.ModelConfig, version: str) -> ModelSpec:
     def tensors(declared) -> dict[str, TensorSpec]:  # type: ignore[no-untyped-def]
         return {
             t.name: TensorSpec(
-                t.name, dtypes.from_config(mc.DataType.Name(t.data_type)), tuple(t.dims)
+                t.name,
+                dtypes.from_config(mc.DataType.Name(t.data_type)),
+                tuple(t.dims),
+                getattr(t, "optional", False),
             )
             for t in declared
         }

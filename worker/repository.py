@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from common.errors import NotFound
@@ -16,6 +17,7 @@ from worker import config as cfg
 from worker.batcher import Batcher
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
+from worker.text import TextModel
 
 log = structlog.get_logger()
 
@@ -27,6 +29,14 @@ class LoadedModel:
     session: OnnxSession
     batcher: Batcher
     stats: ModelStats
+    text: TextModel | None = None  # set when the config names a tokenizer
+
+    async def infer(
+        self, inputs: dict[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        if self.text is not None:
+            return await self.text.infer(inputs, outputs)
+        return await self.batcher.submit(inputs, outputs)
 
 
 def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
@@ -86,12 +96,18 @@ class Repository:
             self.default_max_queue_size,
         )
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        cfg.add_text_tensors(completed)
         spec = cfg.spec(completed, version)
-        session.warm_up(spec)
         stats = ModelStats()
         batcher = Batcher(
             spec, session.run, stats, spec.max_queue_size or self.default_max_queue_size
         )
+        text = None
+        if cfg.TOKENIZER in spec.parameters:
+            text = TextModel(spec, model_dir, batcher.submit)
+            text.warm_up(session.run)
+        else:
+            session.warm_up(spec)
         log.info(
             "model_loaded",
             model=spec.name,
@@ -101,8 +117,9 @@ class Repository:
             dynamic_batching=spec.dynamic_batching,
             max_queue_delay_us=spec.max_queue_delay_us,
             instances=spec.instance_count,
+            text_task=text.task if text else None,
         )
-        return LoadedModel(spec, completed, session, batcher, stats)
+        return LoadedModel(spec, completed, session, batcher, stats, text)
 
     def get(self, name: str, version: str = "") -> LoadedModel:
         versions = self.models.get(name)

@@ -28,6 +28,9 @@ class RuntimeOptions:
     require_gpu: bool = False
     intra_op_threads: int = 0  # 0: onnxruntime's default (one per core)
     inter_op_threads: int = 1
+    # Idle intra-op threads spin for a while by default. A shard group runs dozens of small
+    # sessions one after another, whose spinning pools starve each other: off there.
+    allow_spinning: bool = True
 
 
 def requested_providers(choice: str) -> list[str]:
@@ -52,6 +55,8 @@ class OnnxSession:
         so.inter_op_num_threads = options.inter_op_threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
+        if not options.allow_spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.path = path
         try:
             self.session = ort.InferenceSession(str(path), sess_options=so, providers=requested)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import Any
 
 import grpc
 import structlog
@@ -20,6 +21,7 @@ from worker.repository import Repository
 from worker.runtime import RuntimeOptions
 from worker.servicer import WorkerServicer
 from worker.settings import WorkerSettings
+from worker.tp_serve import GroupFailed, TpRepository
 
 log = structlog.get_logger()
 
@@ -35,16 +37,21 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def serve(settings: WorkerSettings) -> None:
-    repository = Repository(
-        settings.model_repository,
-        RuntimeOptions(
-            providers=settings.providers,
-            require_gpu=settings.require_gpu,
-            intra_op_threads=settings.intra_op_threads,
-            inter_op_threads=settings.inter_op_threads,
-        ),
-        default_max_batch_size=settings.default_max_batch_size,
-        default_max_queue_size=settings.default_max_queue_size,
+    options = RuntimeOptions(
+        providers=settings.providers,
+        require_gpu=settings.require_gpu,
+        intra_op_threads=settings.intra_op_threads,
+        inter_op_threads=settings.inter_op_threads,
+    )
+    repository = (
+        TpRepository(settings, options)
+        if settings.tp
+        else Repository(
+            settings.model_repository,
+            options,
+            default_max_batch_size=settings.default_max_batch_size,
+            default_max_queue_size=settings.default_max_queue_size,
+        )
     )
     repository.load()
 
@@ -92,7 +99,20 @@ async def serve(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    failure: list[str] = []
+    if isinstance(repository, TpRepository):  # a broken shard group stops the worker at once
+        repository.start(lambda why: _soon(loop, _fail, failure, why, stop))
     await stop.wait()
+    if failure:
+        log.error("worker_group_failed", reason=failure[0])
+        servicer.ready = False
+        await health.enter_graceful_shutdown()  # NOT_SERVING
+        if registration is not None:
+            await registration.deregister()
+        await server.stop(0.5)
+        if isinstance(repository, TpRepository):
+            repository.abort()
+        raise GroupFailed(failure[0])
 
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
     if registration is not None:
@@ -103,6 +123,15 @@ async def serve(settings: WorkerSettings) -> None:
     await server.stop(settings.grace_seconds)  # refuse new calls, let in-flight ones finish
     await repository.close()
     log.info("worker_stopped")
+
+
+def _soon(loop: asyncio.AbstractEventLoop, *call: Any) -> None:
+    loop.call_soon_threadsafe(*call)
+
+
+def _fail(failure: list[str], reason: str, stop: asyncio.Event) -> None:
+    failure.append(reason)
+    stop.set()
 
 
 def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> WorkerInfo:
@@ -120,6 +149,6 @@ def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> 
         address=settings.advertise_address or f"{settings.host}:{port}",
         models=models,
         provider=",".join(sorted(repository.providers)),
-        tp=1,
+        tp=max(settings.tp, 1),
         started_ms=now_ms(),
     )

@@ -85,7 +85,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         ok = False
         try:
             inputs, outputs = codec.decode_request(request, model.spec)
-            results = await model.batcher.submit(inputs, outputs)
+            results = await model.infer(inputs, outputs)
             response = codec.encode_response(request, model.spec, results)
             ok = True
             return response

@@ -30,5 +30,12 @@ class WorkerSettings(BaseSettings):
     registry_ttl_seconds: float = 5.0
     depth_interval_seconds: float = 0.1
     drain_seconds: float = 0.5  # after leaving the registry, before refusing new calls
+    # Tensor parallelism (worker/tp_serve.py): tp >= 1 serves the models' tp<N> shard sets
+    # with a group of N rank processes; 0 is the plain single-process worker.
+    tp: int = 0
+    tp_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL when CUDA is active
+    tp_master_addr: str = "127.0.0.1"
+    tp_timeout_seconds: float = 10.0  # a collective slower than this fails the group
+    memory_budget_bytes: int = 0  # weight bytes per rank; 0: no limit
     log_level: str = "info"
     log_json: bool | None = None  # default: JSON when stderr is not a terminal

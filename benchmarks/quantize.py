@@ -1,0 +1,148 @@
+"""Quantization on the real models, and dynamic batching of text through the worker.
+
+    python -m benchmarks.quantize [--seconds 5]
+
+(a) MiniLM int8 (dynamic, per-channel) vs fp32: onnxruntime CPU latency at batch 1 and 16
+    (16-token sentences, measured in alternation), with the gate's cosine.
+(b) SmolLM2 recipes vs fp32: accuracy (top-1 agreement, KL, greedy match), the gate's
+    verdict, decode-step and prefill latency for the accepted ones.
+(c) MiniLM int8 served from TEXT by the worker, closed loop at concurrency 32: dynamic
+    batching on vs off.
+Builds what it needs in build/quantize (reused between runs). Writes
+benchmarks/results/quantize.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import (
+    ROOT,
+    closed_loop,
+    free_port,
+    machine,
+    spawn,
+    wait_ready,
+    write_result,
+)
+from protos import grpc_service_pb2 as pb
+from quantize import pipeline
+from worker.codec import serialize_bytes
+
+CACHE = ROOT / "build" / "quantize"
+REPORTS = CACHE / "reports"
+SMOLLM2_RECIPES = ("decoder-int8-weight-only", "decoder-int4-weight-only", "decoder-int8-dynamic")
+TEXT_PARAMS = (
+    'parameters { key: "meshserve.tokenizer" value { string_value: "tokenizer.json" } }\n'
+    'parameters { key: "meshserve.text_task" value { string_value: "embed" } }\n'
+)
+BATCHING = {
+    "batching": "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n",
+    "no_batching": "max_batch_size: 32\n",
+}
+SENTENCE = b"A man is eating a piece of bread while riding a horse."
+
+
+def gated(model: str, recipe: str) -> dict:
+    pipeline.quantize_model(model, recipe, CACHE)
+    verdict = pipeline.evaluate_model(model, recipe, CACHE, REPORTS)
+    print(f"{model}/{recipe}: {'accepted' if verdict.accepted else 'REFUSED'} {verdict.metrics}")
+    return verdict.report
+
+
+def batching_gain(seconds: float) -> dict:
+    artifact = pipeline.Artifact(CACHE / "minilm" / "encoder-int8-dynamic")
+    request = pb.ModelInferRequest()
+    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 1])
+    request.raw_input_contents.append(serialize_bytes(np.array([SENTENCE], dtype=object)))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "models"
+        for name, config in BATCHING.items():
+            (repo / name / "1").mkdir(parents=True)
+            shutil.copy(artifact.model, repo / name / "1" / "model.onnx")
+            shutil.copy(artifact.tokenizer, repo / name / "tokenizer.json")
+            (repo / name / "config.pbtxt").write_text(config + TEXT_PARAMS)
+        port = free_port()
+        worker = spawn(
+            [
+                "-m",
+                "worker",
+                "--model-repository",
+                str(repo),
+                "--port",
+                str(port),
+                "--providers",
+                "cpu",
+            ],
+            Path(tmp) / "worker.log",
+        )
+        try:
+            wait_ready(f"127.0.0.1:{port}")
+            for name in BATCHING:
+                request.model_name = name
+                results[name] = asyncio.run(closed_loop(f"127.0.0.1:{port}", request, 32, seconds))
+                print(name, results[name])
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    results["gain"] = round(
+        results["batching"]["throughput_rps"] / results["no_batching"]["throughput_rps"], 2
+    )
+    return results
+
+
+def speedups(report: dict) -> dict:
+    out = {}
+    for batch, per_file in report["latency_ms"].items():
+        fp32, quantized = per_file.values()
+        if isinstance(fp32, dict):
+            out[batch] = {k: round(fp32[k] / quantized[k], 2) for k in fp32}
+        else:
+            out[batch] = round(fp32 / quantized, 2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    minilm = gated("minilm", "encoder-int8-dynamic")
+    smollm2 = {r: gated("smollm2", r) for r in SMOLLM2_RECIPES}
+    batching = batching_gain(args.seconds)
+    path = write_result(
+        "quantize",
+        {
+            "benchmark": "quantize",
+            "machine": machine(),
+            "minilm_int8": {
+                "metrics": minilm["metrics"],
+                "latency_ms": minilm["latency_ms"],
+                "speedup": speedups(minilm),
+                "size_ratio": minilm["size_ratio"],
+            },
+            "smollm2": {
+                r: {
+                    "verdict": rep["verdict"],
+                    "failures": rep["failures"],
+                    "metrics": rep["metrics"],
+                    "latency_ms": rep["latency_ms"],
+                    "speedup": speedups(rep) if rep["latency_ms"] else {},
+                    "size_ratio": rep["size_ratio"],
+                }
+                for r, rep in smollm2.items()
+            },
+            "batching": {"seconds_per_point": args.seconds, "concurrency": 32, **batching},
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

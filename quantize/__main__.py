@@ -1,0 +1,204 @@
+"""python -m quantize export | quantize | evaluate | build-repository
+
+    export            real weights -> CACHE/<model>/fp32/{model.onnx,tokenizer.json}
+    shard             real weights -> tensor-parallel shard sets OUTPUT/<model>/1/tp<N>/
+                      (--tp 2 3; a size that does not divide the heads is refused)
+    quantize          CACHE/<model>/fp32 -> CACHE/<model>/<recipe>
+    evaluate          gate CACHE/<model>/<recipe> against fp32; report in REPORTS/<model>/;
+                      exit 1 when the gate refuses it
+    build-repository  all of the above for every model and recipe asked for, then a Triton
+                      repository OUTPUT/<model>/{1 = fp32, 2.. = accepted recipes}; exit 1
+                      when any recipe was refused (the accepted ones are still installed)
+
+Exit 2: bad input (unknown model or recipe, missing weights package, failed export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from quantize import pipeline
+from quantize.recipes import RECIPES
+
+ROOT = Path(__file__).resolve().parents[1]
+console = Console(stderr=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m quantize",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
+    parser.add_argument("--reports", type=Path, default=ROOT / "build" / "quantize" / "reports")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export")
+    p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
+    p.add_argument("--force", action="store_true")
+    for name in ("quantize", "evaluate"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=True)
+        p.add_argument("--recipe", required=True, help=f"one of {sorted(RECIPES)}")
+    p = sub.add_parser("shard", help="tensor-parallel shard sets (quantize/shard.py)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, nargs="+", required=True)
+    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--layers", type=int, help="keep only the first N layers (quick checks)")
+    p.add_argument("--name", help="the served model name (default: --model)")
+    p = sub.add_parser("build-repository")
+    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
+    p.add_argument("--recipe", nargs="+", help="default: each model's recipes")
+    return parser.parse_args(argv)
+
+
+def progress() -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def show_verdict(v: pipeline.Verdict) -> None:
+    if v.accepted:
+        console.print(f"[green]accepted[/green] {v.model}/{v.recipe.name}: " + _brief(v.metrics))
+    else:
+        console.print(f"[red]REFUSED[/red] {v.model}/{v.recipe.name}: " + "; ".join(v.failures))
+
+
+def _brief(metrics: dict) -> str:
+    return ", ".join(f"{k} {val:.4f}" for k, val in metrics.items())
+
+
+def evaluate_with_bar(bar: Progress, model: str, recipe: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from quantize.evaluate import load_set
+
+    kind = pipeline.source(model).kind
+    total = len(load_set(kind)["prompts"]) if kind == "decoder" else 1
+    task = bar.add_task(f"evaluate {model}/{recipe}", total=total)
+    verdict = pipeline.evaluate_model(
+        model, recipe, args.cache, args.reports, lambda: bar.advance(task)
+    )
+    bar.update(task, completed=total)
+    return verdict
+
+
+def step(bar: Progress, label: str, fn, *a):  # type: ignore[no-untyped-def]
+    task = bar.add_task(label, total=1)
+    result = fn(*a)
+    bar.update(task, completed=1)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        with progress() as bar:
+            for m in args.model:
+                a = step(bar, f"export {m}", pipeline.export_model, m, args.cache, args.force)
+                console.print(f"{m}: {a.model}")
+        return 0
+    if args.command == "quantize":
+        with progress() as bar:
+            step(bar, f"export {args.model}", pipeline.export_model, args.model, args.cache)
+            a = step(
+                bar,
+                f"quantize {args.model}/{args.recipe}",
+                pipeline.quantize_model,
+                args.model,
+                args.recipe,
+                args.cache,
+            )
+        console.print(f"{args.model}/{args.recipe}: {a.model} (not gated yet: run evaluate)")
+        return 0
+    if args.command == "shard":
+        from quantize.shard import ShardError, shard_model
+
+        try:
+            for path in shard_model(
+                args.model, args.tp, args.output, args.layers, serve_as=args.name
+            ):
+                console.print(f"{args.model}: {path}")
+        except ShardError as e:
+            console.print(f"[red]error:[/red] {e}")
+            return 2
+        return 0
+    if args.command == "evaluate":
+        with progress() as bar:
+            verdict = evaluate_with_bar(bar, args.model, args.recipe, args)
+        show_verdict(verdict)
+        console.print(f"report: {args.reports / args.model / args.recipe}.md")
+        return 0 if verdict.accepted else 1
+    return build_repository(args)
+
+
+def build_repository(args: argparse.Namespace) -> int:
+    models = [pipeline.source(m) for m in args.model]
+    for r in args.recipe or []:
+        if r not in RECIPES:
+            raise pipeline.BuildError(f"unknown recipe {r!r}; known recipes: {sorted(RECIPES)}")
+    plan = {
+        m.name: [r for r in args.recipe if RECIPES[r].kind == m.kind]
+        if args.recipe
+        else list(m.recipes)
+        for m in models
+    }
+    verdicts: list[pipeline.Verdict] = []
+    versions: dict[str, dict[int, str]] = {}
+    with progress() as bar:
+        for model, recipes in plan.items():
+            step(bar, f"export {model}", pipeline.export_model, model, args.cache)
+            for recipe in recipes:
+                step(
+                    bar,
+                    f"quantize {model}/{recipe}",
+                    pipeline.quantize_model,
+                    model,
+                    recipe,
+                    args.cache,
+                )
+                verdict = evaluate_with_bar(bar, model, recipe, args)
+                show_verdict(verdict)
+                verdicts.append(verdict)
+            accepted = [v.recipe.name for v in verdicts if v.model == model and v.accepted]
+            versions[model] = step(
+                bar,
+                f"install {model} into {args.output}",
+                pipeline.install_model,
+                model,
+                accepted,
+                args.cache,
+                args.output,
+            )
+    body = pipeline.summary(verdicts, versions)
+    pipeline.write_summary(args.reports, body)
+    for model, vs in versions.items():
+        console.print(f"{args.output / model}: " + ", ".join(f"{v}={lab}" for v, lab in vs.items()))
+    console.print(f"reports: {args.reports}")
+    refused = body["refused"]
+    for key, failures in refused.items():
+        console.print(f"[red]refused[/red] {key}: " + "; ".join(failures))
+    return 1 if refused else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except pipeline.BuildError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

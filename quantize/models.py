@@ -1,0 +1,249 @@
+"""Our own compact torch definitions of the two reference models.
+
+- `BertEncoder`: BERT with mean pooling over the attention mask and L2 normalisation
+  (all-MiniLM-L6-v2's sentence-transformers pipeline in one module).
+- `LlamaDecoder`: Llama (RoPE, grouped-query attention, RMSNorm, SwiGLU) whose KV cache is
+  an explicit input and output, so one ONNX graph serves both the prompt and every decode
+  step, and the server, not the graph, owns the cache.
+
+Every projection is its own `nn.Linear` with heads as plain attributes, so the
+tensor-parallel issue can split q/k/v/gate/up by output rows and o/down by input columns.
+Attention is written out (matmul, mask, softmax) rather than fused: the exported graph is
+then plain MatMul/Softmax that every onnxruntime quantizer understands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Added to the scores of keys a query may not see. Finite, so fp16 conversion cannot
+# overflow it and a row that sees nothing (a padding query) stays finite instead of NaN.
+MASKED = -1.0e4
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int = 30522
+    hidden: int = 384
+    layers: int = 6
+    heads: int = 12
+    intermediate: int = 1536
+    max_positions: int = 512
+    type_vocab_size: int = 2
+    eps: float = 1e-12
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int = 49152
+    hidden: int = 576
+    layers: int = 30
+    heads: int = 9
+    kv_heads: int = 3
+    intermediate: int = 1536
+    rope_theta: float = 100000.0
+    eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class BertLayer(nn.Module):
+    def __init__(self, c: EncoderConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.head_dim = c.hidden // c.heads
+        self.q = nn.Linear(c.hidden, c.hidden)
+        self.k = nn.Linear(c.hidden, c.hidden)
+        self.v = nn.Linear(c.hidden, c.hidden)
+        self.o = nn.Linear(c.hidden, c.hidden)
+        self.attn_norm = nn.LayerNorm(c.hidden, eps=c.eps)
+        self.up = nn.Linear(c.hidden, c.intermediate)
+        self.down = nn.Linear(c.intermediate, c.hidden)
+        self.ffn_norm = nn.LayerNorm(c.hidden, eps=c.eps)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + bias
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        x = self.attn_norm(x + self.o(attn))
+        return self.ffn_norm(x + self.down(nn.functional.gelu(self.up(x))))
+
+
+class BertEncoder(nn.Module):
+    """input_ids, attention_mask [batch, seq] int64 -> unit-length embeddings [batch, hidden]."""
+
+    def __init__(self, c: EncoderConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.word = nn.Embedding(c.vocab_size, c.hidden)
+        self.position = nn.Embedding(c.max_positions, c.hidden)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden)
+        self.embed_norm = nn.LayerNorm(c.hidden, eps=c.eps)
+        self.layers = nn.ModuleList(BertLayer(c) for _ in range(c.layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        positions = torch.arange(s, device=input_ids.device)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
+        x = self.embed_norm(x)
+        mask = attention_mask.to(x.dtype)
+        bias = ((1.0 - mask) * MASKED)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, bias)
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.head_dim
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+        self.attn_norm = RMSNorm(c.hidden, c.eps)
+        self.ffn_norm = RMSNorm(c.hidden, c.eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = torch.cat((past_k, k), dim=2)
+        v = torch.cat((past_v, v), dim=2)
+        rep = self.heads // self.kv_heads
+        t = k.shape[2]
+        kr = (
+            k[:, :, None]
+            .expand(b, self.kv_heads, rep, t, self.head_dim)
+            .reshape(b, -1, t, self.head_dim)
+        )
+        vr = (
+            v[:, :, None]
+            .expand(b, self.kv_heads, rep, t, self.head_dim)
+            .reshape(b, -1, t, self.head_dim)
+        )
+        scores = q @ kr.transpose(-1, -2) / self.head_dim**0.5 + bias
+        attn = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.o(attn)
+        h = self.ffn_norm(x)
+        x = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return x, k, v
+
+
+class LlamaDecoder(nn.Module):
+    """One step of a Llama decoder with the KV cache passed in and out.
+
+    inputs: input_ids [batch, seq] int64; attention_mask [batch, past + seq] int64 (1 = a real
+    token; left padding allowed); past_keys, past_values [batch, layers, kv_heads, past,
+    head_dim] float32 (past may be 0; batch first, so a server can merge decode steps).
+    outputs: logits [batch, seq, vocab]; present_keys, present_values [batch, layers,
+    kv_heads, past + seq, head_dim]. Positions come from the mask, so left-padded rows get
+    the positions they would have alone.
+    """
+
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.hidden)
+        self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.eps)
+        self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_keys: torch.Tensor,
+        past_values: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = input_ids.shape[1]
+        total = attention_mask.shape[1]
+        past = total - s
+        x = self.embed(input_ids)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        freqs = positions[..., None].to(x.dtype) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
+        cos, sin = angles.cos(), angles.sin()
+        query_at = torch.arange(s, device=x.device)[:, None] + past
+        key_at = torch.arange(total, device=x.device)[None, :]
+        visible = (key_at <= query_at)[None, None] & (attention_mask[:, None, None, :] > 0)
+        bias = torch.where(visible, 0.0, MASKED).to(x.dtype)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, bias, past_keys[:, i], past_values[:, i])
+            keys.append(k)
+            values.append(v)
+        logits = self.lm_head(self.norm(x))
+        return logits, torch.stack(keys, dim=1), torch.stack(values, dim=1)
+
+    def empty_cache(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        shape = (batch, c.layers, c.kv_heads, 0, c.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+
+@torch.no_grad()
+def greedy(
+    model: LlamaDecoder, input_ids: torch.Tensor, new_tokens: int, eos: int | None = None
+) -> list[int]:
+    """Greedy continuation of one prompt [1, seq] using the KV cache; returns new token ids."""
+    keys, values = model.empty_cache(1)
+    mask = torch.ones_like(input_ids)
+    ids = input_ids
+    out: list[int] = []
+    for _ in range(new_tokens):
+        logits, keys, values = model(ids, mask, keys, values)
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        if token == eos:
+            break
+        ids = torch.tensor([[token]])
+        mask = torch.cat((mask, torch.ones(1, 1, dtype=mask.dtype)), dim=1)
+    return out

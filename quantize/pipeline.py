@@ -1,0 +1,283 @@
+"""The steps behind the CLI: export, quantize, evaluate + gate, build the repository.
+
+Intermediate files live in a cache folder (default build/quantize): CACHE/<model>/fp32/ and
+CACHE/<model>/<recipe>/, each with model.onnx and tokenizer.json. Every file is written
+under a temporary name and renamed into place, so a failed step leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantize import evaluate, export, report, weights
+from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+FP32 = "fp32"
+
+
+class BuildError(Exception):
+    """Bad input or a failed step; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    kind: str
+    load: Callable[[], weights.Loaded]
+    recipes: tuple[str, ...]  # built by default, in version order after fp32
+    config: dict[str, str] = field(default_factory=dict)  # extra meshserve parameters
+    max_batch_size: int = 32
+    max_queue_delay_us: int = 2000
+
+
+# Prices and training costs are integers in micro-USD. Training costs are estimates:
+# MiniLM-L6 (fine-tuned on 1B pairs, a TPU v3-8 for about a day) and SmolLM2-135M
+# (6 * 135M params * 2T tokens ~ 1.6e21 FLOP, ~1,100 H100-hours at 40% utilisation).
+SOURCES = {
+    s.name: s
+    for s in (
+        Source(
+            "minilm",
+            ENCODER,
+            weights.load_minilm,
+            ("encoder-fp16", "encoder-int8-dynamic"),
+            {
+                "meshserve.price_per_call_micro_usd": "20",
+                "meshserve.training_cost_micro_usd": "300000000",
+                "meshserve.text_task": "embed",
+            },
+        ),
+        Source(
+            "smollm2",
+            DECODER,
+            weights.load_smollm2,
+            ("decoder-int8-weight-only", "decoder-int4-weight-only", "decoder-int8-dynamic"),
+            {
+                "meshserve.price_per_call_micro_usd": "200",
+                "meshserve.training_cost_micro_usd": "2500000000",
+                "meshserve.text_task": "generate",
+                "meshserve.max_new_tokens": "32",
+            },
+            max_batch_size=16,
+            max_queue_delay_us=1000,
+        ),
+    )
+}
+
+
+def source(name: str) -> Source:
+    if name not in SOURCES:
+        raise BuildError(f"unknown model {name!r}; known models: {sorted(SOURCES)}")
+    return SOURCES[name]
+
+
+def recipe_for(model: Source, name: str) -> Recipe:
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise BuildError(f"unknown recipe {name!r}; known recipes: {sorted(RECIPES)}")
+    if recipe.kind != model.kind:
+        raise BuildError(
+            f"recipe {name!r} is for {recipe.kind} models; {model.name!r} is an {model.kind}"
+        )
+    return recipe
+
+
+def _quiet_quantizers() -> None:
+    for name in ("onnxruntime.quantization", "root"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@dataclass
+class Artifact:
+    folder: Path
+
+    @property
+    def model(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.folder / TOKENIZER_FILE
+
+    def exists(self) -> bool:
+        return self.model.exists() and self.tokenizer.exists()
+
+
+def _staged(target: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp_folder), then rename tmp_folder to target (replacing it)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def export_model(name: str, cache: Path, force: bool = False) -> Artifact:
+    model = source(name)
+    artifact = Artifact(cache / name / FP32)
+    if artifact.exists() and not force:
+        return artifact
+    try:
+        loaded = model.load()
+    except weights.MissingWeights as e:
+        raise BuildError(str(e)) from e
+
+    def write(tmp: Path) -> None:
+        loaded.tokenizer.no_padding()
+        loaded.tokenizer.save(str(tmp / TOKENIZER_FILE))
+        try:
+            export.export(loaded.model, tmp / MODEL_FILE)
+        except export.ExportError as e:
+            raise BuildError(f"model {name!r}: {e}") from e
+
+    _staged(artifact.folder, write)
+    return artifact
+
+
+def quantize_model(name: str, recipe_name: str, cache: Path, force: bool = False) -> Artifact:
+    model = source(name)
+    recipe = recipe_for(model, recipe_name)
+    parent = export_model(name, cache)
+    artifact = Artifact(cache / name / recipe.name)
+    if artifact.exists() and not force:
+        return artifact
+    _quiet_quantizers()
+
+    def write(tmp: Path) -> None:
+        shutil.copy(parent.tokenizer, tmp / TOKENIZER_FILE)
+        try:
+            recipe.apply(parent.model, tmp / MODEL_FILE)
+        except Exception as e:  # onnxruntime's quantizers raise anything
+            raise BuildError(f"recipe {recipe.name!r} failed on {name!r}: {e}") from e
+
+    _staged(artifact.folder, write)
+    return artifact
+
+
+@dataclass
+class Verdict:
+    model: str
+    recipe: Recipe
+    metrics: dict
+    failures: list[str]
+    report: dict
+
+    @property
+    def accepted(self) -> bool:
+        return not self.failures
+
+
+def evaluate_model(
+    name: str,
+    recipe_name: str,
+    cache: Path,
+    reports: Path,
+    progress: Callable[[], None] | None = None,
+) -> Verdict:
+    """Evaluate CACHE/<name>/<recipe> against its fp32 parent, apply the gate, write the report."""
+    model = source(name)
+    recipe = recipe_for(model, recipe_name)
+    parent, candidate = Artifact(cache / name / FP32), Artifact(cache / name / recipe.name)
+    for a in (parent, candidate):
+        if not a.exists():
+            raise BuildError(
+                f"{a.model} does not exist; run `python -m quantize quantize --model {name} "
+                f"--recipe {recipe.name}` first"
+            )
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(parent.tokenizer))
+    start = time.perf_counter()
+    if model.kind == ENCODER:
+        metrics = evaluate.evaluate_encoder(
+            parent.model, candidate.model, tokenizer, recipe.provider
+        )
+    else:
+        metrics = evaluate.evaluate_decoder(
+            parent.model, candidate.model, tokenizer, recipe.provider, progress
+        )
+    failures = [
+        t.describe(metrics[t.metric]) for t in recipe.gate if not t.passes(metrics[t.metric])
+    ]
+    paths = {FP32: parent.model, recipe.name: candidate.model}
+    vocab = tokenizer.get_vocab_size()
+    latency: dict[str, dict] = {}
+    if not failures:
+        for batch in (1, 16):
+            if model.kind == ENCODER:
+                latency[f"batch_{batch}"] = evaluate.encoder_latency(paths, batch, vocab)
+            else:
+                latency[f"batch_{batch}"] = evaluate.decoder_latency(paths, batch, vocab)
+    body = report.build(
+        name, recipe, metrics, failures, paths, latency, time.perf_counter() - start
+    )
+    report.write(reports / name, recipe.name, body)
+    return Verdict(name, recipe, metrics, failures, body)
+
+
+def config_text(model: Source, versions: dict[int, str]) -> str:
+    params = {
+        **model.config,
+        "meshserve.tokenizer": TOKENIZER_FILE,
+        **{f"meshserve.version.{v}": label for v, label in versions.items()},
+    }
+    lines = [
+        f'name: "{model.name}"',
+        'platform: "onnxruntime_onnx"',
+        f"max_batch_size: {model.max_batch_size}",
+        "version_policy { all {} }",
+        "dynamic_batching {",
+        f"  max_queue_delay_microseconds: {model.max_queue_delay_us}",
+        "}",
+    ]
+    for key, value in params.items():
+        lines += ["parameters {", f'  key: "{key}"', f'  value {{ string_value: "{value}" }}', "}"]
+    return "\n".join(lines) + "\n"
+
+
+def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> dict[int, str]:
+    """Write OUTPUT/<name>/ (fp32 as version 1, accepted recipes after it) in one rename."""
+    model = source(name)
+    versions = {1: FP32, **{i + 2: r for i, r in enumerate(accepted)}}
+
+    def write(tmp: Path) -> None:
+        shutil.copy(Artifact(cache / name / FP32).tokenizer, tmp / TOKENIZER_FILE)
+        for version, label in versions.items():
+            (tmp / str(version)).mkdir()
+            src = Artifact(cache / name / label).model
+            try:  # a hard link when the cache is on the same disk: no second copy
+                (tmp / str(version) / MODEL_FILE).hardlink_to(src)
+            except OSError:
+                shutil.copy(src, tmp / str(version) / MODEL_FILE)
+        (tmp / "config.pbtxt").write_text(config_text(model, versions))
+
+    _staged(output / name, write)
+    return versions
+
+
+def summary(verdicts: list[Verdict], versions: dict[str, dict[int, str]]) -> dict:
+    return {
+        "models": {m: {str(v): label for v, label in vs.items()} for m, vs in versions.items()},
+        "accepted": [f"{v.model}/{v.recipe.name}" for v in verdicts if v.accepted],
+        "refused": {f"{v.model}/{v.recipe.name}": v.failures for v in verdicts if not v.accepted},
+        "metrics": {f"{v.model}/{v.recipe.name}": v.metrics for v in verdicts},
+    }
+
+
+def write_summary(reports: Path, body: dict) -> None:
+    reports.mkdir(parents=True, exist_ok=True)
+    (reports / "summary.json").write_text(json.dumps(body, indent=2) + "\n")

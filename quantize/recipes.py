@@ -1,0 +1,152 @@
+"""Quantization recipes: what each does to an fp32 ONNX file, what it is for, and its gate.
+
+Every threshold a quantized artifact must meet lives here, next to the recipe it guards.
+Metric names are the keys evaluate.py reports.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+ENCODER = "encoder"
+DECODER = "decoder"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    metric: str
+    op: str  # ">=" or "<="
+    value: float
+
+    def passes(self, measured: float) -> bool:
+        return {">=": operator.ge, "<=": operator.le}[self.op](measured, self.value)
+
+    def describe(self, measured: float) -> str:
+        return f"{self.metric} = {measured:.4f}, threshold {self.op} {self.value}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    kind: str  # ENCODER or DECODER: which models it applies to
+    purpose: str
+    gate: tuple[Threshold, ...]
+    apply: Callable[[Path, Path], None]  # fp32 .onnx -> quantized .onnx
+    provider: str = "CPUExecutionProvider"  # where the gate evaluates it
+
+
+def _int8_dynamic(src: Path, dst: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(src),
+        str(dst),
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        op_types_to_quantize=["MatMul", "Gemm"],
+        extra_options={"MatMulConstBOnly": True},
+    )
+
+
+def _weight_only(bits: int, block_size: int) -> Callable[[Path, Path], None]:
+    def apply(src: Path, dst: Path) -> None:
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            MatMulNBitsQuantizer,
+        )
+
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits
+        )
+        quantizer = MatMulNBitsQuantizer(
+            onnx.load(str(src)),
+            block_size=block_size,
+            is_symmetric=True,
+            accuracy_level=4,
+            algo_config=config,
+        )
+        quantizer.process()
+        onnx.save(quantizer.model.model, str(dst))
+
+    return apply
+
+
+def _fp16(src: Path, dst: Path) -> None:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+    onnx.save(model, str(dst))
+
+
+ENCODER_GATE = (
+    Threshold("mean_cosine", ">=", 0.99),
+    Threshold("min_cosine", ">=", 0.98),
+    Threshold("ranking_kept", ">=", 1.0),
+)
+DECODER_GATE = (
+    Threshold("top1_agreement", ">=", 0.9),
+    Threshold("kl_divergence", "<=", 0.1),
+    Threshold("greedy_match", ">=", 0.6),
+)
+
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe(
+            "encoder-int8-dynamic",
+            ENCODER,
+            "CPU serving of embeddings: int8 weights per output channel, activations "
+            "quantized on the fly (MatMulInteger); 4x smaller MatMul weights, ~2-4x faster on "
+            "x86 CPUs with VNNI/AVX2.",
+            ENCODER_GATE,
+            _int8_dynamic,
+        ),
+        Recipe(
+            "encoder-fp16",
+            ENCODER,
+            "GPU serving: half the bytes, tensor cores. On a CPU onnxruntime casts around "
+            "most fp16 nodes, so it is slower there; the gate still checks its accuracy.",
+            ENCODER_GATE,
+            _fp16,
+        ),
+        Recipe(
+            "decoder-int8-weight-only",
+            DECODER,
+            "CPU/GPU serving of the decoder: MatMul weights in 8-bit blocks of 32 "
+            "(MatMulNBits, accuracy_level 4 = int8 compute); activations stay float, so "
+            "the KV cache and the causal mask keep full range. Decode steps are bound by "
+            "weight bytes, which this quarters.",
+            DECODER_GATE,
+            _weight_only(8, 32),
+        ),
+        Recipe(
+            "decoder-int4-weight-only",
+            DECODER,
+            "Optional, for memory-bound decode where size matters most: 4-bit blocks of 32 "
+            "(MatMulNBits). Smallest artifact; accuracy loss is larger than int8 and the "
+            "gate decides whether it ships.",
+            DECODER_GATE,
+            _weight_only(4, 32),
+        ),
+        Recipe(
+            "decoder-int8-dynamic",
+            DECODER,
+            "Kept as the known-harmful baseline: dynamic int8 (activations too) on a real "
+            "decoder. The gate is expected to refuse it.",
+            DECODER_GATE,
+            _int8_dynamic,
+        ),
+        Recipe(
+            "decoder-fp16",
+            DECODER,
+            "GPU serving of the decoder: half the bytes. Slow on CPU.",
+            DECODER_GATE,
+            _fp16,
+        ),
+    )
+}

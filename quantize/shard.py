@@ -1,0 +1,653 @@
+"""Megatron-style tensor-parallel shards of our BertEncoder / LlamaDecoder, as ONNX segments.
+
+Per rank the model is cut at its all-reduce points into segments, each one small ONNX graph:
+
+    first      embeddings (replicated) + layer 0's attention partial
+    L{i}.mlp   residual + norm of the reduced attention partial, then the MLP partial
+    L{i}.attn  residual + norm of the reduced MLP partial, then layer i's attention partial
+    head       the last residual + norm, then pooling (encoder) or the LM head (decoder)
+
+Attention heads (and, for grouped-query attention, KV heads) are divided across ranks: q/k/v
+and MLP-up/gate are column-parallel (a rank keeps its rows of the weight), attention-out and
+MLP-down row-parallel (its columns, no bias: the replicated bias is added once, after the
+reduce, in the next segment). Embeddings and norms are replicated. The decoder's LM head is
+vocab-parallel when the vocabulary divides by the TP size: each rank computes its slice of
+the logits and an all-gather joins them; otherwise it is replicated.
+
+Tensor-name contract with worker/tp_runtime.py: an output `partial` is all-reduced into
+`reduced`; `logits_shard` is all-gathered along the last axis into `logits`; `X_out` becomes
+`X`; anything else keeps its name. Layer i's KV cache is `past_keys_i`/`past_values_i` in,
+`present_keys_i`/`present_values_i` out, [batch, kv_heads / tp, past, head_dim] per rank.
+
+Written into a model repository as DIR/<model>/<version>/tp<N>/{manifest.json, rank<r>/*.onnx}.
+The manifest lists ranks, files, sha256 checksums and weight bytes; the worker verifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantize.models import (
+    MASKED,
+    BertEncoder,
+    BertLayer,
+    LlamaDecoder,
+    LlamaLayer,
+    RMSNorm,
+    rotate_half,
+)
+
+OPSET = 17
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class ShardError(Exception):
+    """The model cannot be split this way; the message says why and what would work."""
+
+
+def valid_tp_sizes(heads: int, kv_heads: int, up_to: int = 64) -> list[int]:
+    return [n for n in range(1, up_to + 1) if heads % n == 0 and kv_heads % n == 0]
+
+
+def check_tp(name: str, heads: int, kv_heads: int, tp: int) -> None:
+    if tp < 1 or heads % tp or kv_heads % tp:
+        kv = f" and {kv_heads} KV heads" if kv_heads != heads else ""
+        raise ShardError(
+            f"{name}: TP size {tp} does not divide its {heads} attention heads{kv}; "
+            f"valid TP sizes: {valid_tp_sizes(heads, kv_heads)}"
+        )
+
+
+# ---- slicing -------------------------------------------------------------------------
+
+
+def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """Column-parallel: output features start:stop (and their bias)."""
+    out = nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None)
+    out.weight = nn.Parameter(linear.weight.detach()[start:stop].clone())
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias.detach()[start:stop].clone())
+    return out
+
+
+def _cols(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """Row-parallel: input features start:stop, no bias (added once, after the reduce)."""
+    out = nn.Linear(stop - start, linear.out_features, bias=False)
+    out.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone())
+    return out
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    b = linear.bias
+    return torch.zeros(linear.out_features) if b is None else b.detach().clone()
+
+
+# ---- encoder segments ----------------------------------------------------------------
+
+
+class BertAttnPart(nn.Module):
+    def __init__(self, layer: BertLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.head_dim = layer.head_dim
+        width = layer.heads // tp * layer.head_dim
+        lo, hi = rank * width, (rank + 1) * width
+        self.q, self.k, self.v = (_rows(m, lo, hi) for m in (layer.q, layer.k, layer.v))
+        self.o = _cols(layer.o, lo, hi)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(b, s, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + bias
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
+
+
+class BertMlpPart(nn.Module):
+    def __init__(self, layer: BertLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        width = layer.up.out_features // tp
+        self.up = _rows(layer.up, rank * width, (rank + 1) * width)
+        self.down = _cols(layer.down, rank * width, (rank + 1) * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))  # type: ignore[no-any-return]
+
+
+class EncFirst(nn.Module):
+    def __init__(self, model: BertEncoder, rank: int, tp: int) -> None:
+        super().__init__()
+        self.word, self.position = model.word, model.position
+        self.token_type, self.embed_norm = model.token_type, model.embed_norm
+        self.attn = BertAttnPart(model.layers[0], rank, tp)  # type: ignore[arg-type]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):  # type: ignore[no-untyped-def]
+        positions = torch.arange(input_ids.shape[1])
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
+        x = self.embed_norm(x)
+        bias = ((1.0 - attention_mask.to(x.dtype)) * MASKED)[:, None, None, :]
+        return x, bias, self.attn(x, bias)
+
+
+class EncMlp(nn.Module):
+    o_bias: torch.Tensor
+
+    def __init__(self, layer: BertLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.register_buffer("o_bias", _bias(layer.o))
+        self.norm = layer.attn_norm
+        self.mlp = BertMlpPart(layer, rank, tp)
+
+    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor):  # type: ignore[no-untyped-def]
+        x = self.norm(hidden + reduced + self.o_bias)
+        return x, self.mlp(x)
+
+
+class EncAttn(nn.Module):
+    down_bias: torch.Tensor
+
+    def __init__(self, prev: BertLayer, layer: BertLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.register_buffer("down_bias", _bias(prev.down))
+        self.norm = prev.ffn_norm
+        self.attn = BertAttnPart(layer, rank, tp)
+
+    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor, bias: torch.Tensor):  # type: ignore[no-untyped-def]
+        x = self.norm(hidden + reduced + self.down_bias)
+        return x, self.attn(x, bias)
+
+
+class EncHead(nn.Module):
+    down_bias: torch.Tensor
+
+    def __init__(self, last: BertLayer) -> None:
+        super().__init__()
+        self.register_buffer("down_bias", _bias(last.down))
+        self.norm = last.ffn_norm
+
+    def forward(  # type: ignore[no-untyped-def]
+        self, hidden: torch.Tensor, reduced: torch.Tensor, attention_mask: torch.Tensor
+    ):
+        x = self.norm(hidden + reduced + self.down_bias)
+        mask = attention_mask.to(x.dtype)
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, dim=-1)
+
+
+# ---- decoder segments ----------------------------------------------------------------
+
+
+class LlamaAttnPart(nn.Module):
+    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.head_dim = hd = layer.head_dim
+        self.heads, self.kv_heads = layer.heads // tp, layer.kv_heads // tp
+        self.norm = layer.attn_norm
+        q_lo = rank * self.heads * hd
+        kv_lo = rank * self.kv_heads * hd
+        self.q = _rows(layer.q, q_lo, q_lo + self.heads * hd)
+        self.k = _rows(layer.k, kv_lo, kv_lo + self.kv_heads * hd)
+        self.v = _rows(layer.v, kv_lo, kv_lo + self.kv_heads * hd)
+        self.o = _cols(layer.o, q_lo, q_lo + self.heads * hd)
+
+    def forward(self, x, cos, sin, bias, past_k, past_v):  # type: ignore[no-untyped-def]
+        b, s, _ = x.shape
+        hd = self.head_dim
+        h = self.norm(x)
+        q = self.q(h).reshape(b, s, self.heads, hd).transpose(1, 2)
+        k = self.k(h).reshape(b, s, self.kv_heads, hd).transpose(1, 2)
+        v = self.v(h).reshape(b, s, self.kv_heads, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = torch.cat((past_k, k), dim=2)
+        v = torch.cat((past_v, v), dim=2)
+        rep = self.heads // self.kv_heads
+        t = k.shape[2]
+        kr = k[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
+        vr = v[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
+        scores = q @ kr.transpose(-1, -2) / hd**0.5 + bias
+        attn = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, s, -1)
+        return self.o(attn), k, v
+
+
+class LlamaMlpPart(nn.Module):
+    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        width = layer.up.out_features // tp
+        lo, hi = rank * width, (rank + 1) * width
+        self.norm = layer.ffn_norm
+        self.gate, self.up = _rows(layer.gate, lo, hi), _rows(layer.up, lo, hi)
+        self.down = _cols(layer.down, lo, hi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # type: ignore[no-any-return]
+
+
+class DecFirst(nn.Module):
+    def __init__(self, model: LlamaDecoder, rank: int, tp: int) -> None:
+        super().__init__()
+        self.embed = model.embed
+        self.register_buffer("inv_freq", model.inv_freq.clone())  # type: ignore[operator]
+        self.attn = LlamaAttnPart(model.layers[0], rank, tp)  # type: ignore[arg-type]
+
+    def forward(self, input_ids, attention_mask, past_k, past_v):  # type: ignore[no-untyped-def]
+        s = input_ids.shape[1]
+        total = attention_mask.shape[1]
+        past = total - s
+        x = self.embed(input_ids)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        freqs = positions[..., None].to(x.dtype) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+        cos, sin = angles.cos(), angles.sin()
+        query_at = torch.arange(s)[:, None] + past
+        key_at = torch.arange(total)[None, :]
+        visible = (key_at <= query_at)[None, None] & (attention_mask[:, None, None, :] > 0)
+        bias = torch.where(visible, 0.0, MASKED).to(x.dtype)
+        partial, k, v = self.attn(x, cos, sin, bias, past_k, past_v)
+        return x, cos, sin, bias, partial, k, v
+
+
+class DecMlp(nn.Module):
+    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.mlp = LlamaMlpPart(layer, rank, tp)
+
+    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor):  # type: ignore[no-untyped-def]
+        x = hidden + reduced
+        return x, self.mlp(x)
+
+
+class DecAttn(nn.Module):
+    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
+        super().__init__()
+        self.attn = LlamaAttnPart(layer, rank, tp)
+
+    def forward(self, hidden, reduced, cos, sin, bias, past_k, past_v):  # type: ignore[no-untyped-def]
+        x = hidden + reduced
+        partial, k, v = self.attn(x, cos, sin, bias, past_k, past_v)
+        return x, partial, k, v
+
+
+class DecHead(nn.Module):
+    def __init__(self, model: LlamaDecoder, rank: int, tp: int, vocab_parallel: bool) -> None:
+        super().__init__()
+        self.norm: RMSNorm = model.norm
+        vocab = model.lm_head.out_features
+        width = vocab // tp if vocab_parallel else vocab
+        lo = rank * width if vocab_parallel else 0
+        self.lm_head = _rows(model.lm_head, lo, lo + width)
+
+    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden + reduced))  # type: ignore[no-any-return]
+
+
+# ---- the segment plan ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    module: nn.Module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    example: tuple[torch.Tensor, ...]
+
+
+# Dynamic axes by tensor name (layer suffixes stripped).
+_B, _S, _T, _P = "batch", "seq", "total", "past"
+AXES = {
+    "input_ids": {0: _B, 1: _S},
+    "attention_mask": {0: _B, 1: _T},
+    "hidden": {0: _B, 1: _S},
+    "hidden_out": {0: _B, 1: _S},
+    "reduced": {0: _B, 1: _S},
+    "partial": {0: _B, 1: _S},
+    "bias": {0: _B, 2: _S, 3: _T},
+    "cos": {0: _B, 2: _S},
+    "sin": {0: _B, 2: _S},
+    "past_keys": {0: _B, 2: _P},
+    "past_values": {0: _B, 2: _P},
+    "present_keys": {0: _B, 2: _T},
+    "present_values": {0: _B, 2: _T},
+    "logits": {0: _B, 1: _S},
+    "logits_shard": {0: _B, 1: _S},
+    "sentence_embedding": {0: _B},
+}
+
+
+def _axes(name: str) -> dict[int, str]:
+    base = name.rsplit("_", 1)[0] if name[-1].isdigit() else name
+    return AXES[base]
+
+
+def encoder_plan(model: BertEncoder, rank: int, tp: int) -> list[Segment]:
+    c = model.config
+    check_tp("encoder", c.heads, c.heads, tp)
+    b, s = 2, 5
+    ids = torch.randint(0, c.vocab_size, (b, s))
+    mask = torch.ones(b, s, dtype=torch.int64)
+    x = torch.randn(b, s, c.hidden)
+    bias = torch.zeros(b, 1, 1, s)
+    layers: list[BertLayer] = list(model.layers)  # type: ignore[arg-type]
+    plan = [
+        Segment(
+            "first",
+            EncFirst(model, rank, tp),
+            ("input_ids", "attention_mask"),
+            ("hidden", "bias", "partial"),
+            (ids, mask),
+        )
+    ]
+    for i, layer in enumerate(layers):
+        if i > 0:
+            plan.append(
+                Segment(
+                    f"L{i}.attn",
+                    EncAttn(layers[i - 1], layer, rank, tp),
+                    ("hidden", "reduced", "bias"),
+                    ("hidden_out", "partial"),
+                    (x, x, bias),
+                )
+            )
+        plan.append(
+            Segment(
+                f"L{i}.mlp",
+                EncMlp(layer, rank, tp),
+                ("hidden", "reduced"),
+                ("hidden_out", "partial"),
+                (x, x),
+            )
+        )
+    plan.append(
+        Segment(
+            "head",
+            EncHead(layers[-1]),
+            ("hidden", "reduced", "attention_mask"),
+            ("sentence_embedding",),
+            (x, x, mask),
+        )
+    )
+    return plan
+
+
+def vocab_parallel(model: LlamaDecoder, tp: int) -> bool:
+    return tp > 1 and model.config.vocab_size % tp == 0
+
+
+def decoder_plan(model: LlamaDecoder, rank: int, tp: int) -> list[Segment]:
+    c = model.config
+    check_tp("decoder", c.heads, c.kv_heads, tp)
+    b, s, past = 2, 3, 4
+    kvl = c.kv_heads // tp
+    ids = torch.randint(0, c.vocab_size, (b, s))
+    mask = torch.ones(b, past + s, dtype=torch.int64)
+    cache = torch.randn(b, kvl, past, c.head_dim)
+    x = torch.randn(b, s, c.hidden)
+    cos = torch.randn(b, 1, s, c.head_dim)
+    bias = torch.zeros(b, 1, s, past + s)
+    plan = [
+        Segment(
+            "first",
+            DecFirst(model, rank, tp),
+            ("input_ids", "attention_mask", "past_keys_0", "past_values_0"),
+            ("hidden", "cos", "sin", "bias", "partial", "present_keys_0", "present_values_0"),
+            (ids, mask, cache, cache),
+        )
+    ]
+    layers: list[LlamaLayer] = list(model.layers)  # type: ignore[arg-type]
+    for i, layer in enumerate(layers):
+        if i > 0:
+            plan.append(
+                Segment(
+                    f"L{i}.attn",
+                    DecAttn(layer, rank, tp),
+                    (
+                        "hidden",
+                        "reduced",
+                        "cos",
+                        "sin",
+                        "bias",
+                        f"past_keys_{i}",
+                        f"past_values_{i}",
+                    ),
+                    ("hidden_out", "partial", f"present_keys_{i}", f"present_values_{i}"),
+                    (x, x, cos, cos, bias, cache, cache),
+                )
+            )
+        plan.append(
+            Segment(
+                f"L{i}.mlp",
+                DecMlp(layer, rank, tp),
+                ("hidden", "reduced"),
+                ("hidden_out", "partial"),
+                (x, x),
+            )
+        )
+    vp = vocab_parallel(model, tp)
+    plan.append(
+        Segment(
+            "head",
+            DecHead(model, rank, tp, vp),
+            ("hidden", "reduced"),
+            ("logits_shard",) if vp else ("logits",),
+            (x, x),
+        )
+    )
+    return plan
+
+
+def plan_for(model: nn.Module, rank: int, tp: int) -> list[Segment]:
+    if isinstance(model, BertEncoder):
+        return encoder_plan(model, rank, tp)
+    if isinstance(model, LlamaDecoder):
+        return decoder_plan(model, rank, tp)
+    raise ShardError(f"cannot shard {type(model).__name__}: not a BertEncoder or LlamaDecoder")
+
+
+# ---- export and manifest ---------------------------------------------------------------
+
+
+def export_segment(segment: Segment, path: Path) -> None:
+    """The legacy (TorchScript) exporter: a 30-layer decoder is ~60 graphs per rank, and it
+    exports each in a fraction of a second where the dynamo exporter takes seconds."""
+    names = [*segment.inputs, *segment.outputs]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            segment.module.eval(),
+            segment.example,
+            str(path),
+            input_names=list(segment.inputs),
+            output_names=list(segment.outputs),
+            dynamic_axes={n: _axes(n) for n in names},
+            opset_version=OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _param_bytes(module: nn.Module) -> int:
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _sharded_bytes(plan: list[Segment], model: nn.Module, tp: int) -> int:
+    """Bytes of the rank's weights that are split across ranks (q/k/v/o, MLP, vocab head)."""
+    total = 0
+    for seg in plan:
+        for name, p in seg.module.named_parameters():
+            leaf = name.split(".")[-2] if "." in name else name
+            if leaf in {"q", "k", "v", "o", "up", "gate", "down"} or (
+                leaf == "lm_head" and tp > 1 and "logits_shard" in seg.outputs
+            ):
+                total += p.numel() * p.element_size()
+    return total
+
+
+def kind_of(model: nn.Module) -> str:
+    return "encoder" if isinstance(model, BertEncoder) else "decoder"
+
+
+def io_of(model: nn.Module) -> tuple[list[dict], list[dict]]:
+    """What the TP worker serves: token ids in; an embedding, or generated token ids, out."""
+    if isinstance(model, BertEncoder):
+        return (
+            [
+                {"name": "input_ids", "datatype": "INT64", "dims": [-1]},
+                {"name": "attention_mask", "datatype": "INT64", "dims": [-1]},
+            ],
+            [{"name": "sentence_embedding", "datatype": "FP32", "dims": [model.config.hidden]}],
+        )
+    return (
+        [{"name": "input_ids", "datatype": "INT64", "dims": [-1]}],
+        [{"name": "output_ids", "datatype": "INT64", "dims": [-1]}],
+    )
+
+
+def shard_dir(model_dir: Path, version: str, tp: int) -> Path:
+    return model_dir / version / f"tp{tp}"
+
+
+def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version: str = "1") -> Path:
+    """Every rank's segments and the manifest; returns the manifest's path. The shard set
+    appears complete or not at all (staged in a temporary folder, then renamed)."""
+    model = model.eval()
+    plans = [plan_for(model, r, tp) for r in range(tp)]  # refuses a bad TP size up front
+    target = shard_dir(model_dir, version, tp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        ranks: list[dict[str, Any]] = []
+        for rank, plan in enumerate(plans):
+            folder = staged / f"rank{rank}"
+            folder.mkdir(parents=True)
+            files = []
+            for seg in plan:
+                path = folder / f"{seg.name}.onnx"
+                export_segment(seg, path)
+                files.append(
+                    {
+                        "segment": seg.name,
+                        "path": str(path.relative_to(staged)),
+                        "sha256": _sha256(path),
+                        "bytes": path.stat().st_size,
+                    }
+                )
+            ranks.append(
+                {  # type: ignore[dict-item]
+                    "rank": rank,
+                    "weight_bytes": sum(_param_bytes(s.module) for s in plan),
+                    "sharded_bytes": _sharded_bytes(plan, model, tp),
+                    "files": files,
+                }
+            )
+        sharded_total = sum(r["sharded_bytes"] for r in ranks)
+        inputs, outputs = io_of(model)
+        c = model.config
+        manifest = {
+            "format": FORMAT,
+            "model": name,
+            "kind": kind_of(model),
+            "tp": tp,
+            "config": dataclasses.asdict(c),  # type: ignore[call-overload]
+            "vocab_parallel": isinstance(model, LlamaDecoder) and vocab_parallel(model, tp),
+            "segments": [
+                {"name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}
+                for s in plans[0]
+            ],
+            "inputs": inputs,
+            "outputs": outputs,
+            # per-rank weights ~ replicated + sharded / tp: lets a refusal suggest a TP size
+            "replicated_bytes": ranks[0]["weight_bytes"] - ranks[0]["sharded_bytes"],
+            "sharded_bytes": sharded_total,
+            "ranks": ranks,
+        }
+        (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if target.exists():
+            old = Path(tmp) / "old"
+            target.replace(old)
+        staged.replace(target)
+    return target / MANIFEST
+
+
+def heads_of(model: nn.Module) -> tuple[int, int]:
+    c: Any = model.config
+    return c.heads, getattr(c, "kv_heads", c.heads)
+
+
+# ---- the CLI step: python -m quantize shard --model M --tp N ---------------------------
+
+
+def truncate(model: nn.Module, layers: int) -> nn.Module:
+    """The first `layers` layers of a loaded model (tests and quick checks on real weights)."""
+    c: Any = model.config
+    if layers >= c.layers:
+        return model
+    model.layers = nn.ModuleList(list(model.layers)[:layers])  # type: ignore[arg-type]
+    model.config = dataclasses.replace(c, layers=layers)
+    return model
+
+
+def config_text(name: str, max_batch_size: int, delay_us: int, params: dict[str, str]) -> str:
+    lines = [
+        f'name: "{name}"',
+        f"max_batch_size: {max_batch_size}",
+        f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}",
+    ]
+    lines += [
+        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def shard_model(
+    name: str,
+    tps: list[int],
+    output: Path,
+    layers: int | None = None,
+    version: str = "1",
+    serve_as: str | None = None,
+) -> list[Path]:
+    """Load the real weights of `name` (quantize/pipeline.py SOURCES), write a tp<N> shard set
+    for each N into OUTPUT/<serve_as or name>/<version>/, and a config.pbtxt when there is
+    none (a shard group serves token ids, so it gets no text parameters)."""
+    from quantize import pipeline
+
+    source = pipeline.source(name)
+    model = source.load().model
+    heads, kv = heads_of(model)
+    for tp in tps:  # refuse before any slow export
+        check_tp(name, heads, kv, tp)
+    if layers:
+        model = truncate(model, layers)
+    serve_as = serve_as or name
+    model_dir = output / serve_as
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if not (model_dir / "config.pbtxt").exists():
+        params = {k: v for k, v in source.config.items() if "text_task" not in k}
+        (model_dir / "config.pbtxt").write_text(
+            config_text(serve_as, source.max_batch_size, source.max_queue_delay_us, params)
+        )
+    return [write_shards(model, serve_as, model_dir, tp, version) for tp in tps]

@@ -1,0 +1,130 @@
+"""worker/text.py with a word-level tokenizer and a fake batcher."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from common.errors import InvalidArgument
+from worker import config as cfg
+from worker.text import BUCKET, TextModel, bucket
+
+WORDS = ["[PAD]", "[UNK]", "hello", "world", "a", "b", "<|im_end|>"]
+
+
+def model_dir(tmp_path: Path) -> Path:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def spec(task: str) -> cfg.ModelSpec:
+    t = cfg.TensorSpec
+    inputs = {
+        "input_ids": t("input_ids", "INT64", (-1,), True),
+        "attention_mask": t("attention_mask", "INT64", (-1,), True),
+        cfg.TEXT_INPUT: t(cfg.TEXT_INPUT, "BYTES", (1,), True),
+    }
+    outputs = {"sentence_embedding": t("sentence_embedding", "FP32", (4,))}
+    if task == "generate":
+        inputs["past_keys"] = t("past_keys", "FP32", (2, 1, -1, 3), True)
+        inputs["past_values"] = t("past_values", "FP32", (2, 1, -1, 3), True)
+        outputs = {n: t(n, "FP32", (-1,)) for n in ("logits", "present_keys", "present_values")}
+        outputs[cfg.TEXT_OUTPUT] = t(cfg.TEXT_OUTPUT, "BYTES", (1,))
+    return cfg.ModelSpec(
+        "m",
+        "1",
+        inputs,
+        outputs,
+        8,
+        True,
+        0,
+        (),
+        8,
+        1,
+        {cfg.TOKENIZER: "tokenizer.json", cfg.TEXT_TASK: task, cfg.MAX_NEW_TOKENS: "4"},
+    )
+
+
+def texts(*items: str) -> np.ndarray:
+    return np.array([[s.encode()] for s in items], dtype=object)
+
+
+def test_bucket_rounds_up_to_multiples_of_16() -> None:
+    assert [bucket(n) for n in (1, 16, 17, 40)] == [16, 16, 32, 48]
+
+
+def test_embed_tokenizes_and_right_pads_to_the_bucket(tmp_path: Path) -> None:
+    seen = []
+
+    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
+        seen.append(inputs)
+        return {"sentence_embedding": np.zeros((len(inputs["input_ids"]), 4), np.float32)}
+
+    text = TextModel(spec("embed"), model_dir(tmp_path), submit)
+    out = asyncio.run(
+        text.infer({cfg.TEXT_INPUT: texts("hello world", "a")}, ["sentence_embedding"])
+    )
+    assert out["sentence_embedding"].shape == (2, 4)
+    ids, mask = seen[0]["input_ids"], seen[0]["attention_mask"]
+    assert ids.shape == (2, BUCKET)
+    assert ids[0, :2].tolist() == [2, 3] and ids[1, :1].tolist() == [4]
+    assert mask.sum(1).tolist() == [2, 1]
+
+
+def test_token_ids_still_pass_straight_through(tmp_path: Path) -> None:
+    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
+        return {"sentence_embedding": inputs["input_ids"].astype(np.float32)}
+
+    text = TextModel(spec("embed"), model_dir(tmp_path), submit)
+    ids = np.ones((1, 4), np.int64)
+    out = asyncio.run(text.infer({"input_ids": ids, "attention_mask": ids}, ["sentence_embedding"]))
+    assert out["sentence_embedding"].shape == (1, 4)
+    with pytest.raises(InvalidArgument, match="missing \\['attention_mask'\\]"):
+        asyncio.run(text.infer({"input_ids": ids}, ["sentence_embedding"]))
+    with pytest.raises(InvalidArgument, match="not both"):
+        asyncio.run(
+            text.infer({cfg.TEXT_INPUT: texts("a"), "input_ids": ids}, ["sentence_embedding"])
+        )
+
+
+def test_generate_left_pads_grows_the_cache_and_stops_at_eos(tmp_path: Path) -> None:
+    script = iter([5, 3, 6, 2])  # b, world, <|im_end|>, (never reached)
+    calls = []
+
+    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
+        calls.append({k: v.shape for k, v in inputs.items()})
+        rows, seq = inputs["input_ids"].shape
+        logits = np.zeros((rows, seq, len(WORDS)), np.float32)
+        logits[:, -1, next(script)] = 1.0
+        past = inputs["past_keys"].shape[3]
+        cache = np.zeros((rows, 2, 1, past + seq, 3), np.float32)
+        return {"logits": logits, "present_keys": cache, "present_values": cache}
+
+    text = TextModel(spec("generate"), model_dir(tmp_path), submit)
+    out = asyncio.run(
+        text.infer(
+            {cfg.TEXT_INPUT: texts("hello")},
+            ["logits", "present_keys", "present_values", cfg.TEXT_OUTPUT],
+        )
+    )
+    assert set(out) == {cfg.TEXT_OUTPUT}
+    assert out[cfg.TEXT_OUTPUT][0, 0] == b"b world"
+    assert len(calls) == 3
+    assert calls[0]["input_ids"] == (1, BUCKET) and calls[0]["past_keys"] == (1, 2, 1, 0, 3)
+    assert calls[2]["input_ids"] == (1, 1) and calls[2]["attention_mask"] == (1, BUCKET + 2)
+    with pytest.raises(InvalidArgument, match="returns TEXT_OUTPUT"):
+        asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a")}, ["logits"]))
+
+
+def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
+    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
+        return {}
+
+    with pytest.raises(cfg.ConfigError, match="does not exist"):
+        TextModel(spec("embed"), tmp_path, submit)

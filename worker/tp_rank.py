@@ -1,0 +1,75 @@
+"""python -m worker.tp_rank: one non-zero rank of a shard group (rank 0 starts these).
+
+Verifies and loads its shard files for every model with a tp<N> shard set, joins the group,
+reports its weight bytes and RSS, then runs what rank 0 broadcasts until told to stop.
+Exit 3 when the group breaks (a peer died or a collective timed out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import structlog
+
+from common import logging
+from worker.config import ConfigError
+from worker.parallel import CollectiveError, destroy_tp_group, init_tp_group
+from worker.runtime import RuntimeOptions, requested_providers
+from worker.tp_group import follow
+from worker.tp_runtime import RankModel, find_shard_sets, rss_bytes
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker.tp_rank", description=__doc__)
+    p.add_argument("--model-repository", type=Path, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--timeout-seconds", type=float, default=10.0)
+    p.add_argument("--providers", default="auto")
+    p.add_argument("--intra-op-threads", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.configure(args.log_level, None)
+    structlog.contextvars.bind_contextvars(rank=args.rank)
+    options = RuntimeOptions(providers=args.providers, intra_op_threads=args.intra_op_threads)
+    try:
+        shard_sets = find_shard_sets(args.model_repository, args.tp)
+        providers = requested_providers(args.providers)
+        models = [RankModel(s, args.rank, options, providers) for s in shard_sets]
+    except ConfigError as e:
+        print(f"meshserve tp rank {args.rank}: {e}", file=sys.stderr)
+        return 2
+    try:
+        group = init_tp_group(
+            args.rank,
+            args.tp,
+            args.backend,
+            args.master_addr,
+            args.master_port,
+            args.timeout_seconds,
+        )
+        weights = sum(m.weight_bytes for m in models)
+        group.gather_ints([weights, rss_bytes()])
+        log.info("tp_rank_ready", backend=group.backend, weight_bytes=weights, rss=rss_bytes())
+        follow(models, group)
+    except CollectiveError as e:
+        log.error("tp_rank_failed", error=str(e))
+        return 3
+    destroy_tp_group()
+    log.info("tp_rank_stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

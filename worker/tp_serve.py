@@ -1,0 +1,215 @@
+"""The model repository of a shard group's rank 0: `python -m worker --tp N`.
+
+Every model with a tp<N> shard set is served; ModelConfig and ModelMetadata look like any
+model's (token ids in; an embedding, or greedily generated token ids, out), and requests go
+through the same dynamic batcher as a single-process worker, whose run function is one
+group-wide forward. The config's parameters report the group: meshserve.tp,
+meshserve.tp.backend, and per rank meshserve.tp.rank<r>.weight_bytes / .rss_bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import structlog
+
+from common.dtypes import NUMPY
+from worker import config as cfg
+from worker.batcher import Batcher
+from worker.parallel import init_tp_group
+from worker.repository import LoadedModel, Repository
+from worker.runtime import RuntimeOptions, requested_providers
+from worker.settings import WorkerSettings
+from worker.stats import ModelStats
+from worker.tp_group import Leader, spawn_ranks
+from worker.tp_runtime import (
+    OP_ENCODE,
+    OP_GENERATE,
+    RankModel,
+    ShardSet,
+    check_budget,
+    find_shard_sets,
+    rss_bytes,
+)
+
+log = structlog.get_logger()
+
+TP = "meshserve.tp"
+TP_BACKEND = "meshserve.tp.backend"
+DEFAULT_NEW_TOKENS = 8
+# Text serving is the single-process worker's (worker/text.py); a shard group serves tokens.
+_TEXT_PARAMETERS = (cfg.TOKENIZER, cfg.TEXT_TASK)
+
+
+class GroupFailed(Exception):
+    """A rank died or a collective timed out; the worker exits so the group restarts."""
+
+
+class TpRepository(Repository):
+    def __init__(self, settings: WorkerSettings, options: RuntimeOptions) -> None:
+        super().__init__(
+            settings.model_repository,
+            options,
+            default_max_batch_size=settings.default_max_batch_size,
+            default_max_queue_size=settings.default_max_queue_size,
+        )
+        self.settings = settings
+        self.leader: Leader | None = None
+        self.rank_stats: list[list[int]] = []
+
+    def load(self) -> None:
+        s = self.settings
+        shard_sets = find_shard_sets(self.root, s.tp)
+        for shards in shard_sets:
+            check_budget(shards, s.memory_budget_bytes)
+        port = free_port()
+        args = [
+            "--backend",
+            s.tp_backend,
+            "--timeout-seconds",
+            str(s.tp_timeout_seconds),
+            "--providers",
+            s.providers,
+            "--intra-op-threads",
+            str(s.intra_op_threads),
+            "--log-level",
+            s.log_level,
+        ]
+        children = spawn_ranks(s.tp, self.root, s.tp_master_addr, port, args)
+        joined = threading.Event()
+        threading.Thread(target=_exit_if_a_rank_dies, args=(children, joined), daemon=True).start()
+        try:
+            models = [
+                RankModel(x, 0, self.options, requested_providers(s.providers)) for x in shard_sets
+            ]
+            group = init_tp_group(
+                0, s.tp, s.tp_backend, s.tp_master_addr, port, s.tp_timeout_seconds
+            )
+            weights = sum(m.weight_bytes for m in models)
+            self.rank_stats = group.gather_ints([weights, rss_bytes()])
+        except Exception:
+            for child in children:
+                child.kill()
+            raise
+        finally:
+            joined.set()
+        self.leader = Leader(models, group, children, heartbeat_s=s.tp_timeout_seconds / 4)
+        log.info(
+            "tp_group_ready",
+            world=s.tp,
+            backend=group.backend,
+            weight_bytes=[r[0] for r in self.rank_stats],
+            rss=[r[1] for r in self.rank_stats],
+        )
+        for index, (shards, model) in enumerate(zip(shard_sets, models, strict=True)):
+            version = shards.root.parent.name
+            loaded = self._load_sharded(index, shards, model, group.backend)
+            self.models.setdefault(shards.model, {})[version] = loaded
+
+    def start(self, on_failure: Callable[[str], None]) -> None:
+        assert self.leader is not None
+        self.leader.start(on_failure)
+
+    def _load_sharded(
+        self, index: int, shards: ShardSet, model: RankModel, backend: str
+    ) -> LoadedModel:
+        m = shards.manifest
+        config = cfg.read(shards.root.parent.parent)
+        for key in _TEXT_PARAMETERS:
+            if key in config.parameters:
+                del config.parameters[key]
+
+        def graph(tensors: list[dict]) -> list[cfg.GraphTensor]:
+            return [
+                cfg.GraphTensor(
+                    t["name"], t["datatype"], (None, *(None if d < 0 else d for d in t["dims"]))
+                )
+                for t in tensors
+            ]
+
+        completed = cfg.complete(
+            config,
+            graph(m["inputs"]),
+            graph(m["outputs"]),
+            self.default_max_batch_size,
+            self.default_max_queue_size,
+        )
+        params = completed.parameters
+        params[cfg.EXECUTION_PROVIDER].string_value = model.provider
+        params[TP].string_value = str(shards.tp)
+        params[TP_BACKEND].string_value = backend
+        for rank, (weights, rss) in enumerate(self.rank_stats):
+            params[f"meshserve.tp.rank{rank}.weight_bytes"].string_value = str(weights)
+            params[f"meshserve.tp.rank{rank}.rss_bytes"].string_value = str(rss)
+        spec = cfg.spec(completed, shards.root.parent.name)
+        run = self._run_fn(index, shards.kind, spec)
+        run(list(spec.outputs), _zeros(spec))  # warm-up through every rank
+        stats = ModelStats()
+        batcher = Batcher(spec, run, stats, spec.max_queue_size or self.default_max_queue_size)
+        log.info("model_loaded", model=spec.name, version=spec.version, tp=shards.tp)
+        return LoadedModel(spec, completed, model.sessions["first"], batcher, stats)
+
+    def _run_fn(self, index: int, kind: str, spec: cfg.ModelSpec):  # type: ignore[no-untyped-def]
+        leader = self.leader
+        assert leader is not None
+        new_tokens = int(spec.parameters.get(cfg.MAX_NEW_TOKENS, DEFAULT_NEW_TOKENS))
+
+        def run(names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            if kind == "encoder":
+                ids = feeds["input_ids"]
+                mask = feeds.get("attention_mask")
+                if mask is None:
+                    mask = np.ones_like(ids)
+                (out,) = leader.call(index, OP_ENCODE, 0, [ids, mask])
+            else:
+                (out,) = leader.call(index, OP_GENERATE, new_tokens, [feeds["input_ids"]])
+            return [out for _ in names]
+
+        return run
+
+    def abort(self) -> None:
+        """After a failure: the other ranks are killed, nothing waits on the group."""
+        if self.leader is not None:
+            self.leader.stop()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.leader is not None:
+            self.leader.stop()
+
+
+def _zeros(spec: cfg.ModelSpec) -> dict[str, np.ndarray]:
+    return {
+        t.name: np.ones((1, *(1 if d < 0 else d for d in t.dims)), NUMPY[t.datatype])
+        for t in spec.inputs.values()
+    }
+
+
+def _exit_if_a_rank_dies(children: list[subprocess.Popen], joined: threading.Event) -> None:
+    """While rank 0 waits for the others to join: a rank that exits (bad shard files, no
+    memory) would leave it waiting for the join timeout; exit now with that rank's code."""
+    while not joined.wait(0.2):
+        for rank, child in enumerate(children, start=1):
+            code = child.poll()
+            if code is not None:
+                print(
+                    f"meshserve worker: TP rank {rank} exited with {code} while starting; "
+                    "see its message above",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for other in children:
+                    other.kill()
+                os._exit(2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
