@@ -31,6 +31,8 @@ from worker.stats import ModelStats
 log = structlog.get_logger()
 
 INLINE_BELOW_NS = 100_000
+PROBE_BELOW_NS = 1_000_000  # never block the loop to re-time a model slower than this
+PROBE_EVERY = 64
 
 RunFn = Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -66,7 +68,8 @@ class Batcher:
         self._gathering = 0  # taken off the queue into a batch that has not started yet
         self._running = 0
         self._closed = False
-        self._infer_ns_avg = float(INLINE_BELOW_NS)  # start on the thread until measured
+        self._infer_ns_avg = float(INLINE_BELOW_NS)  # on the thread until timed
+        self._calls = 1  # the first calls run on the thread: an unknown model may be slow
         self._simulated_s = int(spec.parameters.get(SIMULATED_COMPUTE_US, "0")) / 1e6
         self._pool = ThreadPoolExecutor(
             max_workers=spec.instance_count, thread_name_prefix=f"ort-{spec.name}"
@@ -203,12 +206,21 @@ class Batcher:
     async def _call(
         self, batch: list[_Pending], names: list[str]
     ) -> tuple[list[dict[str, np.ndarray]], tuple[int, int, int]]:
-        if self._infer_ns_avg < INLINE_BELOW_NS:
+        avg = self._infer_ns_avg
+        self._calls += 1
+        # A run timed on the thread also counts the wait to take the GIL back from the busy
+        # event loop (up to the 5 ms switch interval), which would keep a tiny model on the
+        # thread for good: a model that looks only moderately slow there is re-timed inline
+        # now and then, and inline timings decide.
+        probe = avg < PROBE_BELOW_NS and self._calls % PROBE_EVERY == 1
+        if avg < INLINE_BELOW_NS or probe:
             out = self._run_batch(batch, names)
+            measured = out[1][1]
+            self._infer_ns_avg = measured if probe else 0.8 * avg + 0.2 * measured
         else:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._pool, self._run_batch, batch, names)
-        self._infer_ns_avg = 0.8 * self._infer_ns_avg + 0.2 * out[1][1]
+            self._infer_ns_avg = 0.8 * avg + 0.2 * out[1][1]
         if self._simulated_s:
             await asyncio.sleep(self._simulated_s)
         return out
