@@ -19,21 +19,6 @@ from protos import grpc_service_pb2 as pb
 # What `infer` accepts for one input: an array, or text (one string or several).
 InputValue = np.ndarray | str | bytes | Sequence[str] | Sequence[bytes]
 
-CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-
 
 @dataclass(frozen=True)
 class TensorMetadata:
@@ -137,7 +122,7 @@ def infer_result(reply: pb.ModelInferResponse) -> InferResult:
             else:
                 array = np.frombuffer(raw[i], dtype=dtypes.NUMPY[tensor.datatype])
         else:
-            values = list(getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype]))
+            values = list(getattr(tensor.contents, dtypes.CONTENTS_FIELD[tensor.datatype]))
             if tensor.datatype == "BYTES":
                 array = np.empty(len(values), dtype=object)
                 array[:] = values

@@ -39,6 +39,23 @@ FROM_ONNX: dict[str, str] = {
 }
 
 
+# v2 datatype -> its typed field in InferTensorContents; FP16 and BF16 travel only as raw bytes.
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
 # config.pbtxt DataType enum names are "TYPE_" + the v2 name, except BYTES <-> TYPE_STRING.
 def to_config(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import structlog
 
+from common import streaming
 from common.errors import MeshError, NotFound, UpstreamError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -45,40 +46,24 @@ class RouterServicer:
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each streamed request is dispatched on its own; replies return as they finish."""
-        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
         deadline = _deadline(context)
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        async def one(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             try:
                 raw = await self.dispatcher.infer(request.SerializeToString(), deadline)
-                reply = pb.ModelStreamInferResponse(
+                return pb.ModelStreamInferResponse(
                     infer_response=pb.ModelInferResponse.FromString(raw)
                 )
             except MeshError as e:
-                reply = pb.ModelStreamInferResponse(
+                return pb.ModelStreamInferResponse(
                     error_message=e.message,
                     infer_response=pb.ModelInferResponse(
                         id=request.id, model_name=request.model_name
                     ),
                 )
-            await out.put(reply)
 
-        async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
-            await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-        finally:
-            reader.cancel()
+        async for reply in streaming.concurrently(request_iterator, one):
+            yield reply
 
     # -- health and metadata ---------------------------------------------------------------
 

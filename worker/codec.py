@@ -15,22 +15,6 @@ from common.errors import InvalidArgument
 from protos import grpc_service_pb2 as pb
 from worker.config import ModelSpec, TensorSpec
 
-# Typed `contents` field for each datatype; FP16 and BF16 travel only as raw bytes.
-CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-
 
 def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes."""
@@ -141,7 +125,7 @@ def _decode_tensor(
                 f"{expected.datatype} needs {needed}"
             )
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
-    field = CONTENTS_FIELD.get(expected.datatype)
+    field = dtypes.CONTENTS_FIELD.get(expected.datatype)
     if field is None:
         raise InvalidArgument(
             f"input {name!r}: {expected.datatype} has no typed contents field; "

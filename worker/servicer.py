@@ -5,12 +5,12 @@ Thin on purpose: validation lives in codec, scheduling in batcher, sessions in r
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import structlog
 
+from common import streaming
 from common.errors import MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -96,38 +96,20 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently; responses go back as they finish."""
-        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        async def one(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             try:
-                response = await self._infer(request)
-                await out.put(pb.ModelStreamInferResponse(infer_response=response))
+                return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
             except MeshError as e:
-                await out.put(
-                    pb.ModelStreamInferResponse(
-                        error_message=e.message,
-                        infer_response=pb.ModelInferResponse(
-                            id=request.id, model_name=request.model_name
-                        ),
-                    )
+                return pb.ModelStreamInferResponse(
+                    error_message=e.message,
+                    infer_response=pb.ModelInferResponse(
+                        id=request.id, model_name=request.model_name
+                    ),
                 )
 
-        async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
-            await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-        finally:
-            reader.cancel()
+        async for reply in streaming.concurrently(request_iterator, one):
+            yield reply
 
     @grpc_errors
     async def ModelStatistics(self, request, context):  # type: ignore[no-untyped-def]

@@ -249,3 +249,36 @@ def test_deadline_reaches_the_worker(mesh: Mesh, tmp_path: Path) -> None:
     codes = asyncio.run(call_many(router, 1, concurrency=1, timeout=0.3))
     assert codes == {"DEADLINE_EXCEEDED": 1}
     assert time.monotonic() - started < 1.5  # the caller's deadline, not the model's 2 s
+
+
+def test_stream_infer_through_the_router(mesh: Mesh, tmp_path: Path) -> None:
+    import tritonclient.grpc.aio as triton_aio
+
+    r = repo(tmp_path, "r")
+    mesh.add_worker(r)
+    mesh.add_worker(r)
+    mesh.wait_registered(2)
+    router = mesh.start_router()
+
+    async def run() -> list[str]:
+        client = triton_aio.InferenceServerClient(router)
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for i in range(6):
+                x = triton.InferInput("INPUT0", [1, 16], "FP32")
+                x.set_data_from_numpy(np.full((1, 16), i, np.float32))
+                yield {
+                    "model_name": "nope" if i == 5 else "mlp",
+                    "inputs": [x],
+                    "request_id": str(i),
+                }
+
+        got = []
+        async for result, error in client.stream_infer(requests(), stream_timeout=20):
+            got.append(result.get_response().id if error is None else f"error:{error}")
+        await client.close()
+        return got
+
+    got = asyncio.run(run())
+    assert sorted(g for g in got if not g.startswith("error")) == ["0", "1", "2", "3", "4"]
+    assert any("no replica serves model 'nope'" in g for g in got)
