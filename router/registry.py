@@ -128,7 +128,11 @@ class Registry:
 
     def _upsert(self, info: WorkerInfo, depth: str | None) -> None:
         replica = self.replicas.get(info.id)
-        if replica is not None and replica.info.address != info.address:
+        if replica is not None and (
+            replica.info.address != info.address or replica.info.started_ms != info.started_ms
+        ):
+            # Moved, or the same worker id came back as a new process: a fresh channel and
+            # a clean record (the old process's failures and ejection are history).
             asyncio.get_running_loop().create_task(replica.channel.close())
             replica = None
         if replica is None:
