@@ -28,7 +28,7 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 
 
 def ledger_process(mesh: Mesh, db: str, *extra: str) -> Process:
-    return Process(
+    process = Process(
         "ledger",
         [
             sys.executable,
@@ -45,6 +45,8 @@ def ledger_process(mesh: Mesh, db: str, *extra: str) -> Process:
         ],
         mesh.log_dir / "ledger.log",
     ).start()
+    mesh.others.append(process)
+    return process
 
 
 def start_mesh(mesh: Mesh, tmp_path: Path, workers: int = 2, simulated_us: int = 0) -> str:
