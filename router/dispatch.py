@@ -133,8 +133,11 @@ class Dispatcher:
                 if status == grpc.StatusCode.UNAVAILABLE:
                     self.registry.eject(replica, e.details() or status.name)
                     metrics.EJECTIONS.labels(replica.id).inc()
-                if status in RETRYABLE and not tried:
-                    tried.add(replica.id)
+                tried.add(replica.id)
+                # One retry, and only where another replica can take it: with none left the
+                # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
+                another = any(r.id not in tried and not r.ejected for r in replicas)
+                if status in RETRYABLE and len(tried) == 1 and another:
                     metrics.RETRIES.labels(status.name).inc()
                     log.info("retrying", worker=replica.id, code=status.name, model=model)
                     continue
