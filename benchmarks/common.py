@@ -3,19 +3,22 @@ results."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import onnxruntime
 
+from common.net import free_port as free_port  # re-exported
+from deploy import processes
 from loadtest import runner as loadtest_runner
 from loadtest.runner import Load, measured
 from protos import grpc_service_pb2 as pb
@@ -43,12 +46,6 @@ def machine() -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_ready(address: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
@@ -71,6 +68,19 @@ def spawn(args: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
+
+
+@contextlib.contextmanager
+def standalone_worker(repository: Path, log_dir: Path, *extra: str) -> Iterator[str]:
+    """One worker process (no Redis) on a free port: its address while the block runs."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    worker = processes.worker_process(repository, port, log_dir, None, *extra).start()
+    try:
+        processes.wait_serving(address, worker)
+        yield address
+    finally:
+        worker.stop(30)
 
 
 def infer_request(model: str, name: str, array: np.ndarray, datatype: str) -> pb.ModelInferRequest:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS, closed_loop, infer_request, machine, write_result
 from deploy import toy_models
-from deploy.processes import LocalMesh, Process
+from deploy.processes import LocalMesh
 from ledger import config as ledger_config
 from ledger import report
 from ledger.store import Store
@@ -71,41 +70,21 @@ def economics_run(tmp: Path, waves: int = 4) -> dict:
     mesh = LocalMesh(tmp / "logs-econ", worker_args=WORKER_ARGS)
     mesh.start_redis()
     db = f"sqlite:///{tmp / 'ledger.db'}"
-    ledger = Process(
-        "ledger",
-        [
-            sys.executable,
-            "-m",
-            "ledger",
-            "run",
-            "--redis-url",
-            mesh.redis_url,
-            "--db",
-            db,
-            "--interval-seconds",
-            "0.5",
-        ],
-        tmp / "ledger.log",
-    )
     ok = 0
     try:
         mesh.add_worker(repo)
         mesh.add_worker(repo)
         mesh.wait_registered(2)
         router = mesh.start_router()
-        ledger.start()
+        mesh.start_ledger(db, "--interval-seconds", "0.5")
         for wave in range(waves):  # growing waves, 10 s apart: one time bucket each
             result = asyncio.run(
                 closed_loop(router, request(), 8, 2.0, warmup=0, max_requests=1000 * (wave + 1))
             )
             ok += result["requests"]
             time.sleep(8.0)
-        mesh.router.stop()  # type: ignore[union-attr]
-        time.sleep(1.5)
-        ledger.stop()
     finally:
-        mesh.stop()
-        ledger.kill()
+        mesh.stop()  # router, workers, then the ledger's last pass
     store = Store(db)
     config = ledger_config.load(None)
     rows = report.build(store, config)

@@ -27,7 +27,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, free_port, machine, spawn, wait_ready, write_result
+from benchmarks.common import (
+    RESULTS,
+    ROOT,
+    free_port,
+    machine,
+    standalone_worker,
+    wait_ready,
+    write_result,
+)
 from client.client import Client
 from deploy import toy_models
 from deploy.processes import LocalMesh
@@ -143,17 +151,8 @@ def run_all(tmp: Path, binary: Path, seconds: float) -> dict[str, list[dict]]:
     model = repo / "mlp" / "1" / "model.onnx"
     results: dict[str, list[dict]] = {}
 
-    port = free_port()
-    worker = spawn(
-        ["-m", "worker", "--model-repository", str(repo), "--port", str(port), *WORKER_ARGS],
-        tmp / "worker.log",
-    )
-    try:
-        wait_ready(f"127.0.0.1:{port}")
-        results["worker"] = sweep(f"127.0.0.1:{port}", seconds)
-    finally:
-        worker.terminate()
-        worker.wait(30)
+    with standalone_worker(repo, tmp, *WORKER_ARGS) as address:
+        results["worker"] = sweep(address, seconds)
 
     folder, address = mlserver_folder(tmp / "mls0", model, parallel_workers=0)
     with mlserver(binary, folder, address):

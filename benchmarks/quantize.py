@@ -25,10 +25,8 @@ import numpy as np
 from benchmarks.common import (
     ROOT,
     closed_loop,
-    free_port,
     machine,
-    spawn,
-    wait_ready,
+    standalone_worker,
     write_result,
 )
 from protos import grpc_service_pb2 as pb
@@ -69,29 +67,11 @@ def batching_gain(seconds: float) -> dict:
             shutil.copy(artifact.model, repo / name / "1" / "model.onnx")
             shutil.copy(artifact.tokenizer, repo / name / "tokenizer.json")
             (repo / name / "config.pbtxt").write_text(config + TEXT_PARAMS)
-        port = free_port()
-        worker = spawn(
-            [
-                "-m",
-                "worker",
-                "--model-repository",
-                str(repo),
-                "--port",
-                str(port),
-                "--providers",
-                "cpu",
-            ],
-            Path(tmp) / "worker.log",
-        )
-        try:
-            wait_ready(f"127.0.0.1:{port}")
+        with standalone_worker(repo, Path(tmp), "--providers", "cpu") as address:
             for name in BATCHING:
                 request.model_name = name
-                results[name] = asyncio.run(closed_loop(f"127.0.0.1:{port}", request, 32, seconds))
+                results[name] = asyncio.run(closed_loop(address, request, 32, seconds))
                 print(name, results[name])
-        finally:
-            worker.terminate()
-            worker.wait(30)
     results["gain"] = round(
         results["batching"]["throughput_rps"] / results["no_batching"]["throughput_rps"], 2
     )

@@ -22,6 +22,7 @@ from benchmarks.common import (
     infer_request,
     machine,
     spawn,
+    standalone_worker,
     wait_ready,
     write_result,
 )
@@ -51,29 +52,10 @@ def main() -> None:
             toy_models.write(repo / name, toy_models.mlp(), config)
         results: dict[str, list[dict]] = {}
 
-        port = free_port()
-        worker = spawn(
-            [
-                "-m",
-                "worker",
-                "--model-repository",
-                str(repo),
-                "--port",
-                str(port),
-                "--providers",
-                "cpu",
-                "--intra-op-threads",
-                "1",
-            ],
-            Path(tmp) / "worker.log",
-        )
-        try:
-            wait_ready(f"127.0.0.1:{port}")
+        worker_args = ("--providers", "cpu", "--intra-op-threads", "1")
+        with standalone_worker(repo, Path(tmp), *worker_args) as address:
             for model in CONFIGS:
-                results[f"worker/{model}"] = run_against(f"127.0.0.1:{port}", model, args.seconds)
-        finally:
-            worker.terminate()
-            worker.wait(30)
+                results[f"worker/{model}"] = run_against(address, model, args.seconds)
 
         port = free_port()
         bare = spawn(

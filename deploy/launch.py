@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from common import mesh_state
 from common.mesh_state import WorkerInfo
 from deploy import processes, toy_models
@@ -34,7 +32,6 @@ ROOT = processes.ROOT
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.launch", description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001, help="the router's port")
     parser.add_argument("--worker-ports", type=int, nargs="*", help="default: free ports")
     parser.add_argument("--redis-url", help="default: a private redis-server on a free port")
@@ -79,7 +76,12 @@ def build_minilm(repository: Path) -> None:
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.mesh = LocalMesh(args.log_dir, worker_args=("--providers", args.providers))
+        self.mesh = LocalMesh(
+            args.log_dir,
+            external_redis_url=args.redis_url,
+            worker_args=("--providers", args.providers),
+        )
+        self.ledger_db = args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}"
         self.stopping = False
 
     def start(self) -> None:
@@ -89,12 +91,8 @@ class Launcher:
             toy_models.build(args.model_repository)
         if not (args.model_repository / "minilm" / "config.pbtxt").exists():
             build_minilm(args.model_repository)
-        if args.redis_url:
-            self.redis_url = args.redis_url
-            self.mesh.redis_port = int(args.redis_url.rsplit(":", 1)[1].split("/")[0])
-        else:
+        if not args.redis_url:
             self.mesh.start_redis()
-            self.redis_url = self.mesh.redis_url
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]
         for port in ports:
             self.mesh.add_worker(args.model_repository, port=port)
@@ -104,26 +102,12 @@ class Launcher:
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
         self.mesh.start_router(*extra, port=args.port)
-        self.ledger_db = args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}"
-        self.ledger = processes.Process(
-            "ledger",
-            [
-                sys.executable,
-                "-m",
-                "ledger",
-                "run",
-                "--redis-url",
-                self.redis_url,
-                "--db",
-                self.ledger_db,
-            ],
-            args.log_dir / "ledger.log",
-        ).start()
+        self.mesh.start_ledger(self.ledger_db)
 
     def describe(self) -> str:
-        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        client = self.mesh.redis_client()
         ids: list[str] = client.zrange(mesh_state.WORKERS, 0, -1)  # type: ignore[assignment]
-        lines = [f"meshserve is up: router 127.0.0.1:{self.args.port}, redis {self.redis_url}"]
+        lines = [f"meshserve is up: router 127.0.0.1:{self.args.port}, redis {self.mesh.redis_url}"]
         for worker_id in ids:
             raw: str | None = client.get(mesh_state.worker_key(worker_id))  # type: ignore[assignment]
             if raw:
@@ -150,7 +134,7 @@ class Launcher:
     def supervise(self) -> None:
         """Restart whatever dies, until asked to stop."""
         while not self.stopping:
-            for process in [*self.mesh.workers.values(), self.mesh.router, self.ledger]:
+            for process in [*self.mesh.workers.values(), self.mesh.router, *self.mesh.others]:
                 if process is not None and not process.alive and not self.stopping:
                     code = process.popen.returncode if process.popen else None
                     print(f"{process.name} exited with {code}; restarting it", flush=True)
@@ -158,19 +142,14 @@ class Launcher:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """Mesh first (the router's last batches reach Redis), then the ledger's last pass."""
+        """The mesh in order (the router's last batches reach Redis, the ledger makes its
+        last pass), then the ledger's one-line summary."""
         self.stopping = True
-        if self.mesh.router is not None:
-            self.mesh.router.stop()
-        for worker in self.mesh.workers.values():
-            worker.stop()
-        if getattr(self, "ledger", None) is not None:
-            self.ledger.stop()
+        self.mesh.stop()
+        if self.mesh.others:
             store = Store(self.ledger_db)
             print(report.one_line(report.build(store, ledger_config.load(None))), flush=True)
             store.close()
-        if self.mesh.redis_server is not None:
-            self.mesh.redis_server.stop()
 
 
 def tp_group(spec: str, root: Path) -> tuple[Path, str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import mesh_state
+from common.net import free_port as free_port  # re-exported
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_server_binary() -> str:
@@ -161,6 +155,14 @@ def router_process(port: int, redis_url: str, log_dir: Path, *extra: str) -> Pro
     )
 
 
+def ledger_process(redis_url: str, db: str, log_dir: Path, *extra: str) -> Process:
+    return Process(
+        "ledger",
+        [sys.executable, "-m", "ledger", "run", "--redis-url", redis_url, "--db", db, *extra],
+        log_dir / "ledger.log",
+    )
+
+
 def wait_serving(address: str, process: Process, timeout: float = 60.0) -> None:
     """Until grpc.health.v1 says SERVING; fails early, with the log, if the process died."""
     deadline = time.monotonic() + timeout
@@ -181,19 +183,22 @@ def wait_serving(address: str, process: Process, timeout: float = 60.0) -> None:
 
 @dataclass
 class LocalMesh:
-    """A private redis-server, worker processes and a router, all on 127.0.0.1."""
+    """A private redis-server (or a given Redis), worker processes, a router and, after them,
+    other processes such as a ledger; all on 127.0.0.1."""
 
     log_dir: Path
     redis_port: int = 0
+    external_redis_url: str | None = None  # use this Redis instead of starting one
     redis_server: Process | None = None
     workers: dict[str, Process] = field(default_factory=dict)  # address -> process
     router: Process | None = None
     router_address: str = ""
     worker_args: tuple[str, ...] = ()
+    others: list[Process] = field(default_factory=list)  # ledgers: stopped after the workers
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return self.external_redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
 
     def start_redis(self) -> None:
         """Start (or, after a kill, restart on the same port) the private redis-server."""
@@ -201,8 +206,15 @@ class LocalMesh:
         self.redis_server = redis_process(self.redis_port, self.log_dir).start()
         wait_redis(self.redis_port)
 
+    def restart_redis(self, down_s: float) -> None:
+        """kill -9 the private Redis (it keeps nothing on disk), wait, start it empty."""
+        assert self.redis_server is not None
+        self.redis_server.kill()
+        time.sleep(down_s)
+        self.start_redis()
+
     def redis_client(self) -> redis.Redis:
-        return redis.Redis(port=self.redis_port, decode_responses=True, socket_timeout=2)
+        return redis.Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=2)
 
     def add_worker(self, repository: Path, *extra: str, port: int = 0) -> str:
         port = port or free_port()
@@ -223,6 +235,11 @@ class LocalMesh:
         wait_serving(self.router_address, self.router)
         return self.router_address
 
+    def start_ledger(self, db: str, *extra: str) -> Process:
+        ledger = ledger_process(self.redis_url, db, self.log_dir, *extra).start()
+        self.others.append(ledger)
+        return ledger
+
     def wait_registered(self, n: int, timeout: float = 10.0) -> None:
         """Until n workers are in the registry, plus a few router polls."""
         client = self.redis_client()
@@ -235,7 +252,12 @@ class LocalMesh:
         raise TimeoutError(f"fewer than {n} workers registered after {timeout}s")
 
     def stop(self, kill: bool = False) -> None:
-        """Router first (no new calls), then the workers (they drain), then Redis."""
-        for process in [self.router, *self.workers.values(), self.redis_server]:
-            if process is not None:
-                process.kill() if kill else process.stop()
+        """Router first (no new calls), then the workers (they drain), then the others (a
+        ledger's last pass), then Redis."""
+        for process in [self.router, *self.workers.values(), *self.others, self.redis_server]:
+            if process is None:
+                continue
+            if kill:
+                process.kill()
+            else:
+                process.stop()

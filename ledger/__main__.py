@@ -51,7 +51,9 @@ def run(settings: LedgerSettings) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     log.info("ledger_running", db=settings.db, redis=settings.redis_url)
     redis_ok = True
-    while True:
+
+    def one_pass() -> None:
+        nonlocal redis_ok
         try:
             applied = consumer.flush()
             if applied:
@@ -70,8 +72,11 @@ def run(settings: LedgerSettings) -> int:
                 if name == "break_even_calls" and row.never_breaks_even:
                     value = -1
                 gauge.labels(row.model).set(value or 0)
-        if stop.wait(settings.interval_seconds):
-            break
+
+    while not stop.is_set():
+        one_pass()
+        stop.wait(settings.interval_seconds)
+    one_pass()  # what the routers flushed on their way out, when they stopped first
     consumer.close()
     store.close()
     log.info("ledger_stopped")

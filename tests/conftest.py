@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy import toy_models
-
-ROOT = Path(__file__).resolve().parents[1]
+from deploy import processes, toy_models
+from deploy.processes import free_port
 
 # Test-only models: the MLP under configs that make batching and backpressure observable.
 TEST_CONFIGS = {
@@ -37,12 +30,6 @@ TEST_CONFIGS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = toy_models.build(tmp_path_factory.mktemp("models"))
@@ -57,62 +44,20 @@ class WorkerProcess:
     address: str
     log: Path
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        return self.process.wait(timeout)
-
-
-def wait_serving(address: str, process: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"process exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} not serving after {timeout}s:\n{log.read_text()}")
-
 
 def start_worker(repository: Path, log_dir: Path, *extra: str) -> WorkerProcess:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    log = log_dir / f"worker-{port}.log"
-    env = {
-        **os.environ,
-        "MESHSERVE_WORKER_PROVIDERS": "cpu",
-        "MESHSERVE_WORKER_INTRA_OP_THREADS": "1",
-    }
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "--model-repository",
-            str(repository),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    worker = processes.worker_process(
+        repository, port, log_dir, None, "--providers", "cpu", "--intra-op-threads", "1", *extra
+    ).start()
     try:
-        wait_serving(address, process, log)
+        processes.wait_serving(address, worker)
     except Exception:
-        process.kill()
+        worker.kill()
         raise
-    return WorkerProcess(process, address, log)
+    assert worker.popen is not None
+    return WorkerProcess(worker.popen, address, worker.log)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.net import free_port
 from worker.parallel import destroy_tp_group, init_tp_group
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.tp_runtime import RankModel, find_shard_sets
@@ -83,12 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_group(
     repository: Path,
     model: str,
@@ -101,7 +95,7 @@ def run_group(
     workdir.mkdir(parents=True, exist_ok=True)
     np.savez(workdir / "inputs.npz", **inputs)  # type: ignore[arg-type]
     output = workdir / f"out-{model}-tp{tp}.npz"
-    port = _free_port()
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     procs = [
         subprocess.Popen(

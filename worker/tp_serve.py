@@ -10,7 +10,6 @@ meshserve.tp.backend, and per rank meshserve.tp.rank<r>.weight_bytes / .rss_byte
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import numpy as np
 import structlog
 
 from common.dtypes import NUMPY
+from common.net import free_port
 from worker import config as cfg
 from worker.batcher import Batcher
 from worker.parallel import init_tp_group
@@ -207,9 +207,3 @@ def _exit_if_a_rank_dies(children: list[subprocess.Popen], joined: threading.Eve
                 for other in children:
                     other.kill()
                 os._exit(2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

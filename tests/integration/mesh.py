@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from deploy import toy_models
-from deploy.processes import LocalMesh, Process
+from deploy.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -49,11 +49,8 @@ class Mesh(LocalMesh):
                 "0.2",
             ),
         )
-        self.others: list[Process] = []  # more processes a test started (ledgers): killed too
 
     def stop(self, kill: bool = True) -> None:
-        for process in self.others:
-            process.kill()
         super().stop(kill=kill)
 
 

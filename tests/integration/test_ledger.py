@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from deploy.processes import Process, free_port
 from ledger.store import Store
@@ -19,34 +15,8 @@ from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
 PRICE = 250  # micro-USD, from mlp_config
 
 
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(tmp_path / "logs")
-    m.start_redis()
-    yield m
-    m.stop()
-
-
 def ledger_process(mesh: Mesh, db: str, *extra: str) -> Process:
-    process = Process(
-        "ledger",
-        [
-            sys.executable,
-            "-m",
-            "ledger",
-            "run",
-            "--redis-url",
-            mesh.redis_url,
-            "--db",
-            db,
-            "--interval-seconds",
-            "0.1",
-            *extra,
-        ],
-        mesh.log_dir / "ledger.log",
-    ).start()
-    mesh.others.append(process)
-    return process
+    return mesh.start_ledger(db, "--interval-seconds", "0.1", *extra)
 
 
 def start_mesh(mesh: Mesh, tmp_path: Path, workers: int = 2, simulated_us: int = 0) -> str:
@@ -101,13 +71,7 @@ def test_redis_restart_loses_and_doubles_nothing(mesh: Mesh, tmp_path: Path) -> 
     router = start_mesh(mesh, tmp_path, simulated_us=500)
     ledger_process(mesh, store.url)
 
-    def bounce() -> None:
-        assert mesh.redis_server is not None
-        mesh.redis_server.kill()  # kill -9, and Redis keeps nothing on disk
-        time.sleep(1.0)
-        mesh.start_redis()
-
-    bouncer = threading.Timer(1.0, bounce)
+    bouncer = threading.Timer(1.0, mesh.restart_redis, (1.0,))
     bouncer.start()
     codes = asyncio.run(call_many(router, 3000, concurrency=8, max_seconds=60))
     bouncer.join()

@@ -6,7 +6,6 @@ import asyncio
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,6 @@ from tests.integration.mesh import (
     mlp_repository,
     worker_successes,
 )
-
-
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(tmp_path / "logs")
-    m.start_redis()
-    yield m
-    m.stop()
 
 
 def repo(tmp_path: Path, name: str, **config: int) -> Path:
@@ -134,13 +125,7 @@ def test_redis_restart_keeps_serving_and_counts_exactly(mesh: Mesh, tmp_path: Pa
     mesh.wait_registered(2)
     router = mesh.start_router()
 
-    def bounce() -> None:
-        assert mesh.redis_server is not None
-        mesh.redis_server.kill()  # kill -9: Redis keeps nothing on disk, it comes back empty
-        time.sleep(1.0)
-        mesh.start_redis()
-
-    bouncer = threading.Timer(0.8, bounce)
+    bouncer = threading.Timer(0.8, mesh.restart_redis, (1.0,))
     bouncer.start()
     codes = asyncio.run(call_many(router, 1200, concurrency=8, max_seconds=30))
     bouncer.join()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,14 +46,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BertEncoder, L
         for tp in (1, 2):
             shard.write_shards(model, name, root / name, tp)
     return root, enc, dec
-
-
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(tmp_path / "logs")
-    m.start_redis()
-    yield m
-    m.stop()
 
 
 def ranks_of(pid: int) -> list[int]:
