@@ -15,17 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import codec
 from client.codec import InferResult, InputValue, ModelMetadata, ServerMetadata
+from common.rpc import MAX_MESSAGE_BYTES, message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 class Client:
@@ -36,7 +28,7 @@ class Client:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._metadata: dict[tuple[str, str], ModelMetadata] = {}
@@ -117,7 +109,7 @@ class AsyncClient:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.aio.insecure_channel(
-            address, options=channel_options(max_message_bytes)
+            address, options=message_options(max_message_bytes)
         )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)

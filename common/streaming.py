@@ -1,25 +1,33 @@
 """ModelStreamInfer on both servers: every request on a stream runs concurrently, and the
-replies go back in the order they finish (as Triton does)."""
+replies go back in the order they finish (as Triton does). A request that fails gets a
+reply with its error message on the stream, which stays open."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+from common.errors import MeshError
+from protos import grpc_service_pb2 as pb
 
 
-async def concurrently(
-    requests: AsyncIterator[Req], handle: Callable[[Req], Awaitable[Resp]]
-) -> AsyncIterator[Resp]:
-    """Yield handle(request) for each request as each completes; `handle` must not raise."""
-    out: asyncio.Queue[Resp | None] = asyncio.Queue()
+async def serve(
+    requests: AsyncIterator[pb.ModelInferRequest],
+    infer: Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """Yield a stream reply for each request as its `infer` completes."""
+    out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
 
-    async def one(request: Req) -> None:
-        await out.put(await handle(request))
+    async def one(request: pb.ModelInferRequest) -> None:
+        try:
+            reply = pb.ModelStreamInferResponse(infer_response=await infer(request))
+        except MeshError as e:
+            reply = pb.ModelStreamInferResponse(
+                error_message=e.message,
+                infer_response=pb.ModelInferResponse(id=request.id, model_name=request.model_name),
+            )
+        await out.put(reply)
 
     async def read() -> None:
         async for request in requests:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from client.client import MAX_MESSAGE_BYTES, channel_options
+from common.rpc import message_options
 from loadtest.stats import Recorder
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -47,9 +47,7 @@ class _Run:
         self.recorder = Recorder()
         self.sent = 0
         self.completed = 0  # including warm-up, for the live rate
-        self.channel = grpc.aio.insecure_channel(
-            load.address, options=channel_options(MAX_MESSAGE_BYTES)
-        )
+        self.channel = grpc.aio.insecure_channel(load.address, options=message_options())
         self.call = self.channel.unary_unary(METHOD)
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()

@@ -2,38 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from common import rpc
 from router.accounting import Accounting
 from router.dispatch import Dispatcher
 from router.registry import Registry
-from router.servicer import SERVICE, RouterServicer, handler
+from router.servicer import RouterServicer, handler
 from router.settings import RouterSettings
 
 log = structlog.get_logger()
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 async def serve(settings: RouterSettings) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
     registry = Registry(
         settings.redis_url,
-        channel_options(settings.max_message_bytes),
+        rpc.message_options(settings.max_message_bytes),
         poll_s=settings.poll_seconds,
         ttl_s=settings.registry_ttl_seconds,
         eject_base_s=settings.eject_base_seconds,
@@ -55,26 +43,13 @@ async def serve(settings: RouterSettings) -> None:
     await registry.start()
     accounting.start()
 
-    server = grpc.aio.server(
-        options=[*channel_options(settings.max_message_bytes), ("grpc.so_reuseport", 0)]
-    )
+    server, health = rpc.new_server(settings.max_message_bytes)
     server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher)),))
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [
-            SERVICE,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
-    for name in ("", SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await rpc.set_serving(health)
     log.info(
         "router_ready",
         router=router_id,
@@ -86,11 +61,7 @@ async def serve(settings: RouterSettings) -> None:
         else None,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await rpc.stop_on_signals().wait()
 
     log.info("router_draining")
     await health.enter_graceful_shutdown()

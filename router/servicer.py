@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import structlog
 
-from common import streaming
+from common import rpc, streaming
 from common.errors import MeshError, NotFound, UpstreamError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -25,7 +25,6 @@ from router.registry import Registry, Replica
 
 log = structlog.get_logger()
 
-SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "meshserve-router"
 VERSION = "0.1.0"
 UPSTREAM_TIMEOUT_S = 10.0
@@ -48,21 +47,11 @@ class RouterServicer:
         """Each streamed request is dispatched on its own; replies return as they finish."""
         deadline = _deadline(context)
 
-        async def one(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-            try:
-                raw = await self.dispatcher.infer(request.SerializeToString(), deadline)
-                return pb.ModelStreamInferResponse(
-                    infer_response=pb.ModelInferResponse.FromString(raw)
-                )
-            except MeshError as e:
-                return pb.ModelStreamInferResponse(
-                    error_message=e.message,
-                    infer_response=pb.ModelInferResponse(
-                        id=request.id, model_name=request.model_name
-                    ),
-                )
+        async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+            raw = await self.dispatcher.infer(request.SerializeToString(), deadline)
+            return pb.ModelInferResponse.FromString(raw)
 
-        async for reply in streaming.concurrently(request_iterator, one):
+        async for reply in streaming.serve(request_iterator, infer):
             yield reply
 
     # -- health and metadata ---------------------------------------------------------------
@@ -178,7 +167,7 @@ def handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
 
     s = servicer
     return grpc.method_handlers_generic_handler(
-        SERVICE,
+        rpc.SERVICE,
         {
             "ModelInfer": grpc.unary_unary_rpc_method_handler(s.ModelInfer),  # bytes <-> bytes
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(

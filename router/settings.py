@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.rpc import MAX_MESSAGE_BYTES
+
 
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_ROUTER_")
@@ -23,7 +25,7 @@ class RouterSettings(BaseSettings):
     eject_max_seconds: float = 30.0
     accounting: bool = True  # off only to measure what accounting costs
     accounting_wait_seconds: float = 0.25  # longest a reply waits for its record to be in Redis
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
     grace_seconds: float = 10.0

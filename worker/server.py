@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import signal
-from typing import Any
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
+from common import rpc
 from common.mesh_state import ModelEntry, WorkerInfo
-from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker.config import PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration, now_ms
@@ -24,16 +18,6 @@ from worker.settings import WorkerSettings
 from worker.tp_serve import GroupFailed, TpRepository
 
 log = structlog.get_logger()
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a taken port is an error, not a silent second listener
-    ]
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -55,26 +39,15 @@ async def serve(settings: WorkerSettings) -> None:
     )
     repository.load()
 
-    server = grpc.aio.server(options=grpc_options(settings.max_message_bytes))
+    server, health = rpc.new_server(settings.max_message_bytes)
     servicer = WorkerServicer(repository)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
     address = f"{settings.host}:{settings.port}"
     port = server.add_insecure_port(address)
     await server.start()
 
     servicer.ready = True
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await rpc.set_serving(health)
     log.info(
         "worker_ready",
         address=f"{settings.host}:{port}",
@@ -95,13 +68,16 @@ async def serve(settings: WorkerSettings) -> None:
         registration.start()
         log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = rpc.stop_on_signals()
     failure: list[str] = []
     if isinstance(repository, TpRepository):  # a broken shard group stops the worker at once
-        repository.start(lambda why: _soon(loop, _fail, failure, why, stop))
+        loop = asyncio.get_running_loop()
+
+        def group_failed(why: str) -> None:  # called on the group's watcher thread
+            failure.append(why)
+            loop.call_soon_threadsafe(stop.set)
+
+        repository.start(group_failed)
     await stop.wait()
     if failure:
         log.error("worker_group_failed", reason=failure[0])
@@ -123,15 +99,6 @@ async def serve(settings: WorkerSettings) -> None:
     await server.stop(settings.grace_seconds)  # refuse new calls, let in-flight ones finish
     await repository.close()
     log.info("worker_stopped")
-
-
-def _soon(loop: asyncio.AbstractEventLoop, *call: Any) -> None:
-    loop.call_soon_threadsafe(*call)
-
-
-def _fail(failure: list[str], reason: str, stop: asyncio.Event) -> None:
-    failure.append(reason)
-    stop.set()
 
 
 def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> WorkerInfo:

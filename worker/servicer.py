@@ -96,19 +96,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently; responses go back as they finish."""
-
-        async def one(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-            try:
-                return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
-            except MeshError as e:
-                return pb.ModelStreamInferResponse(
-                    error_message=e.message,
-                    infer_response=pb.ModelInferResponse(
-                        id=request.id, model_name=request.model_name
-                    ),
-                )
-
-        async for reply in streaming.concurrently(request_iterator, one):
+        async for reply in streaming.serve(request_iterator, self._infer):
             yield reply
 
     @grpc_errors

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.rpc import MAX_MESSAGE_BYTES
+
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_WORKER_")
@@ -20,7 +22,7 @@ class WorkerSettings(BaseSettings):
     inter_op_threads: int = 1
     default_max_batch_size: int = 32  # for models whose config does not say
     default_max_queue_size: int = 512
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     grace_seconds: float = 10.0
     # Mesh membership: with a Redis URL the worker registers itself for routers to find.
     redis_url: str | None = None

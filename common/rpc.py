@@ -1,0 +1,51 @@
+"""gRPC set-up the servers (worker, router) and the clients share."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+SERVICE = "inference.GRPCInferenceService"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Explicit message size limits, for a channel or a server."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def new_server(max_message_bytes: int) -> tuple[grpc.aio.Server, HealthServicer]:
+    """A grpc.aio server with health checking and reflection; add the inference service."""
+    server = grpc.aio.server(
+        options=[
+            *message_options(max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a taken port is an error, not a silent second listener
+        ]
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([SERVICE, _HEALTH, reflection.SERVICE_NAME], server)
+    return server, health
+
+
+async def set_serving(health: HealthServicer) -> None:
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT, for the server's drain."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
