@@ -25,12 +25,19 @@ router's next flush. Fields: calls, success, errors, revenue_micro_usd.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 PREFIX = "meshserve"
 WORKERS = f"{PREFIX}:workers"
 ROUTERS = f"{PREFIX}:routers"
-USAGE_FIELDS = ("calls", "success", "errors", "revenue_micro_usd")
+# The counts of one model version, in this order wherever they travel as a list (batches).
+USAGE_FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+
+
+def now_ms() -> int:
+    """Unix time in ms: the clock of every timestamp in Redis (heartbeats, depth samples)."""
+    return time.time_ns() // 1_000_000
 
 
 def worker_key(worker_id: str) -> str:
@@ -47,6 +54,11 @@ def usage_key(router_id: str) -> str:
 
 def model_key(model: str, version: str) -> str:
     return f"{model}|{version}"
+
+
+def parse_model_key(key: str) -> tuple[str, str]:
+    model, version = key.rsplit("|", 1)
+    return model, version
 
 
 def usage_field(model: str, version: str, name: str) -> str:

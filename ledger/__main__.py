@@ -18,6 +18,7 @@ from prometheus_client import Gauge, start_http_server
 from redis.exceptions import RedisError
 
 from common import logging
+from common.outage import Outage
 from ledger import config as ledger_config
 from ledger import report
 from ledger.consumer import Consumer
@@ -50,21 +51,16 @@ def run(settings: LedgerSettings) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     log.info("ledger_running", db=settings.db, redis=settings.redis_url)
-    redis_ok = True
+    redis_state = Outage("ledger_redis_unreachable", "ledger_redis_reconnected")
 
     def one_pass() -> None:
-        nonlocal redis_ok
         try:
             applied = consumer.flush()
             if applied:
                 log.debug("ledger_applied", batches=applied)
-            if not redis_ok:
-                log.info("ledger_redis_reconnected")
-            redis_ok = True
+            redis_state.succeeded()
         except (RedisError, OSError) as error:
-            if redis_ok:
-                log.warning("ledger_redis_unreachable", error=str(error))
-            redis_ok = False
+            redis_state.failed(error)
         for row in report.build(store, config):
             values = row.as_dict()
             for name, gauge in GAUGES.items():

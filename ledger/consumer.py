@@ -10,7 +10,6 @@ model's price and training cost as the workers publish them.
 from __future__ import annotations
 
 import json
-import time
 
 import redis
 import structlog
@@ -32,8 +31,7 @@ def worker_kind(provider: str) -> str:
 def parse_entry(entry_id: str, fields: dict[str, str]) -> BatchEntry:
     usage = {}
     for key, counts in json.loads(fields["usage"]).items():
-        model, version = key.rsplit("|", 1)
-        usage[(model, version)] = [int(c) for c in counts]
+        usage[mesh_state.parse_model_key(key)] = [int(c) for c in counts]
     return BatchEntry(int(entry_id.split("-")[0]), usage, int(fields["at_ms"]))
 
 
@@ -60,7 +58,7 @@ class Consumer:
             raw = self.redis.xrange(stream, min=f"{cursor + 1}-0", count=READ_COUNT)
             entries = [parse_entry(i, f) for i, f in raw]  # type: ignore[union-attr]
             if entries:
-                new = self.store.apply(router_id, entries, int(time.time() * 1000))
+                new = self.store.apply(router_id, entries, mesh_state.now_ms())
                 applied += new - cursor
                 cursor = new
             # Ack even with nothing new: a Redis that restarted lost the previous ack.
@@ -73,7 +71,7 @@ class Consumer:
                 return applied
 
     def _record_registry(self) -> None:
-        now = int(time.time() * 1000)
+        now = mesh_state.now_ms()
         ids: list[str] = self.redis.zrangebyscore(mesh_state.WORKERS, now - 60_000, "+inf")  # type: ignore[assignment]
         if not ids:
             return

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.mesh_state import USAGE_FIELDS
+
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS cursors (
         router_id TEXT PRIMARY KEY, seq BIGINT NOT NULL)""",
@@ -37,7 +39,7 @@ SCHEMA = [
         noticed_ms BIGINT NOT NULL)""",
 ]
 
-FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+FIELDS = USAGE_FIELDS  # the usage table's count columns
 BUCKET_MS = 10_000  # time series resolution for rates and plots
 
 

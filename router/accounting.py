@@ -33,10 +33,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from common import mesh_state
+from common.outage import Outage
 
 log = structlog.get_logger()
 
-FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
 TOTALS_EVERY_S = 0.2
 COMMIT_DELAY_S = 0.0005
 
@@ -70,7 +70,7 @@ class Usage:
         self.upstream_ns += upstream_ns
 
     def as_list(self) -> list[int]:
-        return [getattr(self, f) for f in FIELDS]
+        return [getattr(self, f) for f in mesh_state.USAGE_FIELDS]
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Accounting:
         self._unsent: list[Batch] = []  # closed, not yet in Redis
         self._retained: list[Batch] = []  # in Redis, not yet acked by the ledger
         self._wake = asyncio.Event()
-        self._redis_ok = True
+        self.redis_state = Outage("usage_flush_failed_keeping_in_memory", "usage_flush_recovered")
         self._stream_exists = False  # once we appended, the stream must be there
         self._totals_due = 0.0
         self._records = 0  # calls recorded so far
@@ -138,7 +138,7 @@ class Accounting:
 
     async def durable(self, future: asyncio.Future) -> None:
         """Wait for a record to reach Redis, unless Redis is down or slow."""
-        if not self._redis_ok or future.done():
+        if not self.redis_state.up or future.done():
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(future), self.wait_s)
@@ -170,7 +170,7 @@ class Accounting:
         """Close the current batch and write everything unsent; True when Redis has it all."""
         if self._current.usage:
             batch, self._current = self._current, self._new_batch()
-            batch.at_ms = time.time_ns() // 1_000_000
+            batch.at_ms = mesh_state.now_ms()
             self._unsent.append(batch)
         if not self._unsent:
             return True
@@ -185,10 +185,10 @@ class Accounting:
                 sending = list(self._unsent)
                 await self._send(sending)
         except (RedisError, OSError) as e:
-            self._mark(False, e)
+            self.redis_state.failed(e)
             self._release(sending)  # replies do not wait on a Redis that is down
             return False
-        self._mark(True)
+        self.redis_state.succeeded(unsent=len(self._unsent))
         del self._unsent[: len(sending)]
         self._retained.extend(sending)
         if len(self._retained) > self.retain_max:
@@ -204,7 +204,7 @@ class Accounting:
         totals = {
             mesh_state.usage_field(model, version, name): getattr(u, name)
             for (model, version), u in list(self.totals.items())
-            for name in FIELDS
+            for name in mesh_state.USAGE_FIELDS
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.sadd(mesh_state.ROUTERS, self.router_id)
@@ -229,7 +229,7 @@ class Accounting:
         try:
             ack = await self.redis.get(mesh_state.ledger_ack_key(self.router_id))
         except (RedisError, OSError) as e:
-            self._mark(False, e)
+            self.redis_state.failed(e)
             return
         acked = int(ack) if ack else 0
         self._retained = [b for b in self._retained if b.seq > acked]
@@ -239,13 +239,6 @@ class Accounting:
         for b in batches:
             if b.durable is not None and not b.durable.done():
                 b.durable.set_result(None)
-
-    def _mark(self, ok: bool, error: Exception | None = None) -> None:
-        if ok and not self._redis_ok:
-            log.info("usage_flush_recovered", unsent=len(self._unsent))
-        elif not ok and self._redis_ok:
-            log.warning("usage_flush_failed_keeping_in_memory", error=str(error))
-        self._redis_ok = ok
 
     async def close(self) -> None:
         if self._task is not None:

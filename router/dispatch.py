@@ -17,10 +17,11 @@ import grpc
 import structlog
 
 from common.errors import MeshError, NotFound, ResourceExhausted, Unavailable, UpstreamError
+from common.mesh_state import now_ms
 from protos.routing_pb2 import InferHeader
 from router import metrics, policy
 from router.accounting import Accounting
-from router.registry import Registry, Replica, now_ms
+from router.registry import Registry, Replica
 
 log = structlog.get_logger()
 

@@ -20,15 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from common import mesh_state
-from common.mesh_state import DepthSample, WorkerInfo
+from common.mesh_state import DepthSample, WorkerInfo, now_ms
+from common.outage import Outage
 
 log = structlog.get_logger()
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(eq=False)
@@ -74,7 +71,9 @@ class Registry:
         self.eject_base_s = eject_base_s
         self.eject_max_s = eject_max_s
         self.replicas: dict[str, Replica] = {}
-        self.redis_ok = True
+        self.redis_state = Outage(
+            "redis_unreachable_using_last_known_registry", "redis_reconnected"
+        )
         self._tokens = itertools.count()
         self._task: asyncio.Task | None = None
         self._checks: set[asyncio.Task] = set()
@@ -108,13 +107,9 @@ class Registry:
                     pipe.mget([mesh_state.depth_key(i) for i in ids])
                     infos, depths = await pipe.execute()
         except (RedisError, OSError) as e:
-            if self.redis_ok:
-                log.warning("redis_unreachable_using_last_known_registry", error=str(e))
-            self.redis_ok = False
+            self.redis_state.failed(e)
             return
-        if not self.redis_ok:
-            log.info("redis_reconnected")
-        self.redis_ok = True
+        self.redis_state.succeeded()
         seen = set()
         for worker_id, info_json, depth in zip(ids, infos, depths, strict=True):
             if info_json is None:

@@ -16,13 +16,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from common import mesh_state
-from common.mesh_state import DepthSample, WorkerInfo
+from common.mesh_state import DepthSample, WorkerInfo, now_ms
+from common.outage import Outage
 
 log = structlog.get_logger()
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Registration:
@@ -43,7 +40,7 @@ class Registration:
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = int(ttl_s * 1000)
         self.depth_interval_s = depth_interval_s
-        self._healthy = True
+        self.redis_state = Outage("redis_unreachable", "redis_reconnected", worker=info.id)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -67,9 +64,9 @@ class Registration:
                         mesh_state.depth_key(self.info.id), sample.encode(), px=self.ttl_ms
                     )
                     last_depth = sample
-                self._mark(True)
+                self.redis_state.succeeded()
             except (RedisError, OSError) as e:
-                self._mark(False, e)
+                self.redis_state.failed(e)
                 await asyncio.sleep(self.heartbeat_s / 2)
                 continue
             await asyncio.sleep(poll)
@@ -79,13 +76,6 @@ class Registration:
             pipe.set(mesh_state.worker_key(self.info.id), self.info.to_json(), px=self.ttl_ms)
             pipe.zadd(mesh_state.WORKERS, {self.info.id: now_ms()})
             await pipe.execute()
-
-    def _mark(self, ok: bool, error: Exception | None = None) -> None:
-        if ok and not self._healthy:
-            log.info("redis_reconnected", worker=self.info.id)
-        elif not ok and self._healthy:
-            log.warning("redis_unreachable", worker=self.info.id, error=str(error))
-        self._healthy = ok
 
     async def deregister(self) -> None:
         """Leave the registry at once (drain), so routers stop sending before we stop."""

@@ -7,10 +7,10 @@ import asyncio
 import structlog
 
 from common import rpc
-from common.mesh_state import ModelEntry, WorkerInfo
+from common.mesh_state import ModelEntry, WorkerInfo, now_ms
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker.config import PRICE_PER_CALL, TRAINING_COST
-from worker.registration import Registration, now_ms
+from worker.registration import Registration
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
 from worker.servicer import WorkerServicer
