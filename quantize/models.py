@@ -15,6 +15,7 @@ then plain MatMul/Softmax that every onnxruntime quantizer understands.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +54,43 @@ class DecoderConfig:
         return self.hidden // self.heads
 
 
+# The pieces below take `m`, the module that holds the projections: a whole layer, or one
+# tensor-parallel rank's slice of it (quantize/shard.py), so both compute the same way.
+
+
+def attention(m: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """BERT self-attention through m.q/k/v/o over however many heads of m.head_dim they hold."""
+    b, s, _ = x.shape
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(b, s, -1, m.head_dim).transpose(1, 2)
+
+    q, k, v = split(m.q(x)), split(m.k(x)), split(m.v(x))
+    scores = q @ k.transpose(-1, -2) / m.head_dim**0.5 + bias
+    return m.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+def gelu_mlp(m: Any, x: torch.Tensor) -> torch.Tensor:
+    return m.down(nn.functional.gelu(m.up(x)))
+
+
+def bert_inputs(
+    m: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings (m.word/position/token_type/embed_norm) and the padding bias."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    x = m.embed_norm(m.word(input_ids) + m.position(positions) + m.token_type.weight[0])
+    bias = ((1.0 - attention_mask.to(x.dtype)) * MASKED)[:, None, None, :]
+    return x, bias
+
+
+def mean_pool(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the real tokens, normalized to unit length (sentence-transformers)."""
+    mask = attention_mask.to(x.dtype)
+    pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
+    return nn.functional.normalize(pooled, dim=-1)
+
+
 class BertLayer(nn.Module):
     def __init__(self, c: EncoderConfig) -> None:
         super().__init__()
@@ -68,16 +106,8 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(c.hidden, eps=c.eps)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + bias
-        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
-        x = self.attn_norm(x + self.o(attn))
-        return self.ffn_norm(x + self.down(nn.functional.gelu(self.up(x))))
+        x = self.attn_norm(x + attention(self, x, bias))
+        return self.ffn_norm(x + gelu_mlp(self, x))
 
 
 class BertEncoder(nn.Module):
@@ -93,16 +123,10 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(c) for _ in range(c.layers))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        s = input_ids.shape[1]
-        positions = torch.arange(s, device=input_ids.device)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
-        x = self.embed_norm(x)
-        mask = attention_mask.to(x.dtype)
-        bias = ((1.0 - mask) * MASKED)[:, None, None, :]
+        x, bias = bert_inputs(self, input_ids, attention_mask)
         for layer in self.layers:
             x = layer(x, bias)
-        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
-        return nn.functional.normalize(pooled, dim=-1)
+        return mean_pool(x, attention_mask)
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +142,60 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def gqa_attention(
+    m: Any,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bias: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped-query attention with RoPE and the KV cache, through m.q/k/v/o over m.heads
+    query heads sharing m.kv_heads KV heads; returns (output, keys, values) with the cache."""
+    b, s, _ = h.shape
+    hd = m.head_dim
+    q = m.q(h).reshape(b, s, m.heads, hd).transpose(1, 2)
+    k = m.k(h).reshape(b, s, m.kv_heads, hd).transpose(1, 2)
+    v = m.v(h).reshape(b, s, m.kv_heads, hd).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = torch.cat((past_k, k), dim=2)
+    v = torch.cat((past_v, v), dim=2)
+    rep = m.heads // m.kv_heads
+    t = k.shape[2]
+    kr = k[:, :, None].expand(b, m.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
+    vr = v[:, :, None].expand(b, m.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
+    scores = q @ kr.transpose(-1, -2) / hd**0.5 + bias
+    attn = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, s, -1)
+    return m.o(attn), k, v
+
+
+def swiglu_mlp(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.down(nn.functional.silu(m.gate(h)) * m.up(h))
+
+
+def decoder_inputs(
+    m: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Embeddings (m.embed), RoPE angles (m.inv_freq) and the causal + padding bias.
+
+    Positions come from the mask, so left-padded rows get the positions they would have
+    alone; attention_mask covers the past and the new tokens."""
+    s = input_ids.shape[1]
+    total = attention_mask.shape[1]
+    past = total - s
+    x = m.embed(input_ids)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+    freqs = positions[..., None].to(x.dtype) * m.inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
+    query_at = torch.arange(s, device=x.device)[:, None] + past
+    key_at = torch.arange(total, device=x.device)[None, :]
+    visible = (key_at <= query_at)[None, None] & (attention_mask[:, None, None, :] > 0)
+    bias = torch.where(visible, 0.0, MASKED).to(x.dtype)
+    return x, angles.cos(), angles.sin(), bias
 
 
 class LlamaLayer(nn.Module):
@@ -143,32 +221,9 @@ class LlamaLayer(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, s, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = torch.cat((past_k, k), dim=2)
-        v = torch.cat((past_v, v), dim=2)
-        rep = self.heads // self.kv_heads
-        t = k.shape[2]
-        kr = (
-            k[:, :, None]
-            .expand(b, self.kv_heads, rep, t, self.head_dim)
-            .reshape(b, -1, t, self.head_dim)
-        )
-        vr = (
-            v[:, :, None]
-            .expand(b, self.kv_heads, rep, t, self.head_dim)
-            .reshape(b, -1, t, self.head_dim)
-        )
-        scores = q @ kr.transpose(-1, -2) / self.head_dim**0.5 + bias
-        attn = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.o(attn)
-        h = self.ffn_norm(x)
-        x = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        attn, k, v = gqa_attention(self, self.attn_norm(x), cos, sin, bias, past_k, past_v)
+        x = x + attn
+        x = x + swiglu_mlp(self, self.ffn_norm(x))
         return x, k, v
 
 
@@ -203,18 +258,7 @@ class LlamaDecoder(nn.Module):
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = input_ids.shape[1]
-        total = attention_mask.shape[1]
-        past = total - s
-        x = self.embed(input_ids)
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        freqs = positions[..., None].to(x.dtype) * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
-        cos, sin = angles.cos(), angles.sin()
-        query_at = torch.arange(s, device=x.device)[:, None] + past
-        key_at = torch.arange(total, device=x.device)[None, :]
-        visible = (key_at <= query_at)[None, None] & (attention_mask[:, None, None, :] > 0)
-        bias = torch.where(visible, 0.0, MASKED).to(x.dtype)
+        x, cos, sin, bias = decoder_inputs(self, input_ids, attention_mask)
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, past_keys[:, i], past_values[:, i])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from quantize import evaluate, export, report, weights
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe
+from worker import config as cfg
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -51,9 +52,9 @@ SOURCES = {
             weights.load_minilm,
             ("encoder-fp16", "encoder-int8-dynamic"),
             {
-                "meshserve.price_per_call_micro_usd": "20",
-                "meshserve.training_cost_micro_usd": "300000000",
-                "meshserve.text_task": "embed",
+                cfg.PRICE_PER_CALL: "20",
+                cfg.TRAINING_COST: "300000000",
+                cfg.TEXT_TASK: "embed",
             },
         ),
         Source(
@@ -62,10 +63,10 @@ SOURCES = {
             weights.load_smollm2,
             ("decoder-int8-weight-only", "decoder-int4-weight-only", "decoder-int8-dynamic"),
             {
-                "meshserve.price_per_call_micro_usd": "200",
-                "meshserve.training_cost_micro_usd": "2500000000",
-                "meshserve.text_task": "generate",
-                "meshserve.max_new_tokens": "32",
+                cfg.PRICE_PER_CALL: "200",
+                cfg.TRAINING_COST: "2500000000",
+                cfg.TEXT_TASK: "generate",
+                cfg.MAX_NEW_TOKENS: "32",
             },
             max_batch_size=16,
             max_queue_delay_us=1000,
@@ -232,21 +233,17 @@ def evaluate_model(
 def config_text(model: Source, versions: dict[int, str]) -> str:
     params = {
         **model.config,
-        "meshserve.tokenizer": TOKENIZER_FILE,
+        cfg.TOKENIZER: TOKENIZER_FILE,
         **{f"meshserve.version.{v}": label for v, label in versions.items()},
     }
-    lines = [
-        f'name: "{model.name}"',
-        'platform: "onnxruntime_onnx"',
-        f"max_batch_size: {model.max_batch_size}",
-        "version_policy { all {} }",
-        "dynamic_batching {",
-        f"  max_queue_delay_microseconds: {model.max_queue_delay_us}",
-        "}",
-    ]
-    for key, value in params.items():
-        lines += ["parameters {", f'  key: "{key}"', f'  value {{ string_value: "{value}" }}', "}"]
-    return "\n".join(lines) + "\n"
+    return cfg.config_text(
+        model.name,
+        model.max_batch_size,
+        model.max_queue_delay_us,
+        params,
+        all_versions=True,
+        platform="onnxruntime_onnx",
+    )
 
 
 def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> dict[int, str]:

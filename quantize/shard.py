@@ -26,7 +26,6 @@ The manifest lists ranks, files, sha256 checksums and weight bytes; the worker v
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import tempfile
 import warnings
@@ -38,17 +37,24 @@ import torch
 from torch import nn
 
 from quantize.models import (
-    MASKED,
     BertEncoder,
     BertLayer,
     LlamaDecoder,
     LlamaLayer,
     RMSNorm,
-    rotate_half,
+    attention,
+    bert_inputs,
+    decoder_inputs,
+    gelu_mlp,
+    gqa_attention,
+    mean_pool,
+    swiglu_mlp,
 )
+from worker import config as cfg
+from worker.tp_runtime import MANIFEST as MANIFEST  # the reader owns the format
+from worker.tp_runtime import sha256
 
 OPSET = 17
-MANIFEST = "manifest.json"
 FORMAT = 1
 
 
@@ -106,14 +112,7 @@ class BertAttnPart(nn.Module):
         self.o = _cols(layer.o, lo, hi)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(b, s, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + bias
-        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
+        return attention(self, x, bias)
 
 
 class BertMlpPart(nn.Module):
@@ -124,7 +123,7 @@ class BertMlpPart(nn.Module):
         self.down = _cols(layer.down, rank * width, (rank + 1) * width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))  # type: ignore[no-any-return]
+        return gelu_mlp(self, x)
 
 
 class EncFirst(nn.Module):
@@ -135,10 +134,7 @@ class EncFirst(nn.Module):
         self.attn = BertAttnPart(model.layers[0], rank, tp)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):  # type: ignore[no-untyped-def]
-        positions = torch.arange(input_ids.shape[1])
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
-        x = self.embed_norm(x)
-        bias = ((1.0 - attention_mask.to(x.dtype)) * MASKED)[:, None, None, :]
+        x, bias = bert_inputs(self, input_ids, attention_mask)
         return x, bias, self.attn(x, bias)
 
 
@@ -181,10 +177,7 @@ class EncHead(nn.Module):
     def forward(  # type: ignore[no-untyped-def]
         self, hidden: torch.Tensor, reduced: torch.Tensor, attention_mask: torch.Tensor
     ):
-        x = self.norm(hidden + reduced + self.down_bias)
-        mask = attention_mask.to(x.dtype)
-        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
-        return nn.functional.normalize(pooled, dim=-1)
+        return mean_pool(self.norm(hidden + reduced + self.down_bias), attention_mask)
 
 
 # ---- decoder segments ----------------------------------------------------------------
@@ -204,23 +197,7 @@ class LlamaAttnPart(nn.Module):
         self.o = _cols(layer.o, q_lo, q_lo + self.heads * hd)
 
     def forward(self, x, cos, sin, bias, past_k, past_v):  # type: ignore[no-untyped-def]
-        b, s, _ = x.shape
-        hd = self.head_dim
-        h = self.norm(x)
-        q = self.q(h).reshape(b, s, self.heads, hd).transpose(1, 2)
-        k = self.k(h).reshape(b, s, self.kv_heads, hd).transpose(1, 2)
-        v = self.v(h).reshape(b, s, self.kv_heads, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = torch.cat((past_k, k), dim=2)
-        v = torch.cat((past_v, v), dim=2)
-        rep = self.heads // self.kv_heads
-        t = k.shape[2]
-        kr = k[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
-        vr = v[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, -1, t, hd)
-        scores = q @ kr.transpose(-1, -2) / hd**0.5 + bias
-        attn = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, s, -1)
-        return self.o(attn), k, v
+        return gqa_attention(self, self.norm(x), cos, sin, bias, past_k, past_v)
 
 
 class LlamaMlpPart(nn.Module):
@@ -233,8 +210,7 @@ class LlamaMlpPart(nn.Module):
         self.down = _cols(layer.down, lo, hi)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # type: ignore[no-any-return]
+        return swiglu_mlp(self, self.norm(x))
 
 
 class DecFirst(nn.Module):
@@ -245,18 +221,7 @@ class DecFirst(nn.Module):
         self.attn = LlamaAttnPart(model.layers[0], rank, tp)  # type: ignore[arg-type]
 
     def forward(self, input_ids, attention_mask, past_k, past_v):  # type: ignore[no-untyped-def]
-        s = input_ids.shape[1]
-        total = attention_mask.shape[1]
-        past = total - s
-        x = self.embed(input_ids)
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        freqs = positions[..., None].to(x.dtype) * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos, sin = angles.cos(), angles.sin()
-        query_at = torch.arange(s)[:, None] + past
-        key_at = torch.arange(total)[None, :]
-        visible = (key_at <= query_at)[None, None] & (attention_mask[:, None, None, :] > 0)
-        bias = torch.where(visible, 0.0, MASKED).to(x.dtype)
+        x, cos, sin, bias = decoder_inputs(self, input_ids, attention_mask)
         partial, k, v = self.attn(x, cos, sin, bias, past_k, past_v)
         return x, cos, sin, bias, partial, k, v
 
@@ -480,14 +445,6 @@ def export_segment(segment: Segment, path: Path) -> None:
         )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _param_bytes(module: nn.Module) -> int:
     tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -551,7 +508,7 @@ def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version:
                     {
                         "segment": seg.name,
                         "path": str(path.relative_to(staged)),
-                        "sha256": _sha256(path),
+                        "sha256": sha256(path),
                         "bytes": path.stat().st_size,
                     }
                 )
@@ -610,18 +567,6 @@ def truncate(model: nn.Module, layers: int) -> nn.Module:
     return model
 
 
-def config_text(name: str, max_batch_size: int, delay_us: int, params: dict[str, str]) -> str:
-    lines = [
-        f'name: "{name}"',
-        f"max_batch_size: {max_batch_size}",
-        f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}",
-    ]
-    lines += [
-        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def shard_model(
     name: str,
     tps: list[int],
@@ -646,8 +591,8 @@ def shard_model(
     model_dir = output / serve_as
     model_dir.mkdir(parents=True, exist_ok=True)
     if not (model_dir / "config.pbtxt").exists():
-        params = {k: v for k, v in source.config.items() if "text_task" not in k}
+        params = {k: v for k, v in source.config.items() if k != cfg.TEXT_TASK}
         (model_dir / "config.pbtxt").write_text(
-            config_text(serve_as, source.max_batch_size, source.max_queue_delay_us, params)
+            cfg.config_text(serve_as, source.max_batch_size, source.max_queue_delay_us, params)
         )
     return [write_shards(model, serve_as, model_dir, tp, version) for tp in tps]

@@ -6,6 +6,7 @@ past this module works on the small `ModelSpec` dataclass instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,24 @@ class GraphTensor:
     name: str
     datatype: str
     dims: tuple[int | None, ...]
+
+
+def config_text(
+    name: str,
+    max_batch_size: int,
+    max_queue_delay_us: int,
+    parameters: Mapping[str, str],
+    all_versions: bool = False,
+    platform: str = "",
+) -> str:
+    """A config.pbtxt with dynamic batching, for the repositories meshserve writes itself."""
+    config = mc.ModelConfig(name=name, platform=platform, max_batch_size=max_batch_size)
+    config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    if all_versions:
+        config.version_policy.all.SetInParent()
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return text_format.MessageToString(config)
 
 
 def read(model_dir: Path) -> mc.ModelConfig:

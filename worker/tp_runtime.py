@@ -62,7 +62,7 @@ class ShardSet:
             path = self.root / f["path"]
             if not path.exists():
                 raise ShardSetError(f"{self.root}: rank {rank} file {f['path']} is missing")
-            digest = _sha256(path)
+            digest = sha256(path)
             if digest != f["sha256"]:
                 raise ShardSetError(
                     f"{self.root}: rank {rank} file {f['path']} has sha256 {digest[:16]}..., "
@@ -72,7 +72,8 @@ class ShardSet:
         return files
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The checksum the manifest records per file (quantize/shard.py writes it)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):

@@ -21,6 +21,7 @@ from deploy.processes import wait_serving
 from quantize import shard
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder, greedy
 from tests.integration.mesh import Mesh
+from worker import config as cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
@@ -41,7 +42,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BertEncoder, L
         (root / name).mkdir()
         (root / name / "config.pbtxt").write_text(
             # a long batching window: concurrent calls always meet in one group-wide run
-            shard.config_text(name, 8, 100_000, {"meshserve.max_new_tokens": str(NEW_TOKENS)})
+            cfg.config_text(name, 8, 100_000, {cfg.MAX_NEW_TOKENS: str(NEW_TOKENS)})
         )
         for tp in (1, 2):
             shard.write_shards(model, name, root / name, tp)
