@@ -22,6 +22,7 @@ from common.outage import Outage
 from ledger import config as ledger_config
 from ledger import report
 from ledger.consumer import Consumer
+from ledger.economics import Economics
 from ledger.settings import LedgerSettings
 from ledger.store import Store
 
@@ -39,6 +40,16 @@ GAUGES = {
         ("break_even_calls", "N* = T / (p - c); -1 when p <= c"),
     ]
 }
+
+
+def set_gauges(rows: list[Economics]) -> None:
+    for row in rows:
+        values = row.as_dict()
+        for name, gauge in GAUGES.items():
+            value = values[name]
+            if name == "break_even_calls" and row.never_breaks_even:
+                value = -1
+            gauge.labels(row.model).set(value or 0)
 
 
 def run(settings: LedgerSettings) -> int:
@@ -61,13 +72,8 @@ def run(settings: LedgerSettings) -> int:
             redis_state.succeeded()
         except (RedisError, OSError) as error:
             redis_state.failed(error)
-        for row in report.build(store, config):
-            values = row.as_dict()
-            for name, gauge in GAUGES.items():
-                value = values[name]
-                if name == "break_even_calls" and row.never_breaks_even:
-                    value = -1
-                gauge.labels(row.model).set(value or 0)
+        if settings.metrics_port:  # otherwise nobody reads the gauges
+            set_gauges(report.build(store, config))
 
     while not stop.is_set():
         one_pass()

@@ -40,6 +40,8 @@ class Consumer:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
         self.store = store
         self.config = config
+        self._cursors: dict[str, int] = {}  # router -> seq committed (read once, then ours)
+        self._terms: dict[str, tuple[int, int]] = {}  # model -> (p, T) as last recorded
 
     def flush(self) -> int:
         """One pass; returns the number of batches applied."""
@@ -52,7 +54,9 @@ class Consumer:
 
     def _drain(self, router_id: str) -> int:
         stream = mesh_state.calls_stream(router_id)
-        cursor = self.store.cursor(router_id)
+        if router_id not in self._cursors:
+            self._cursors[router_id] = self.store.cursor(router_id)
+        cursor = self._cursors[router_id]
         applied = 0
         while True:
             raw = self.redis.xrange(stream, min=f"{cursor + 1}-0", count=READ_COUNT)
@@ -60,7 +64,7 @@ class Consumer:
             if entries:
                 new = self.store.apply(router_id, entries, mesh_state.now_ms())
                 applied += new - cursor
-                cursor = new
+                cursor = self._cursors[router_id] = new
             # Ack even with nothing new: a Redis that restarted lost the previous ack.
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(mesh_state.ledger_ack_key(router_id), cursor)
@@ -83,11 +87,10 @@ class Consumer:
             info = WorkerInfo.from_json(raw)
             spans.append(WorkerSpan(info.id, info.started_ms, worker_kind(info.provider), now))
             for name, entry in info.models.items():
-                terms = self.config.models.get(name)
-                if terms is None:
-                    self.store.record_model(
-                        name, entry.price_micro_usd, entry.training_cost_micro_usd
-                    )
+                terms = (entry.price_micro_usd, entry.training_cost_micro_usd)
+                if name not in self.config.models and self._terms.get(name) != terms:
+                    self.store.record_model(name, *terms)  # only when they change
+                    self._terms[name] = terms
         self.store.record_workers(spans)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 class Replica:
     info: WorkerInfo
     channel: grpc.aio.Channel
+    info_json: str = ""  # as read from Redis: unchanged text needs no second parse
     sample: DepthSample | None = None
     inflight: dict[int, int] = field(default_factory=dict)  # call token -> start unix ms
     last_seen: float = field(default_factory=time.monotonic)
@@ -115,14 +116,23 @@ class Registry:
             if info_json is None:
                 continue
             seen.add(worker_id)
-            self._upsert(WorkerInfo.from_json(info_json), depth)
+            self._upsert(worker_id, info_json, depth)
         now = time.monotonic()
         for worker_id in [i for i, r in self.replicas.items() if i not in seen]:
             if now - self.replicas[worker_id].last_seen > self.ttl_s:
                 await self._remove(worker_id, "left the registry")
 
-    def _upsert(self, info: WorkerInfo, depth: str | None) -> None:
-        replica = self.replicas.get(info.id)
+    def _upsert(self, worker_id: str, info_json: str, depth: str | None) -> None:
+        replica = self.replicas.get(worker_id)
+        if replica is None or replica.info_json != info_json:
+            replica = self._admit(worker_id, WorkerInfo.from_json(info_json), replica)
+            replica.info_json = info_json
+        replica.last_seen = time.monotonic()
+        if depth is not None:
+            replica.sample = DepthSample.decode(depth)
+
+    def _admit(self, worker_id: str, info: WorkerInfo, replica: Replica | None) -> Replica:
+        """A new worker, or a registration that changed."""
         if replica is not None and (
             replica.info.address != info.address or replica.info.started_ms != info.started_ms
         ):
@@ -133,7 +143,7 @@ class Registry:
         if replica is None:
             channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
             replica = Replica(info, channel)
-            self.replicas[info.id] = replica
+            self.replicas[worker_id] = replica
             log.info(
                 "replica_joined",
                 worker=info.id,
@@ -143,9 +153,7 @@ class Registry:
                 tp=info.tp,
             )
         replica.info = info
-        replica.last_seen = time.monotonic()
-        if depth is not None:
-            replica.sample = DepthSample.decode(depth)
+        return replica
 
     async def _remove(self, worker_id: str, reason: str) -> None:
         replica = self.replicas.pop(worker_id)
