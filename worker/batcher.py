@@ -164,44 +164,34 @@ class Batcher:
             start = time.perf_counter_ns()
             for p in batch:
                 self.stats.queue.add(start - p.enqueued_ns)
-            names = list(dict.fromkeys(n for p in batch for n in p.outputs))
-            try:
-                results, timings = await self._call(batch, names)
-            except MeshError as e:  # the runtime said what happened (a failed TP group)
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                return
-            except Exception as e:
-                if len(batch) > 1:  # find the one bad request: run each on its own
-                    for p in batch:
-                        await self._execute_alone(p, names)
-                    return
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(
-                        InvalidArgument(f"model {self.spec.name!r} failed on this input: {e}")
-                    )
-                return
-            rows = sum(p.rows for p in batch) if self._batched else 1
-            self.stats.record_execution(len(batch), rows, *timings)
-            for p, result in zip(batch, results, strict=True):
-                if not p.future.done():
-                    p.future.set_result({n: result[n] for n in p.outputs})
+            await self._settle(batch, list(dict.fromkeys(n for p in batch for n in p.outputs)))
         finally:
             self._running -= len(batch)
 
-    async def _execute_alone(self, p: _Pending, names: list[str]) -> None:
+    async def _settle(self, batch: list[_Pending], names: list[str]) -> None:
+        """Run the batch and resolve its callers. When a merged batch fails, each request runs
+        on its own, so the one bad request fails alone."""
         try:
-            (result,), timings = await self._call([p], names)
+            results, timings = await self._call(batch, names)
+        except MeshError as e:  # the runtime said what happened (a failed TP group)
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return
         except Exception as e:
-            if not p.future.done():
-                p.future.set_exception(
+            if len(batch) > 1:
+                for p in batch:
+                    await self._settle([p], names)
+            elif not batch[0].future.done():
+                batch[0].future.set_exception(
                     InvalidArgument(f"model {self.spec.name!r} failed on this input: {e}")
                 )
             return
-        self.stats.record_execution(1, p.rows, *timings)
-        if not p.future.done():
-            p.future.set_result({n: result[n] for n in p.outputs})
+        rows = sum(p.rows for p in batch) if self._batched else 1
+        self.stats.record_execution(len(batch), rows, *timings)
+        for p, result in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result({n: result[n] for n in p.outputs})
 
     async def _call(
         self, batch: list[_Pending], names: list[str]

@@ -235,7 +235,7 @@ def spec(config: mc.ModelConfig, version: str) -> ModelSpec:
         dynamic_batching=enabled,
         max_queue_delay_us=batching.max_queue_delay_microseconds,
         preferred_batch_sizes=tuple(batching.preferred_batch_size),
-        max_queue_size=batching.default_queue_policy.max_queue_size or 0,
+        max_queue_size=batching.default_queue_policy.max_queue_size,
         instance_count=sum(g.count or 1 for g in config.instance_group) or 1,
         parameters={k: v.string_value for k, v in config.parameters.items()},
     )
