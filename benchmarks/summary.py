@@ -182,14 +182,24 @@ def accounting_pairs(a: dict) -> list[dict]:
 
 
 def ledger_section(r: dict) -> str:
-    a, e = r["accounting"], r["economics"]
+    a, e = r["accounting"], r.get("economics")
     pairs = accounting_pairs(a)
     stats = readings.paired_cost([p["on"] for p in pairs], [p["off"] for p in pairs])
     rows = [
         [i + 1, p.get("order", "on, off"), p["on"], p["off"], f"{cost:.1%}"]
         for i, (p, cost) in enumerate(zip(pairs, stats["cost_per_pair"], strict=True))
     ]
-    exact = "the two are equal" if e["exact"] else "the two **differ**"
+    if e is None:
+        economics = ["The economics run was skipped (`--skip-economics`)."]
+    else:
+        exact = "the two are equal" if e["exact"] else "the two **differ**"
+        economics = [
+            f"Waves of load through the mesh with the ledger running (no failures injected): "
+            f"the client saw {e['client_successes']:,} successes, the durable ledger holds "
+            f"{e['durable_calls']:,}: {exact}.",
+            "```\n" + e["text"] + "\n```",
+            "![ledger](results/ledger.png)",
+        ]
     return "\n\n".join(
         [
             "## Ledger: what exact accounting costs, and the economics after a load run",
@@ -199,11 +209,7 @@ def ledger_section(r: dict) -> str:
             f"{len(pairs)} alternated pairs; cost per pair = 1 - on / off:",
             table(["pair", "order", "on req/s", "off req/s", "cost"], rows),
             readings.accounting_reading(stats),
-            f"Waves of load through the mesh with the ledger running (no failures injected): "
-            f"the client saw {e['client_successes']:,} successes, the durable ledger holds "
-            f"{e['durable_calls']:,}: {exact}.",
-            "```\n" + e["text"] + "\n```",
-            "![ledger](results/ledger.png)",
+            *economics,
         ]
     )
 

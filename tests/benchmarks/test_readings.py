@@ -78,6 +78,8 @@ def test_ledger_section_from_old_and_new_results() -> None:
     assert "in 8 alternated pairs" in text and "| 2 | off, on |" in text
     assert "Exact accounting costs" in text and "distinguishable from run-to-run noise" in text
     assert "the two **differ**" in text
+    del new["economics"]  # --skip-economics
+    assert "The economics run was skipped" in summary.ledger_section(new)
 
 
 # -- router ----------------------------------------------------------------------------------
