@@ -144,6 +144,19 @@ def replicas_reading(label: str, rows: list[dict]) -> str:
     )
 
 
+def client_limited_reading(rows: list[tuple[str, dict]]) -> str:
+    """Open-loop points whose load generator fell behind its schedule (loadtest flags them);
+    empty when none did, or the results predate the flag."""
+    limited = [f"{label} ({r['client']['reason']})" for label, r in rows if r.get("client_limited")]
+    if not limited:
+        return ""
+    return (
+        "Client-limited, so measuring the load generator rather than the mesh: "
+        + "; ".join(limited)
+        + "."
+    )
+
+
 def policies_reading(rows: list[dict]) -> str:
     by = {r["policy"]: r for r in rows}
     fair = 1 / 3

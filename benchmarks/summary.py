@@ -80,39 +80,46 @@ def router_section(r: dict) -> str:
         for p in r["policies"]
     ]
     enc_rows = [[k, v["header_parse_us"], v["decode_encode_us"]] for k, v in r["reencode"].items()]
-    return "\n\n".join(
-        [
-            "## Router",
-            "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
-            "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
-            table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
-            router_hop_text(r),
-            "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
-            table(
-                [
-                    "model",
-                    "workers",
-                    "offered rps",
-                    "served rps",
-                    "p50 ms",
-                    "p99 ms",
-                    "rps per worker",
-                ],
-                rep_rows,
-            ),
-            " ".join(readings.replicas_reading(k, v) for k, v in r["replicas"].items()),
-            "![replicas](results/router_replicas.png)",
-            "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
-            table(
-                ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
-                pol_rows,
-            ),
-            readings.policies_reading(r["policies"]),
-            "![policies](results/router_policies.png)",
-            "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
-            table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
-        ]
-    )
+    parts = [
+        "## Router",
+        "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
+        "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
+        table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
+        router_hop_text(r),
+        "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
+        table(
+            [
+                "model",
+                "workers",
+                "offered rps",
+                "served rps",
+                "p50 ms",
+                "p99 ms",
+                "rps per worker",
+            ],
+            rep_rows,
+        ),
+        " ".join(readings.replicas_reading(k, v) for k, v in r["replicas"].items()),
+        readings.client_limited_reading(
+            [
+                (f"{label}, {p['workers']} workers", p)
+                for label, points in r["replicas"].items()
+                for p in points
+            ]
+            + [(f"policy {p['policy']}", p) for p in r["policies"]]
+        ),
+        "![replicas](results/router_replicas.png)",
+        "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
+        table(
+            ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
+            pol_rows,
+        ),
+        readings.policies_reading(r["policies"]),
+        "![policies](results/router_policies.png)",
+        "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
+        table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
+    ]
+    return "\n\n".join(x for x in parts if x)
 
 
 def mlserver_section(r: dict) -> str:
@@ -331,7 +338,7 @@ def render(results: Path = RESULTS) -> str:
             )
             machine_noted = True
         parts.append(section(result))
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def main() -> None:

@@ -176,3 +176,15 @@ def test_tp_reading_flips_with_the_numbers() -> None:
         for k in w:
             w[k] = list(w["tp1"])
     assert "its weight bytes per rank do not fall either" in readings.tp_reading(heavy)
+
+
+def test_router_section_names_client_limited_points() -> None:
+    r = load("router")
+    assert "Client-limited" not in summary.router_section(r)  # results before the flag
+    flagged = copy.deepcopy(r)
+    point = flagged["policies"][0]
+    point["client_limited"] = True
+    point["client"] = {"reason": "send lag p99 80 ms (above 50 ms)"}
+    text = summary.router_section(flagged)
+    assert "Client-limited, so measuring the load generator rather than the mesh: " in text
+    assert "policy p2c (send lag p99 80 ms (above 50 ms))." in text
