@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--min-send-fraction",
         type=float,
         default=0.95,
-        help="open loop: sending under this fraction of the schedule flags it client-limited",
+        help="open loop: reaching under this fraction of the schedule flags it client-limited",
     )
     parser.add_argument("--output", type=Path, help="JSON results")
     parser.add_argument("--plot-dir", type=Path, help="latency_cdf.png, latency_vs_load.png")

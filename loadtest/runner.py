@@ -8,7 +8,7 @@
   omission). The client itself can fall behind that schedule (a rate beyond what this
   machine can send): then the run is flagged `client_limited` — its throughput and latency
   describe the client, not the server — with the send lag and the fraction of the measured
-  window's arrivals sent on time. Arrivals still unsent when the window (plus the lag
+  window's arrivals the client reached at all. Arrivals still unsent when the window (plus the lag
   allowance) has passed are not sent at all, so such a run ends on time.
 
 Both warm up first (not measured), stop starting requests after `duration` (or at
@@ -41,7 +41,7 @@ class Load:
     timeout: float = 30.0
     max_requests: int = 10_000_000
     progress_seconds: float = 1.0
-    # Open loop: the client is "limited" when it sent under this fraction of the measured
+    # Open loop: the client is "limited" when it reached under this fraction of the measured
     # window's scheduled arrivals, or when its send lag (actual send time - scheduled time)
     # has a p99 above max_send_lag_ms.
     min_send_fraction: float = 0.95
@@ -179,8 +179,9 @@ async def open_loop(
 
 
 def client_report(lag: Recorder, unsent: int, load: Load) -> dict:
-    """Did the client keep to its schedule in the measured window? `on_schedule` arrivals
-    are the ones it got round to (sent, or refused as CLIENT_BACKLOG), with their lag."""
+    """Did the client keep to its schedule in the measured window? `reached` arrivals are
+    the ones it got round to before the window closed (sent, or refused as CLIENT_BACKLOG,
+    which is the server falling behind), each with its lag; `unsent` ones it never reached."""
     handled = lag.count
     scheduled = handled + unsent
     fraction = handled / scheduled if scheduled else 1.0
@@ -188,7 +189,7 @@ def client_report(lag: Recorder, unsent: int, load: Load) -> dict:
     reasons = []
     if fraction < load.min_send_fraction:
         reasons.append(
-            f"sent {fraction:.1%} of the {scheduled:,} scheduled arrivals "
+            f"reached {fraction:.1%} of the {scheduled:,} scheduled arrivals "
             f"(below {load.min_send_fraction:.0%})"
         )
     if lag_p99 > load.max_send_lag_ms:
@@ -197,9 +198,9 @@ def client_report(lag: Recorder, unsent: int, load: Load) -> dict:
         "limited": bool(reasons),
         "reason": "; ".join(reasons),
         "scheduled": scheduled,
-        "on_schedule": handled,
+        "reached": handled,
         "unsent": unsent,
-        "sent_fraction": round(fraction, 4),
+        "reached_fraction": round(fraction, 4),
         "send_lag_p50_ms": lag.percentile_ms(50) or 0.0,
         "send_lag_p99_ms": lag_p99,
         "send_lag_max_ms": lag.summary(1)["max_ms"] or 0.0,
