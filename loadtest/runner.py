@@ -8,8 +8,8 @@
   omission). The client itself can fall behind that schedule (a rate beyond what this
   machine can send): then the run is flagged `client_limited` — its throughput and latency
   describe the client, not the server — with the send lag and the fraction of the measured
-  window's arrivals the client reached at all. Arrivals still unsent when the window (plus the lag
-  allowance) has passed are not sent at all, so such a run ends on time.
+  window's arrivals the client reached. Arrivals still unreached once the window (plus the
+  lag allowance) has passed are never sent, so such a run ends on time.
 
 Both warm up first (not measured), stop starting requests after `duration` (or at
 `max_requests`), wait for those in flight (each has a deadline), and count what started in
