@@ -118,17 +118,17 @@ def hop_reading(hop: dict, cores: int) -> str:
         f"{meets(b_p50, HOP_P50_TARGET, True)} the first ({b_p50}x) and "
         f"{meets(b_tp, HOP_THROUGHPUT_TARGET, False)} the second ({b_tp}x)."
     )
-    if over_tp >= 1:
-        own = "its own work (balancing, accounting, metrics) costs no throughput measurable here"
-    else:
-        own = (
-            f"its own work (balancing, accounting, metrics) costs {1 - over_tp:.0%} of the "
-            "bare proxy's throughput"
-        )
+
+    def cost(what: str, ratio_: float, of: str) -> str:
+        if ratio_ >= 1:
+            return f"{what} cost no throughput in this run"
+        return f"{what} costs {1 - ratio_:.0%} of {of} throughput"
+
+    own = cost("its own work (balancing, accounting, metrics)", over_tp, "the bare proxy's")
     relative = (
         f" The router does {over_tp}x the bare proxy's throughput at c=32 and has "
-        f"{over_p50}x its p50 at c=1: {own}, and the hop itself costs "
-        f"{1 - b_tp:.0%} of direct throughput. Client, router and worker share {cores} cores."
+        f"{over_p50}x its p50 at c=1: {own}, and {cost('the hop itself', b_tp, 'direct')}. "
+        f"Client, router and worker share {cores} cores."
     )
     return router_meets + relative
 

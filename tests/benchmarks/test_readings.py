@@ -99,7 +99,8 @@ def test_hop_targets_flip() -> None:
     text = readings.hop_reading(fast, 16)
     assert "The router meets the target p50 <= 1.5x direct at c=1 (1.2x)" in text
     assert "meets throughput >= 0.9x direct at c=32 (0.95x)" in text
-    assert "costs no throughput measurable here" in text and "share 16 cores" in text
+    assert "(balancing, accounting, metrics) cost no throughput in this run" in text
+    assert "the hop itself costs 48% of direct throughput" in text and "share 16 cores" in text
 
 
 def test_policies_and_replicas_flip() -> None:
