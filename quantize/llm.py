@@ -13,6 +13,7 @@ judges exactly the artifact that is installed:
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -126,9 +127,23 @@ def _runner(path: Path) -> Callable[[list[int], int], tuple[np.ndarray, list[int
 
 
 def gate(recipe_name: str, cache: Path) -> tuple[dict, list[str]]:
-    """The recipe's decoder gate on the engine graphs: (metrics, failures)."""
+    """The recipe's decoder gate on the engine graphs: (metrics, failures). The verdict is
+    kept beside the artifact (gate.json) and reused while the artifact is unchanged."""
     r = recipe(recipe_name)
     parent, candidate = folder(cache, FP32), folder(cache, r.name)
+    kept = candidate.folder / "gate.json"
+    stamp = candidate.model.stat().st_mtime_ns
+    if kept.exists():
+        saved = json.loads(kept.read_text())
+        if saved.get("model_mtime_ns") == stamp:
+            return saved["metrics"], saved["failures"]
+    metrics, failures = _gate(r, parent, candidate)
+    body = {"model_mtime_ns": stamp, "metrics": metrics, "failures": failures}
+    kept.write_text(json.dumps(body, indent=2) + "\n")
+    return metrics, failures
+
+
+def _gate(r: Recipe, parent: Artifact, candidate: Artifact) -> tuple[dict, list[str]]:
     tokenizer = Tokenizer.from_file(str(parent.tokenizer))
     data = evaluate.load_set("decoder")
     ref, cand = _runner(parent.model), _runner(candidate.model)
