@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from protos import model_config_pb2 as mc
 from quantize import evaluate, llm_graph, weights
+from quantize.models import LlamaDecoder
 from quantize.pipeline import (
     FP32,
     MODEL_FILE,
@@ -64,7 +65,9 @@ def export_step_graph(cache: Path, force: bool = False) -> Artifact:
     def write(tmp: Path) -> None:
         loaded.tokenizer.no_padding()
         loaded.tokenizer.save(str(tmp / TOKENIZER_FILE))
-        llm_graph.save(llm_graph.build(loaded.model, MAX_POSITIONS), tmp / MODEL_FILE)
+        model = loaded.model
+        assert isinstance(model, LlamaDecoder)
+        llm_graph.save(llm_graph.build(model, MAX_POSITIONS), tmp / MODEL_FILE)
 
     _staged(artifact.folder, write)
     return artifact

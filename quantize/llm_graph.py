@@ -95,7 +95,7 @@ def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, []),
     ]
     outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", c.vocab_size])]
-    cache_shape = ["rows", c.kv_heads, "max_len", c.head_dim]
+    cache_shape: list[str | int | None] = ["rows", c.kv_heads, "max_len", c.head_dim]
     for i in range(c.layers):
         p = f"layers.{i}."
         h = g.rms_norm(

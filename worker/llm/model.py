@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from worker.llm.cache import KVCache
 from worker.runtime import OnnxSession, RuntimeOptions
@@ -50,6 +51,10 @@ class StepModel:
         f = self.facts
         self._past = [(f"past_key.{i}", f"past_value.{i}") for i in range(f.layers)]
         self._present = [(f"present_key.{i}", f"present_value.{i}") for i in range(f.layers)]
+        # One IO binding per row range, with the cache bound once: a step then rebinds only
+        # its three small inputs (120 cache bindings per step would cost more than a token).
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._bound_to: KVCache | None = None
 
     @classmethod
     def load(cls, path: Path, options: RuntimeOptions, providers: list[str]) -> StepModel:
@@ -60,19 +65,27 @@ class StepModel:
     ) -> np.ndarray:
         """ids [rows, new] int64 for slots lo..hi-1; lengths [rows]: each row's length
         including the new tokens. Returns logits [rows, vocab] float32."""
-        seqlens = (lengths - 1).astype(np.int32)
-        sess = self.session.session
-        io = sess.io_binding()
+        io = self._binding(cache, lo, hi)
         io.bind_cpu_input(IDS, np.ascontiguousarray(ids, dtype=np.int64))
-        io.bind_cpu_input(SEQLENS, seqlens)
+        io.bind_cpu_input(SEQLENS, (lengths - 1).astype(np.int32))
         io.bind_cpu_input(TOTAL, np.array(int(lengths.max()), dtype=np.int32))
-        io.bind_output(LOGITS)
-        for (pk, pv), (ok, ov), (k, v) in zip(
-            self._past, self._present, cache.views(lo, hi), strict=True
-        ):
-            io.bind_ortvalue_input(pk, k)
-            io.bind_ortvalue_input(pv, v)
-            io.bind_ortvalue_output(ok, k)
-            io.bind_ortvalue_output(ov, v)
-        sess.run_with_iobinding(io)
+        self.session.session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()  # type: ignore[no-any-return]
+
+    def _binding(self, cache: KVCache, lo: int, hi: int) -> ort.IOBinding:
+        if cache is not self._bound_to:
+            self._bindings.clear()
+            self._bound_to = cache
+        io = self._bindings.get((lo, hi))
+        if io is None:
+            io = self.session.session.io_binding()
+            io.bind_output(LOGITS)  # first, so it is get_outputs()[0]
+            for (pk, pv), (ok, ov), (k, v) in zip(
+                self._past, self._present, cache.views(lo, hi), strict=True
+            ):
+                io.bind_ortvalue_input(pk, k)
+                io.bind_ortvalue_input(pv, v)
+                io.bind_ortvalue_output(ok, k)
+                io.bind_ortvalue_output(ov, v)
+            self._bindings[(lo, hi)] = io
+        return io
