@@ -180,3 +180,19 @@ def test_sampler_top_k_one_is_greedy() -> None:
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     sampler = Sampler(SamplingParams(temperature=0.8, top_k=1, seed=3), [1, 2], 1000)
     assert all(sampler.sample(logits.copy()) == int(logits.argmax()) for _ in range(5))
+
+
+def test_step_logits_survive_the_next_step(tiny_step_graph) -> None:  # type: ignore[no-untyped-def]
+    """run() returns its own array: the IO binding's output buffer is reused by the next run."""
+    from worker.llm.cache import CacheShape, KVCache
+    from worker.llm.model import StepModel
+    from worker.runtime import RuntimeOptions
+
+    model = StepModel.load(tiny_step_graph, RuntimeOptions(), ["CPUExecutionProvider"])
+    f = model.facts
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 64), 64)
+    first = model.run(cache, np.array([[5, 6, 7]]), np.array([3]), 0, 1)
+    kept = first.copy()
+    model.run(cache, np.array([[8]]), np.array([4]), 0, 1)
+    assert np.array_equal(first, kept)
+    cache.close()

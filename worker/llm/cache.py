@@ -48,6 +48,7 @@ class KVCache:
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
         self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+        self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
 
     @property
     def free_slots(self) -> int:
@@ -92,6 +93,7 @@ class KVCache:
         return views
 
     def close(self) -> None:
+        self.bindings.clear()
         self._views.clear()
         del self.data
         self._map.close()

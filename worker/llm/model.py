@@ -51,10 +51,6 @@ class StepModel:
         f = self.facts
         self._past = [(f"past_key.{i}", f"past_value.{i}") for i in range(f.layers)]
         self._present = [(f"present_key.{i}", f"present_value.{i}") for i in range(f.layers)]
-        # One IO binding per row range, with the cache bound once: a step then rebinds only
-        # its three small inputs (120 cache bindings per step would cost more than a token).
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
-        self._bound_to: KVCache | None = None
 
     @classmethod
     def load(cls, path: Path, options: RuntimeOptions, providers: list[str]) -> StepModel:
@@ -70,13 +66,14 @@ class StepModel:
         io.bind_cpu_input(SEQLENS, (lengths - 1).astype(np.int32))
         io.bind_cpu_input(TOTAL, np.array(int(lengths.max()), dtype=np.int32))
         self.session.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()  # type: ignore[no-any-return]
+        # a copy: the binding's output buffer is reused by the next run
+        return np.array(io.get_outputs()[0].numpy())
 
     def _binding(self, cache: KVCache, lo: int, hi: int) -> ort.IOBinding:
-        if cache is not self._bound_to:
-            self._bindings.clear()
-            self._bound_to = cache
-        io = self._bindings.get((lo, hi))
+        """One IO binding per row range, kept by the cache (whose memory it binds), with the
+        cache bound once: a step then rebinds only its three small inputs."""
+        key = (id(self), lo, hi)
+        io = cache.bindings.get(key)
         if io is None:
             io = self.session.session.io_binding()
             io.bind_output(LOGITS)  # first, so it is get_outputs()[0]
@@ -87,5 +84,5 @@ class StepModel:
                 io.bind_ortvalue_input(pv, v)
                 io.bind_ortvalue_output(ok, k)
                 io.bind_ortvalue_output(ov, v)
-            self._bindings[(lo, hi)] = io
+            cache.bindings[key] = io
         return io
