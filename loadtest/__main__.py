@@ -5,6 +5,7 @@ tensors shaped from the model's metadata (`--batch`, `--shape NAME=D1,D2`), arra
 `--input-file` (.npz or .json), or `--text` for a text model. Each point warms up, then
 measures for `--duration` seconds. Prints a live progress line and a table; `--output`
 writes JSON (every percentile, errors by status code, the CDF), `--plot-dir` the PNGs.
+`--llm` is the LLM mode over ModelStreamInfer: `python -m loadtest --llm --help`.
 """
 
 from __future__ import annotations
@@ -133,7 +134,12 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--llm" in argv:
+        from loadtest.llm import cli
+
+        return cli.main(argv)
+    args = parse_args(argv)
     requests = build_requests(args)
     runs = asyncio.run(run_all(args, requests))
     print(table(runs))
