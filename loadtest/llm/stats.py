@@ -17,6 +17,8 @@ window. What each means:
   with long requests is not overstated); `throughput_rps` is requests over the same span.
 - `prompt_tokens` / `completion_tokens`: per request, from the server's usage when present
   (`token_source` counts "server", "tokenizer" and "pieces" requests).
+- `per_request`: each measured request's start (s after the first), TTFT, e2e, tokens,
+  pieces and finish reason, or its error.
 - `errors`: by gRPC status code, or "stream: <message>" for an error sent on the stream
   (numbers folded to N so one failure mode is one key). Failed requests are in no
   latency and no token count.
@@ -79,6 +81,7 @@ class LLMRecorder:
         self.first_start: float | None = None
         self.last_end: float | None = None
         self.itl_unit = "token"
+        self.rows: list[dict] = []  # one per request, for the JSON
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
@@ -88,6 +91,8 @@ class LLMRecorder:
             self.first_start = out.start
         if self.last_end is None or out.end > self.last_end:
             self.last_end = out.end
+        row: dict = {"start_s": out.start, "error": out.error}  # made relative in summary
+        self.rows.append(row)
         if out.error is not None:
             self.error(out.error)
             return
@@ -110,6 +115,14 @@ class LLMRecorder:
         if out.pieces:
             self.ttft.ok(out.pieces[0] - out.start)
         self._itl(out, tokens, source)
+        row.update(
+            ttft_ms=round((out.pieces[0] - out.start) * 1000, 3) if out.pieces else None,
+            e2e_ms=round(e2e * 1000, 3),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=tokens,
+            pieces=len(out.pieces),
+            finish_reason=out.finish_reason,
+        )
 
     def _completion_tokens(self, out: Outcome) -> tuple[int, str]:
         if out.completion_tokens is not None:
@@ -153,4 +166,8 @@ class LLMRecorder:
             "tokens_per_piece": round(self.output_tokens / self.pieces, 3) if self.pieces else None,
             "token_source": dict(self.sources),
             "cdf": self.ttft.cdf(),  # TTFT, [percentile, ms]
+            "per_request": [  # start_s from the first measured start, in start order
+                {**row, "start_s": round(row["start_s"] - (self.first_start or 0.0), 6)}
+                for row in sorted(self.rows, key=lambda row: row["start_s"])
+            ],
         }
