@@ -118,7 +118,7 @@ class _Run:
             await self.streams.close()
         if self.progress:
             self.progress(self.line(self.loop.time(), 0.0).replace("measure", "done   "), True)
-        return {**self.recorder.summary(), "sent": self.sent}
+        return {**self.recorder.summary(self.measure_from), "sent": self.sent}
 
 
 async def closed_loop(load: LLMLoad, concurrency: int, progress: Progress | None = None) -> dict:

@@ -12,9 +12,10 @@ window. What each means:
 - `e2e_ms`: start to the final response.
 - `stream_tokens_per_s`: one request's completion tokens / its end-to-end seconds (what
   one user's stream delivers, TTFT included); its low tail (p10, min) is the slow streams.
-- `output_tokens_per_s`: every successful request's completion tokens / the span from the
-  first measured start to the last measured end (the whole drain included, so a closed loop
-  with long requests is not overstated); `throughput_rps` is requests over the same span.
+- `output_tokens_per_s`: every successful request's completion tokens / `seconds`, the span
+  from the opening of the measured window to the last measured request's end (the drain
+  included, so a closed loop of long requests is not overstated, and an open loop's quiet
+  start is not left out); `throughput_rps` is requests over the same span.
 - `prompt_tokens` / `completion_tokens`: per request, from the server's usage when present
   (`token_source` counts "server", "tokenizer" and "pieces" requests).
 - `per_request`: each measured request's start (s after the first), TTFT, e2e, tokens,
@@ -144,10 +145,12 @@ class LLMRecorder:
         for gap in gaps:
             self.itl.ok(gap / per_gap)
 
-    def summary(self) -> dict:
+    def summary(self, window_start: float | None = None) -> dict:
+        """`window_start`: when the measured window opened (default: the first start)."""
         span = 1e-9
-        if self.first_start is not None and self.last_end is not None:
-            span = max(span, self.last_end - self.first_start)
+        begin = self.first_start if window_start is None else window_start
+        if begin is not None and self.last_end is not None:
+            span = max(span, self.last_end - begin)
         return {
             "requests": self.count,
             "errors": dict(self.errors),

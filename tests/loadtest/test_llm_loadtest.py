@@ -85,6 +85,7 @@ def test_ttft_itl_and_tokens_per_second() -> None:
     assert s["output_tokens"] == 13 and s["prompt_tokens_total"] == 10
     assert s["seconds"] == pytest.approx(1.2)  # first start 10.0 to last end 11.2
     assert s["output_tokens_per_s"] == pytest.approx(13 / 1.2, rel=1e-3)
+    assert r.summary(window_start=9.8)["seconds"] == pytest.approx(1.4)  # the window opened
     assert s["ttft_ms"]["max"] == pytest.approx(300, rel=0.01)
     itl = sorted(r.itl.histogram.get_value_at_percentile(p) / 1000 for p in (1, 100))
     assert itl == [pytest.approx(100, rel=0.01), pytest.approx(200, rel=0.01)]
