@@ -108,7 +108,9 @@ class _Run:
             f"{pieces_per_s:6.1f} pieces/s  TTFT p50 {r.ttft.percentile_ms(50) or 0:.1f} ms"
         )
 
-    async def finish(self, tasks: list[asyncio.Task]) -> dict:
+    async def finish(self, tasks: list[asyncio.Task], scheduled: bool = False) -> dict:
+        """Wait for `tasks`; an open loop (`scheduled`) spans its whole window unless
+        --max-requests ended its schedule first."""
         ticker = asyncio.ensure_future(self.ticker()) if self.progress else None
         try:
             await asyncio.gather(*tasks)
@@ -118,7 +120,8 @@ class _Run:
             await self.streams.close()
         if self.progress:
             self.progress(self.line(self.loop.time(), 0.0).replace("measure", "done   "), True)
-        return {**self.recorder.summary(self.measure_from), "sent": self.sent}
+        window_end = self.stop_at if scheduled and self.sent < self.load.max_requests else 0.0
+        return {**self.recorder.summary(self.measure_from, window_end), "sent": self.sent}
 
 
 async def closed_loop(load: LLMLoad, concurrency: int, progress: Progress | None = None) -> dict:
@@ -144,6 +147,6 @@ async def open_loop(
     schedule, as in the tensor mode."""
     run = _Run(load, f"[rate={rate:g}/s]", progress)
     arrivals = Arrivals(run, load, rate, seed, max_in_flight)
-    result = await run.finish([asyncio.ensure_future(arrivals.drive(run.send))])
+    result = await run.finish([asyncio.ensure_future(arrivals.drive(run.send))], scheduled=True)
     client = client_report(arrivals.lag, arrivals.unsent, load)
     return {"offered_rps": rate, **result, "client_limited": client["limited"], "client": client}

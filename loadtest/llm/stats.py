@@ -13,9 +13,10 @@ window. What each means:
 - `stream_tokens_per_s`: one request's completion tokens / its end-to-end seconds (what
   one user's stream delivers, TTFT included); its low tail (p10, min) is the slow streams.
 - `output_tokens_per_s`: every successful request's completion tokens / `seconds`, the span
-  from the opening of the measured window to the last measured request's end (the drain
-  included, so a closed loop of long requests is not overstated, and an open loop's quiet
-  start is not left out); `throughput_rps` is requests over the same span.
+  from the opening of the measured window to the last measured request's end, or to the
+  end of an open loop's schedule if later (the drain included, so a closed loop of long
+  requests is not overstated; an open loop's quiet stretches are not left out);
+  `throughput_rps` is requests over the same span.
 - `prompt_tokens` / `completion_tokens`: per request, from the server's usage when present
   (`token_source` counts "server", "tokenizer" and "pieces" requests).
 - `per_request`: each measured request's start (s after the first), TTFT, e2e, tokens,
@@ -145,12 +146,13 @@ class LLMRecorder:
         for gap in gaps:
             self.itl.ok(gap / per_gap)
 
-    def summary(self, window_start: float | None = None) -> dict:
-        """`window_start`: when the measured window opened (default: the first start)."""
+    def summary(self, window_start: float | None = None, window_end: float = 0.0) -> dict:
+        """`window_start`: when the measured window opened (default: the first start);
+        `window_end`: the span lasts at least until then (an open loop's schedule)."""
         span = 1e-9
         begin = self.first_start if window_start is None else window_start
         if begin is not None and self.last_end is not None:
-            span = max(span, self.last_end - begin)
+            span = max(span, max(self.last_end, window_end) - begin)
         return {
             "requests": self.count,
             "errors": dict(self.errors),

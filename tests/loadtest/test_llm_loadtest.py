@@ -86,6 +86,7 @@ def test_ttft_itl_and_tokens_per_second() -> None:
     assert s["seconds"] == pytest.approx(1.2)  # first start 10.0 to last end 11.2
     assert s["output_tokens_per_s"] == pytest.approx(13 / 1.2, rel=1e-3)
     assert r.summary(window_start=9.8)["seconds"] == pytest.approx(1.4)  # the window opened
+    assert r.summary(9.8, window_end=12.0)["seconds"] == pytest.approx(2.2)  # schedule ended
     assert s["ttft_ms"]["max"] == pytest.approx(300, rel=0.01)
     itl = sorted(r.itl.histogram.get_value_at_percentile(p) / 1000 for p in (1, 100))
     assert itl == [pytest.approx(100, rel=0.01), pytest.approx(200, rel=0.01)]
@@ -179,6 +180,7 @@ def test_open_loop_and_errors_by_code_against_the_real_model(llm_worker) -> None
     opened = asyncio.run(open_loop(load, rate=3.0, seed=2))
     assert opened["requests"] >= 1 and not opened["errors"], opened["errors"]
     assert opened["client_limited"] is False, opened["client"]
+    assert opened["seconds"] >= 1.0  # the whole scheduled window, however quiet
     tokens = sorted({row["completion_tokens"] for row in opened["per_request"]})
     assert set(tokens) <= {4, 6}  # a JSONL-style prompt keeps its own max_tokens
     assert all(row["ttft_ms"] <= row["e2e_ms"] for row in opened["per_request"])
