@@ -19,7 +19,7 @@ from pathlib import Path
 
 from client.client import Client
 from loadtest import inputs, plots
-from loadtest.runner import Load, closed_loop, measured, open_loop
+from loadtest.runner import Load, closed_loop, measured, open_loop, progress_printer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -81,16 +81,6 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
         shapes = inputs.parse_shapes(args.shape)
         arrays = inputs.from_metadata(meta, args.batch, shapes, seed=args.seed)
     return inputs.serialize(args.model, arrays, args.model_version)
-
-
-def progress_printer(stream=sys.stderr):  # type: ignore[no-untyped-def]
-    live = stream.isatty()
-
-    def show(line: str, final: bool) -> None:
-        stream.write(("\r\033[K" + line + ("\n" if final else "")) if live else line + "\n")
-        stream.flush()
-
-    return show
 
 
 async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]:

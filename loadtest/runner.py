@@ -19,6 +19,7 @@ the measured window. Responses are not decoded: the caller measures the server.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -247,6 +248,17 @@ def client_report(lag: Recorder, unsent: int, load: Limits) -> dict:
     }
 
 
+def progress_printer(stream=sys.stderr):  # type: ignore[no-untyped-def]
+    """A Progress that redraws one line on a terminal, else writes a line a tick."""
+    live = stream.isatty()
+
+    def show(line: str, final: bool) -> None:
+        stream.write(("\r\033[K" + line + ("\n" if final else "")) if live else line + "\n")
+        stream.flush()
+
+    return show
+
+
 def measured(result: dict) -> dict:
     """The result without its CDF points (for tables)."""
     return {k: v for k, v in result.items() if k != "cdf"}
@@ -265,4 +277,5 @@ __all__ = [
     "elapsed_bound",
     "measured",
     "open_loop",
+    "progress_printer",
 ]

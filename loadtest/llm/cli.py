@@ -21,15 +21,14 @@ import sys
 from pathlib import Path
 
 from loadtest import plots
-from loadtest.__main__ import progress_printer
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop, open_loop
-from loadtest.runner import measured
+from loadtest.runner import measured, progress_printer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest --llm",
+        prog="python -m loadtest",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
