@@ -187,7 +187,11 @@ def table(runs: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    load, described = build_load(args)
+    try:
+        load, described = build_load(args)
+    except (OSError, ValueError) as e:
+        print(f"python -m loadtest --llm: {e}", file=sys.stderr)
+        return 2
     runs = asyncio.run(run_all(args, load))
     print(table(runs))
     name = args.label or f"{args.model}@{args.address}"

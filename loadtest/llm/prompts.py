@@ -36,7 +36,12 @@ def from_file(path: Path) -> list[Prompt]:
         return [Prompt(line) for line in lines]
     prompts = []
     for number, line in enumerate(lines, 1):
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{number}: not JSON ({e}); a plain prompt needs .txt"
+            ) from None
         if isinstance(record, str):
             prompts.append(Prompt(record))
             continue

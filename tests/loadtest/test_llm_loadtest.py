@@ -35,6 +35,9 @@ def test_prompts_from_text_and_jsonl(tmp_path: Path) -> None:
     jsonl.write_text('{"nope": 1}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
         prompts.from_file(jsonl)
+    jsonl.write_text('"ok"\nnot json\n')
+    with pytest.raises(ValueError, match="p.jsonl:2: not JSON"):
+        prompts.from_file(jsonl)
 
 
 def test_synthetic_prompts_are_real_text_of_varied_lengths() -> None:
