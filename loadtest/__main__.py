@@ -5,6 +5,7 @@ tensors shaped from the model's metadata (`--batch`, `--shape NAME=D1,D2`), arra
 `--input-file` (.npz or .json), or `--text` for a text model. Each point warms up, then
 measures for `--duration` seconds. Prints a live progress line and a table; `--output`
 writes JSON (every percentile, errors by status code, the CDF), `--plot-dir` the PNGs.
+`--llm` is the LLM mode over ModelStreamInfer: `python -m loadtest --llm --help`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from client.client import Client
 from loadtest import inputs, plots
-from loadtest.runner import Load, closed_loop, measured, open_loop
+from loadtest.runner import Load, closed_loop, measured, open_loop, progress_printer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -82,16 +83,6 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
     return inputs.serialize(args.model, arrays, args.model_version)
 
 
-def progress_printer(stream=sys.stderr):  # type: ignore[no-untyped-def]
-    live = stream.isatty()
-
-    def show(line: str, final: bool) -> None:
-        stream.write(("\r\033[K" + line + ("\n" if final else "")) if live else line + "\n")
-        stream.flush()
-
-    return show
-
-
 async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]:
     load = Load(
         args.address,
@@ -133,7 +124,12 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--llm" in argv:
+        from loadtest.llm import cli
+
+        return cli.main(argv)
+    args = parse_args(argv)
     requests = build_requests(args)
     runs = asyncio.run(run_all(args, requests))
     print(table(runs))
