@@ -4,8 +4,8 @@ worker process, called the way Triton vLLM-backend clients call it (tritonclient
 from __future__ import annotations
 
 import json
-import re
 import queue
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
