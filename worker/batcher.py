@@ -33,6 +33,7 @@ log = structlog.get_logger()
 INLINE_BELOW_NS = 100_000
 PROBE_BELOW_NS = 1_000_000  # never block the loop to re-time a model slower than this
 PROBE_EVERY = 64
+HEAVY_OBJECTS = 10_000  # BYTES elements in a batch that always run on the thread
 
 RunFn = Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -203,14 +204,19 @@ class Batcher:
         # thread for good: a model that looks only moderately slow there is re-timed inline
         # now and then, and inline timings decide.
         probe = avg < PROBE_BELOW_NS and self._calls % PROBE_EVERY == 1
-        if avg < INLINE_BELOW_NS or probe:
+        # Many BYTES elements cost Python work per element (str conversion): never inline.
+        heavy = any(
+            a.dtype == object and a.size > HEAVY_OBJECTS for p in batch for a in p.inputs.values()
+        )
+        if (avg < INLINE_BELOW_NS or probe) and not heavy:
             out = self._run_batch(batch, names)
             measured = out[1][1]
             self._infer_ns_avg = measured if probe else 0.8 * avg + 0.2 * measured
         else:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._pool, self._run_batch, batch, names)
-            self._infer_ns_avg = 0.8 * avg + 0.2 * out[1][1]
+            if not heavy:  # an outlier says nothing about the usual request's cost
+                self._infer_ns_avg = 0.8 * avg + 0.2 * out[1][1]
         if self._simulated_s:
             await asyncio.sleep(self._simulated_s)
         return out

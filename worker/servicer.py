@@ -5,13 +5,16 @@ Thin on purpose: validation lives in codec, scheduling in batcher, sessions in r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import structlog
 
-from common import streaming
-from common.errors import MeshError, grpc_errors
+from common import rpc, streaming
+from common.errors import InvalidArgument, MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker import codec
@@ -26,8 +29,9 @@ EXTENSIONS = ["model_configuration", "schedule_policy", "statistics"]
 
 
 class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: Repository) -> None:
+    def __init__(self, repository: Repository, limits: codec.Limits | None = None) -> None:
         self.repository = repository
+        self.limits = limits or codec.Limits()
         self.ready = False  # set once every model is loaded and warm; cleared on drain
 
     @grpc_errors
@@ -78,15 +82,31 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
         return await self._infer(request)
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(
+        self, request: pb.ModelInferRequest | codec.Unparsable
+    ) -> pb.ModelInferResponse:
+        if isinstance(request, codec.Unparsable):
+            raise InvalidArgument(f"the request is not a valid ModelInferRequest ({request.error})")
         structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
         model = self.repository.get(request.model_name, request.model_version)
         start = time.perf_counter_ns()
         ok = False
         try:
-            inputs, outputs = codec.decode_request(request, model.spec)
-            results = await model.infer(inputs, outputs)
-            response = codec.encode_response(request, model.spec, results)
+            # A large request decodes (and its reply encodes) on a thread: pure-Python BYTES
+            # work on the event loop would stall health checks and every other call.
+            if codec.is_heavy(request):
+                decoded = await asyncio.to_thread(
+                    codec.decode_request, request, model.spec, self.limits
+                )
+            else:
+                decoded = codec.decode_request(request, model.spec, self.limits)
+            results = await model.infer(*decoded)
+            if any(a.dtype == object and a.size > codec.HEAVY_ELEMENTS for a in results.values()):
+                response = await asyncio.to_thread(
+                    codec.encode_response, request, model.spec, results
+                )
+            else:
+                response = codec.encode_response(request, model.spec, results)
             ok = True
             return response
         finally:
@@ -117,6 +137,51 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         for model in self.repository.all():
             response.models.add(name=model.spec.name, version=model.spec.version, state="READY")
         return response
+
+
+def handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
+    """The inference service with ModelInfer's requests parsed by `codec.parse_request`, so a
+    request that is not a ModelInferRequest gets INVALID_ARGUMENT rather than gRPC's UNKNOWN."""
+    s = servicer
+
+    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn,
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        rpc.SERVICE,
+        {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                s.ModelInfer,
+                request_deserializer=codec.parse_request,
+                response_serializer=pb.ModelInferResponse.SerializeToString,
+            ),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                s.ModelStreamInfer,
+                request_deserializer=codec.parse_request,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+            ),
+            "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                s.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                s.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelConfig": unary(s.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelStatistics": unary(
+                s.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
+            ),
+            "RepositoryIndex": unary(
+                s.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
+            ),
+        },
+    )
 
 
 def _duration(d: Duration) -> pb.StatisticDuration:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 
 import grpc
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from protos import grpc_service_pb2 as pb
@@ -292,3 +294,104 @@ def test_sigterm_under_load_drops_no_call(worker_factory) -> None:  # type: igno
     assert w.process.wait(20) == 0
     assert time.monotonic() - started < 15
     assert "worker_stopped" in w.log.read_text()
+
+
+# -- issue 12: inputs that must get a clear status, never a traceback -----------------------
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _raw_infer(address: str, payload: bytes, timeout: float = 30) -> tuple[str, bytes | str]:
+    """Send bytes as a ModelInfer request, as a broken or hostile client would."""
+    options = [
+        ("grpc.max_send_message_length", 1 << 27),
+        ("grpc.max_receive_message_length", 1 << 27),
+    ]
+    with grpc.insecure_channel(address, options=options) as channel:
+        call = channel.unary_unary(METHOD)
+        try:
+            return "OK", call(payload, timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name, e.details()
+
+
+def test_shape_element_count_does_not_wrap_around(worker) -> None:  # type: ignore[no-untyped-def]
+    # 4 * 2**62 is 0 in int64: empty raw content used to "match" and fail in reshape (INTERNAL).
+    for contents in ([b""], []):
+        request = pb.ModelInferRequest(model_name="identity_fp32")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[4, 2**62])
+        request.raw_input_contents.extend(contents)
+        code, details = _raw_infer(worker.address, request.SerializeToString())
+        assert code == "INVALID_ARGUMENT", details
+        assert "'INPUT0'" in details and "[4, 4611686018427387904]" in details
+        assert "18446744073709551616 elements" in details and "67108864" in details
+
+
+def test_unparsable_request_is_invalid_argument(worker) -> None:  # type: ignore[no-untyped-def]
+    good = pb.ModelInferRequest(model_name="mlp")
+    good.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    good.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    data = good.SerializeToString()
+    for payload in (b"\xff\xff\xff\xff", data[:-7], data + b"\x0f"):
+        code, details = _raw_infer(worker.address, payload)
+        assert code == "INVALID_ARGUMENT", (payload, details)
+        assert "not a valid ModelInferRequest" in details
+    # On a stream, the bad message gets an error reply and the stream goes on.
+    with grpc.insecure_channel(worker.address) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        replies = [
+            pb.ModelStreamInferResponse.FromString(r)
+            for r in stream(iter([b"\xff\xff\xff\xff", data]), timeout=30)
+        ]
+    errors = sorted(r.error_message for r in replies)
+    assert len(replies) == 2 and errors[0] == "", errors
+    assert "not a valid ModelInferRequest" in errors[1]
+    assert "Traceback" not in worker.log.read_text()
+
+
+def _bytes_request(items: list[bytes]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="identity_bytes")
+    request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, len(items)])
+    request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b for b in items))
+    return request
+
+
+def _health_latencies(address: str, stop: threading.Event, out: list[float]) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set() and len(out) < 2000:
+            t = time.monotonic()
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            out.append(time.monotonic() - t)
+            time.sleep(0.02)
+
+
+def test_huge_bytes_requests_keep_health_answering(worker) -> None:  # type: ignore[no-untyped-def]
+    # 15.7 M empty elements (63 MB) took ~20 s of parsing on the event loop: health stalled.
+    n = 15_700_000
+    huge = pb.ModelInferRequest(model_name="identity_bytes")
+    huge.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, n])
+    huge.raw_input_contents.append(bytes(4 * n))
+    started = time.monotonic()
+    code, details = _raw_infer(worker.address, huge.SerializeToString())
+    assert code == "INVALID_ARGUMENT", details
+    assert "at most 1048576 BYTES elements" in details and "[1, 15700000]" in details
+    assert time.monotonic() - started < 10
+    del huge
+    # Under the limit, a large request is decoded and encoded off the event loop.
+    items = [b"x" * (i % 5) for i in range(1_000_000)]
+    latencies: list[float] = []
+    stop = threading.Event()
+    poller = threading.Thread(target=_health_latencies, args=(worker.address, stop, latencies))
+    poller.start()
+    try:
+        time.sleep(0.2)
+        code, reply = _raw_infer(worker.address, _bytes_request(items).SerializeToString(), 60)
+    finally:
+        stop.set()
+        poller.join(30)
+    assert code == "OK", reply
+    out = pb.ModelInferResponse.FromString(reply)
+    assert out.raw_output_contents[0] == _bytes_request(items).raw_input_contents[0]
+    assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
