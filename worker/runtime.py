@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import structlog
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from common import dtypes
+from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted
 from worker.config import GraphTensor, ModelSpec
 
 log = structlog.get_logger()
@@ -90,7 +92,10 @@ class OnnxSession:
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take `str`.
         feeds = {name: _as_str(a) if a.dtype == object else a for name, a in feeds.items()}
-        return self.session.run(output_names, feeds)  # type: ignore[no-any-return]
+        try:
+            return self.session.run(output_names, feeds)  # type: ignore[no-any-return]
+        except Exception as e:
+            raise run_error(self.path.parent.parent.name, e) from e
 
     def warm_up(self, spec: ModelSpec) -> None:
         """One run on zeros of the smallest shape, so the first client call is not slow."""
@@ -103,6 +108,53 @@ class OnnxSession:
             else:
                 feeds[t.name] = np.zeros(shape, dtype=dtypes.NUMPY[t.datatype])
         self.run(list(spec.outputs), feeds)
+
+
+# Allocation failures, as onnxruntime's CPU arena, CUDA, cuDNN and cuBLAS word them.
+_ALLOCATION = (
+    "failed to allocate memory",
+    "bad allocation",
+    "bad_alloc",
+    "out of memory",
+    "alloc_failed",
+    "cudaerrormemoryallocation",
+)
+# What onnxruntime raises for a run that this input made impossible: shapes that do not fit
+# the graph, indices out of range, sizes that overflow. Kernel failures come as Fail or
+# RuntimeException, input checks as InvalidArgument.
+_INPUT_ERRORS = (ort_errors.InvalidArgument, ort_errors.Fail, ort_errors.RuntimeException)
+
+
+def run_error(model: str, e: Exception) -> MeshError:
+    """A failed session run as the status the client should get:
+    RESOURCE_EXHAUSTED for an allocation failure (another replica, or later, may have the
+    memory: the router retries it), INVALID_ARGUMENT with onnxruntime's words for what the
+    input made impossible, INTERNAL for the rest (the provider failed, or a bug of ours)."""
+    if isinstance(e, MeshError):
+        return e
+    message = str(e)
+    if isinstance(e, MemoryError) or any(a in message.lower() for a in _ALLOCATION):
+        log.warning("run_out_of_memory", model=model, error=message[:500])
+        return ResourceExhausted(
+            f"model {model!r} ran out of memory on this request ({_brief(message)}); "
+            "retry later or send a smaller batch"
+        )
+    if isinstance(e, _INPUT_ERRORS):
+        return InvalidArgument(f"model {model!r} cannot run on this input: {_brief(message)}")
+    log.error("run_failed", model=model, error_type=type(e).__name__, error=message[:2000])
+    return Internal(f"model {model!r} failed: {type(e).__name__}: {_brief(message)}")
+
+
+def _brief(message: str, limit: int = 600) -> str:
+    """onnxruntime's message without its source paths and C++ signatures, cut to `limit`."""
+    message = message.replace("[ONNXRuntimeError] : ", "")
+    if "Status Message: " in message:
+        head, _, status = message.partition("Status Message: ")
+        # "/onnxruntime_src/.../bfc_arena.cc:359 void* ...::AllocateRawInternal(...) Failed to"
+        status = status.rsplit(") ", 1)[-1] if status.startswith("/") else status
+        message = head + status
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def _graph_tensor(arg: ort.NodeArg) -> GraphTensor:

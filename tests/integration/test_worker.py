@@ -395,3 +395,27 @@ def test_huge_bytes_requests_keep_health_answering(worker) -> None:  # type: ign
     out = pb.ModelInferResponse.FromString(reply)
     assert out.raw_output_contents[0] == _bytes_request(items).raw_input_contents[0]
     assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
+
+
+def _zeros_request(shape: list[int]) -> bytes:
+    request = pb.ModelInferRequest(model_name="zeros")
+    request.inputs.add(name="INPUT0", datatype="INT64", shape=[2])
+    request.raw_input_contents.append(np.array(shape, np.int64).tobytes())
+    return request.SerializeToString()
+
+
+def test_runtime_failures_map_to_their_status(worker) -> None:  # type: ignore[no-untyped-def]
+    # All of these were INVALID_ARGUMENT "failed on this input", which the router never retries.
+    code, reply = _raw_infer(worker.address, _zeros_request([2, 3]))
+    assert code == "OK", reply
+    # 4 TiB: onnxruntime's allocator fails. Another replica, or later, may have the memory.
+    code, details = _raw_infer(worker.address, _zeros_request([2**20, 2**20]))
+    assert code == "RESOURCE_EXHAUSTED", details
+    assert "model 'zeros' ran out of memory" in details
+    assert "Failed to allocate memory for requested buffer of size 4398046511104" in details
+    # A size the graph cannot have: the client's input, in onnxruntime's words.
+    code, details = _raw_infer(worker.address, _zeros_request([-1, 3]))
+    assert code == "INVALID_ARGUMENT", details
+    assert "model 'zeros' cannot run on this input" in details and "must be >= 0" in details
+    assert "/onnxruntime_src/" not in details
+    assert "Traceback" not in worker.log.read_text()
