@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import structlog
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
@@ -88,14 +89,50 @@ class OnnxSession:
             )
         self.inputs = [_graph_tensor(a) for a in self.session.get_inputs()]
         self.outputs = [_graph_tensor(a) for a in self.session.get_outputs()]
+        self.model = path.parent.parent.name
+        # How v2 BYTES cross into onnxruntime's string tensors (see strings_reader).
+        self.text_op: str | None = None
+        if any(t.datatype == "BYTES" for t in self.inputs + self.outputs):
+            self.text_op = strings_reader(path)
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take `str`.
-        feeds = {name: _as_str(a) if a.dtype == object else a for name, a in feeds.items()}
+        # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take and give `str`.
+        feeds = {
+            name: self._to_str(name, a) if a.dtype == object else a for name, a in feeds.items()
+        }
         try:
-            return self.session.run(output_names, feeds)  # type: ignore[no-any-return]
+            outputs = self.session.run(output_names, feeds)
         except Exception as e:
-            raise run_error(self.path.parent.parent.name, e) from e
+            raise run_error(self.model, e) from e
+        return [self._to_bytes(a) if a.dtype == object else a for a in outputs]
+
+    def _to_str(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Bytes -> str. A graph that only moves strings gets each byte as one code point
+        (latin-1), so any bytes come back exactly; a graph that reads text gets the UTF-8
+        text, and bytes that are not UTF-8 are the client's error."""
+        flat = array.reshape(-1).tolist()
+        out = np.empty(array.shape, dtype=object)
+        if self.text_op is None:
+            out.reshape(-1)[:] = [x.decode("latin-1") if type(x) is bytes else x for x in flat]
+            return out
+        try:
+            out.reshape(-1)[:] = [x.decode("utf-8") if type(x) is bytes else x for x in flat]
+        except UnicodeDecodeError:
+            index = next(i for i, x in enumerate(flat) if not _is_utf8(x))
+            raise InvalidArgument(
+                f"input {name!r}: BYTES element {index} is not valid UTF-8, and model "
+                f"{self.model!r} reads its strings as text (its graph runs {self.text_op} on "
+                "them); send UTF-8 text"
+            ) from None
+        return out
+
+    def _to_bytes(self, array: np.ndarray) -> np.ndarray:
+        encoding = "latin-1" if self.text_op is None else "utf-8"
+        out = np.empty(array.shape, dtype=object)
+        out.reshape(-1)[:] = [
+            x.encode(encoding) if type(x) is str else x for x in array.reshape(-1).tolist()
+        ]
+        return out
 
     def warm_up(self, spec: ModelSpec) -> None:
         """One run on zeros of the smallest shape, so the first client call is not slow."""
@@ -164,9 +201,50 @@ def _graph_tensor(arg: ort.NodeArg) -> GraphTensor:
     return GraphTensor(arg.name, dtypes.FROM_ONNX[arg.type], dims)
 
 
-def _as_str(array: np.ndarray) -> np.ndarray:
-    out = np.empty(array.shape, dtype=object)
-    out.reshape(-1)[:] = [
-        x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in array.reshape(-1)
-    ]
-    return out
+def _is_utf8(item: object) -> bool:
+    if not isinstance(item, bytes):
+        return True
+    try:
+        item.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+# Operators that move, select or reshape tensor elements without reading them: a graph whose
+# strings meet only these treats them as opaque values.
+OPAQUE_OPS = frozenset(
+    {
+        "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice",
+        "Gather", "GatherElements", "GatherND", "Transpose", "Expand", "Tile", "Shape", "Size",
+        "Compress", "Where",
+    }
+)  # fmt: skip
+
+
+def strings_reader(path: Path) -> str | None:
+    """None when every node that takes a string tensor in the graph only moves it (so BYTES
+    may carry any bytes); otherwise the first operator that reads strings as text (or a
+    reason it could not be told, e.g. a string constant, whose UTF-8 bytes must stay so)."""
+    try:
+        model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    except Exception as e:  # unreadable by onnx's checker: assume text, the strict choice
+        return f"(graph not analysable: {type(e).__name__})"
+    graph = model.graph
+    strings = {
+        v.name
+        for v in [*graph.input, *graph.output, *graph.value_info]
+        if v.type.tensor_type.elem_type == onnx.TensorProto.STRING
+    }
+    if any(t.data_type == onnx.TensorProto.STRING for t in graph.initializer):
+        return "a string initializer"
+    for node in graph.node:
+        subgraph = any(a.g.node or a.graphs for a in node.attribute)  # If, Loop, Scan
+        reads = node.op_type not in OPAQUE_OPS and any(i in strings for i in node.input)
+        if (
+            subgraph
+            or reads
+            or any(o in strings for o in node.output if node.op_type == "Constant")
+        ):
+            return node.op_type
+    return None

@@ -80,6 +80,11 @@ def test_mlp_matches_onnxruntime(worker, model_repository) -> None:  # type: ign
         ("UINT8", np.array([[0, 255]], np.uint8)),
         ("BOOL", np.array([[True, False]], np.bool_)),
         ("BYTES", np.array([[b"hello", b"\xc3\xa9t\xc3\xa9"], [b"", b"x"]], dtype=object)),
+        # BYTES are bytes: not UTF-8, NULs, every byte value (were U+FFFD-replaced, status OK).
+        (
+            "BYTES",
+            np.array([[b"\xff\xfe\x80", b"\xc3\x28", b"\0nul\0", bytes(range(256))]], object),
+        ),
     ],
 )
 def test_every_datatype_round_trips(worker, datatype: str, array: np.ndarray) -> None:  # type: ignore[no-untyped-def]
