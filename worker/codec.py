@@ -17,7 +17,7 @@ from common import dtypes
 from common.errors import InvalidArgument
 from common.rpc import MAX_MESSAGE_BYTES
 from protos import grpc_service_pb2 as pb
-from worker.config import ModelSpec, TensorSpec
+from worker.config import TEXT_INPUT, TOKENIZER, VOCAB_SIZE, ModelSpec, TensorSpec, vocab_sizes
 
 _LENGTH = struct.Struct("<I")
 # Past this many BYTES elements (or raw bytes) in one request, decoding and encoding run on a
@@ -158,11 +158,16 @@ def decode_request(
             tensor, raw[i] if raw else None, expected, spec, limits
         )
     missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
+    if TEXT_INPUT in missing and TOKENIZER in spec.parameters and arrays:
+        missing.remove(TEXT_INPUT)  # token inputs instead of TEXT: worker/text.py checks them
     if missing:
         want = ", ".join(f"{n} ({spec.inputs[n].datatype} {_dims(spec, n)})" for n in missing)
         raise InvalidArgument(
             f"model {spec.name!r} needs input(s) {want}; the request does not have them"
         )
+    for name, size in vocab_sizes(spec).items():
+        if name in arrays:
+            _check_ids(name, arrays[name], size, spec)
     if spec.max_batch_size > 0:
         sizes = {name: a.shape[0] for name, a in arrays.items()}
         if len(set(sizes.values())) > 1:
@@ -175,6 +180,20 @@ def decode_request(
                 f"which has {sorted(spec.outputs)}"
             )
     return arrays, outputs
+
+
+def _check_ids(name: str, ids: np.ndarray, size: int, spec: ModelSpec) -> None:
+    """Token ids index the model's embedding: 0..size-1 (onnxruntime would read a negative
+    id from the end of the table, and fail on one past it deep inside the graph)."""
+    if ids.size == 0 or ids.dtype.kind not in "iu":
+        return
+    bad = (ids < 0) | (ids >= size)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InvalidArgument(
+            f"input {name!r}: token id {ids[at]} at {list(at)} is outside the vocabulary "
+            f"0..{size - 1} of model {spec.name!r} ({VOCAB_SIZE}{name})"
+        )
 
 
 def _dims(spec: ModelSpec, name: str) -> list[int]:

@@ -94,6 +94,10 @@ class OnnxSession:
         self.text_op: str | None = None
         if any(t.datatype == "BYTES" for t in self.inputs + self.outputs):
             self.text_op = strings_reader(path)
+        # Integer inputs that index a table (token ids into an embedding): their bound.
+        self.index_bounds: dict[str, int] = {}
+        if any(t.datatype.startswith(("INT", "UINT")) for t in self.inputs):
+            self.index_bounds = index_bounds(path)
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take and give `str`.
@@ -220,6 +224,50 @@ OPAQUE_OPS = frozenset(
         "Compress", "Where",
     }
 )  # fmt: skip
+
+
+_PASS_THROUGH = ("Identity", "Cast", "DequantizeLinear")
+
+
+def index_bounds(path: Path) -> dict[str, int]:
+    """Graph inputs used as the indices of a Gather over a constant table (an embedding,
+    perhaps quantized): input name -> rows of the table. onnxruntime reads a negative index
+    from the end and fails on one past the end, so a token id outside 0..rows-1 is either
+    silently wrong or an error deep in the graph; the codec rejects it up front."""
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # unreadable here: nothing known, onnxruntime still checks
+        return {}
+    tables = {t.name: list(t.dims) for t in graph.initializer}
+    produced = {o: n for n in graph.node for o in n.output}
+    for name in list(produced):  # Constant nodes and table -> Dequantize/Cast chains
+        node = produced[name]
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].t.dims:
+            tables[name] = list(node.attribute[0].t.dims)
+    inputs = {i.name for i in graph.input} - set(tables)
+
+    def table(name: str, hops: int = 3) -> list[int] | None:
+        if name in tables:
+            return tables[name]
+        node = produced.get(name)
+        if hops and node is not None and node.op_type in _PASS_THROUGH:
+            return table(node.input[0], hops - 1)
+        return None
+
+    bounds: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2:
+            continue
+        indices = node.input[1]
+        source = produced.get(indices)
+        if source is not None and source.op_type in ("Identity", "Cast"):
+            indices = source.input[0]
+        dims = table(node.input[0])
+        if indices not in inputs or not dims:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(dims)
+        bounds[indices] = min(dims[axis], bounds.get(indices, dims[axis]))
+    return bounds
 
 
 def strings_reader(path: Path) -> str | None:

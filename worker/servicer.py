@@ -67,8 +67,12 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             versions=sorted(self.repository.models[spec.name], key=int),
             platform=model.config.platform,
         )
+        # The inputs a request needs. v2 metadata cannot say "optional", and generic clients
+        # (tritonclient from metadata, perf_analyzer) fill every input listed; ModelConfig
+        # lists the optional ones too, marked `optional: true`.
         for t in spec.inputs.values():
-            response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+            if not t.optional:
+                response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         for t in spec.outputs.values():
             response.outputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         return response

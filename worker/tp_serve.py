@@ -142,6 +142,10 @@ class TpRepository(Repository):
         )
         params = completed.parameters
         params[cfg.EXECUTION_PROVIDER].string_value = model.provider
+        # Token ids are checked against the embedding before they reach the group.
+        cfg.add_index_bounds(
+            completed, {n: b for x in model.sessions.values() for n, b in x.index_bounds.items()}
+        )
         params[TP].string_value = str(shards.tp)
         params[TP_BACKEND].string_value = backend
         for rank, (weights, rss) in enumerate(self.rank_stats):

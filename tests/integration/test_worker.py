@@ -424,3 +424,58 @@ def test_runtime_failures_map_to_their_status(worker) -> None:  # type: ignore[n
     assert "model 'zeros' cannot run on this input" in details and "must be >= 0" in details
     assert "/onnxruntime_src/" not in details
     assert "Traceback" not in worker.log.read_text()
+
+
+def _ids(name: str, ids: list[list[int]]) -> triton.InferInput:
+    return infer_input(name, np.array(ids, np.int64), "INT64")
+
+
+def test_token_ids_outside_the_vocabulary(worker) -> None:  # type: ignore[no-untyped-def]
+    c = client(worker)
+    config = c.get_model_config("embedding").config
+    assert config.parameters["meshserve.vocab_size.input_ids"].string_value == "100"
+    out = c.infer("embedding", [_ids("input_ids", [[0, 99]])]).as_numpy("OUTPUT0")
+    assert out.shape == (1, 2, 8)
+    # -1 read the table's last row with status OK; 100 failed inside onnxruntime.
+    for bad, at in ((-1, "[0, 1]"), (100, "[0, 0]")):
+        ids = [[bad, 3]] if bad == 100 else [[3, bad]]
+        status, text = _status(lambda ids=ids: c.infer("embedding", [_ids("input_ids", ids)]))
+        assert status == "StatusCode.INVALID_ARGUMENT", text
+        assert (
+            f"token id {bad} at {at} is outside the vocabulary 0..99 of model 'embedding'" in text
+        )
+
+
+def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from deploy import toy_models
+
+    toy_models.write_text_embedder(tmp_path / "repo" / "words")
+    w = worker_factory(repository=tmp_path / "repo")
+    c = client(w)
+    # ModelConfig: every input, the token inputs marked as the optional alternative to TEXT.
+    config = c.get_model_config("words").config
+    assert {t.name: t.optional for t in config.input} == {
+        "input_ids": True,
+        "attention_mask": True,
+        "TEXT": False,
+    }
+    # A generic client fills what ModelMetadata lists (perf_analyzer: every required input):
+    # that is TEXT alone now, not TEXT and the token inputs together ("not both").
+    meta = c.get_model_metadata("words")
+    inputs = []
+    for t in meta.inputs:
+        shape = [2 if d == -1 else d for d in t.shape]
+        data = np.array([[b"hello world"], [b"mesh"]], dtype=object).reshape(shape)
+        inputs.append(infer_input(t.name, data, t.datatype))
+    assert [i.name() for i in inputs] == ["TEXT"]
+    by_text = c.infer("words", inputs).as_numpy("sentence_embedding")
+    # The alternative, token ids alone, gives the same answer; out of vocabulary it is refused.
+    ids = [[2, 3], [6, 0]]
+    mask = [[1, 1], [1, 0]]
+    by_ids = c.infer("words", [_ids("input_ids", ids), _ids("attention_mask", mask)])
+    np.testing.assert_allclose(by_ids.as_numpy("sentence_embedding"), by_text, rtol=1e-6)
+    status, text = _status(
+        lambda: c.infer("words", [_ids("input_ids", [[2, 8]]), _ids("attention_mask", [[1, 1]])])
+    )
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    assert "token id 8 at [0, 1] is outside the vocabulary 0..7 of model 'words'" in text
