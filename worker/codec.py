@@ -66,14 +66,30 @@ def is_heavy(request: pb.ModelInferRequest) -> bool:
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes."""
-    pack = _LENGTH.pack
-    parts = []
-    for item in array.reshape(-1).tolist():
-        b = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
+    """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes.
+    Vectorised: the elements joined once, the length prefixes placed by numpy."""
+    items = [x if type(x) is bytes else str(x).encode() for x in array.reshape(-1).tolist()]
+    n = len(items)
+    if n == 0:
+        return b""
+    lengths = np.fromiter(map(len, items), np.int64, count=n)
+    prefixes = lengths.astype("<u4").view(np.uint8).reshape(n, 4)
+    payload = np.frombuffer(b"".join(items), np.uint8)
+    out = np.empty(4 * n + payload.size, np.uint8)
+    first = int(lengths[0])
+    if (lengths == first).all():
+        rows = out.reshape(n, 4 + first)
+        rows[:, :4] = prefixes
+        rows[:, 4:] = payload.reshape(n, first)
+        return out.tobytes()
+    starts = 4 * np.arange(n, dtype=np.int64)
+    starts[1:] += np.cumsum(lengths[:-1])
+    is_prefix = np.zeros(out.size, bool)
+    for k in range(4):
+        is_prefix[starts + k] = True
+    out[is_prefix] = prefixes.reshape(-1)
+    out[~is_prefix] = payload
+    return out.tobytes()
 
 
 def deserialize_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
