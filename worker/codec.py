@@ -33,7 +33,7 @@ class Limits:
     bytes; BYTES elements each become a Python object, and are bounded on their own."""
 
     max_elements: int = MAX_MESSAGE_BYTES
-    max_bytes_elements: int = 1 << 20
+    max_bytes_elements: int = 1 << 18
 
 
 DEFAULT_LIMITS = Limits()

@@ -381,11 +381,11 @@ def test_huge_bytes_requests_keep_health_answering(worker) -> None:  # type: ign
     started = time.monotonic()
     code, details = _raw_infer(worker.address, huge.SerializeToString())
     assert code == "INVALID_ARGUMENT", details
-    assert "at most 1048576 BYTES elements" in details and "[1, 15700000]" in details
+    assert "at most 262144 BYTES elements" in details and "[1, 15700000]" in details
     assert time.monotonic() - started < 10
     del huge
     # Under the limit, a large request is decoded and encoded off the event loop.
-    items = [b"x" * (i % 5) for i in range(1_000_000)]
+    items = [b"x" * (i % 5) for i in range(250_000)]
     latencies: list[float] = []
     stop = threading.Event()
     poller = threading.Thread(target=_health_latencies, args=(worker.address, stop, latencies))
@@ -399,6 +399,7 @@ def test_huge_bytes_requests_keep_health_answering(worker) -> None:  # type: ign
     assert code == "OK", reply
     out = pb.ModelInferResponse.FromString(reply)
     assert out.raw_output_contents[0] == _bytes_request(items).raw_input_contents[0]
+    # Under the router's 1 s health-check timeout, which ejects a worker that misses it.
     assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
 
 
