@@ -142,6 +142,10 @@ class TpRepository(Repository):
         )
         params = completed.parameters
         params[cfg.EXECUTION_PROVIDER].string_value = model.provider
+        # Token ids are checked against the embedding before they reach the group.
+        cfg.add_index_bounds(
+            completed, {n: b for x in model.sessions.values() for n, b in x.index_bounds.items()}
+        )
         params[TP].string_value = str(shards.tp)
         params[TP_BACKEND].string_value = backend
         for rank, (weights, rss) in enumerate(self.rank_stats):
@@ -153,7 +157,7 @@ class TpRepository(Repository):
         stats = ModelStats()
         batcher = Batcher(spec, run, stats, spec.max_queue_size or self.default_max_queue_size)
         log.info("model_loaded", model=spec.name, version=spec.version, tp=shards.tp)
-        return LoadedModel(spec, completed, model.sessions["first"], batcher, stats)
+        return LoadedModel(spec, completed, model.sessions["first"], stats, batcher=batcher)
 
     def _run_fn(self, index: int, kind: str, spec: cfg.ModelSpec):  # type: ignore[no-untyped-def]
         leader = self.leader
