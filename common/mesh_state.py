@@ -101,9 +101,68 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerInfo:
+        """Parse and check a registration; ValueError says what is wrong with it.
+
+        Fields this version does not know are ignored (a newer worker may add some); a
+        missing field, a wrong type, a negative count or price, or a model or version name
+        that cannot be part of a usage key is an error."""
         raw = json.loads(text)
-        raw["models"] = {name: ModelEntry(**m) for name, m in raw["models"].items()}
-        return cls(**raw)
+        if not isinstance(raw, dict):
+            raise ValueError("a registration is a JSON object")
+        models = raw.get("models")
+        if not isinstance(models, dict) or not models:
+            raise ValueError("'models' must be a non-empty object")
+        entries = {}
+        for name, m in models.items():
+            _check_name("model", name)
+            if not isinstance(m, dict):
+                raise ValueError(f"model {name[:64]!r}: an object expected")
+            versions = m.get("versions")
+            if not isinstance(versions, list) or not versions:
+                raise ValueError(f"model {name[:64]!r}: 'versions' must be a non-empty list")
+            for v in versions:
+                _check_name("version", v)
+            entries[name] = ModelEntry(
+                versions=list(versions),
+                max_queue=_count(m, "max_queue", name),
+                price_micro_usd=_count(m, "price_micro_usd", name, 0),
+                training_cost_micro_usd=_count(m, "training_cost_micro_usd", name, 0),
+            )
+        address = raw.get("address")
+        host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"'address' must be host:port, not {str(address)[:64]!r}")
+        for key in ("id", "provider"):
+            if not isinstance(raw.get(key), str) or not raw[key]:
+                raise ValueError(f"{key!r} must be a non-empty string")
+        extra = raw.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError("'extra' must be an object")
+        return cls(
+            id=raw["id"],
+            address=address,
+            models=entries,
+            provider=raw["provider"],
+            tp=_count(raw, "tp", "", 1) or 1,
+            started_ms=_count(raw, "started_ms", "", 0),
+            extra={str(k): str(v) for k, v in extra.items()},
+        )
+
+
+MAX_NAME = 256  # chars in a model or version name
+
+
+def _check_name(kind: str, name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or "|" in name:
+        raise ValueError(f"{kind} name {str(name)[:64]!r}: 1-{MAX_NAME} chars, no '|'")
+
+
+def _count(raw: dict, key: str, model: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        where = f"model {model[:64]!r}: " if model else ""
+        raise ValueError(f"{where}{key!r} must be an integer >= 0, not {str(value)[:32]!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -116,7 +175,11 @@ class DepthSample:
 
     @classmethod
     def decode(cls, text: str | bytes) -> DepthSample:
+        """ValueError unless "depth:unix_ms" with two integers >= 0."""
         if isinstance(text, bytes):
             text = text.decode()
         depth, at_ms = text.split(":")
-        return cls(int(depth), int(at_ms))
+        sample = cls(int(depth), int(at_ms))
+        if sample.depth < 0 or sample.at_ms < 0:
+            raise ValueError(f"a negative depth sample: {text[:64]!r}")
+        return sample

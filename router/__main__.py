@@ -35,6 +35,17 @@ def parse_args(argv: list[str]) -> RouterSettings:
         help="do not count calls (only to measure what accounting costs)",
     )
     parser.add_argument("--accounting-wait-seconds", type=float)
+    parser.add_argument(
+        "--accounting-when-slow",
+        choices=["answer", "unavailable"],
+        help="when a success's record is not in Redis after --accounting-wait-seconds: "
+        "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
+    )
+    parser.add_argument("--max-inflight", type=int, help="calls in the router at once")
+    parser.add_argument("--max-inflight-per-model", type=int)
+    parser.add_argument(
+        "--answer-margin-ms", type=float, help="deadline left below which no OK is sent"
+    )
     parser.add_argument("--metrics-port", type=int)
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--log-level")

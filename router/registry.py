@@ -2,8 +2,15 @@
 
 One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
 worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
-A worker missing from Redis is dropped only after it has been missing for the registry TTL:
-a Redis that restarted empty must not empty the mesh before the workers' next heartbeat.
+A worker missing from Redis is dropped only after it has been missing for the registry TTL,
+counted from the later of its last sighting and Redis's return after an outage: a Redis that
+comes back empty (after an outage of any length) must not empty the mesh before the
+workers' next heartbeat. A dropped replica's calls in flight are cancelled at once, so the
+dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
+
+What Redis holds is checked before it is used: a registration that does not parse as a
+WorkerInfo, or that prices a model differently from the replicas already serving it, is
+ignored with one log line per registration text (nothing in Redis is authenticated yet).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class Replica:
     ejected_until: float = 0.0
     backoff_s: float = 0.0
     checking: bool = False
+    dropped: bool = False  # left the registry: its calls in flight were cancelled
+    calls: set = field(default_factory=set)  # grpc.aio calls in flight to it
 
     def __post_init__(self) -> None:
         # Bytes in, bytes out: the request is forwarded as it came.
@@ -76,6 +85,7 @@ class Registry:
             "redis_unreachable_using_last_known_registry", "redis_reconnected"
         )
         self._tokens = itertools.count()
+        self._refused: dict[str, str] = {}  # worker id -> registration text refused last
         self._task: asyncio.Task | None = None
         self._checks: set[asyncio.Task] = set()
 
@@ -110,26 +120,62 @@ class Registry:
         except (RedisError, OSError) as e:
             self.redis_state.failed(e)
             return
+        now = time.monotonic()
+        if not self.redis_state.up:
+            # Back after an outage: the TTL counts again from now, so the workers get one
+            # TTL to re-register in a Redis that may have come back empty.
+            for replica in self.replicas.values():
+                replica.last_seen = now
         self.redis_state.succeeded()
         seen = set()
         for worker_id, info_json, depth in zip(ids, infos, depths, strict=True):
             if info_json is None:
                 continue
-            seen.add(worker_id)
-            self._upsert(worker_id, info_json, depth)
-        now = time.monotonic()
+            if self._upsert(worker_id, info_json, depth):
+                seen.add(worker_id)
         for worker_id in [i for i, r in self.replicas.items() if i not in seen]:
             if now - self.replicas[worker_id].last_seen > self.ttl_s:
                 await self._remove(worker_id, "left the registry")
 
-    def _upsert(self, worker_id: str, info_json: str, depth: str | None) -> None:
+    def _upsert(self, worker_id: str, info_json: str, depth: str | None) -> bool:
+        """Admit or refresh one registration; False when it is refused."""
         replica = self.replicas.get(worker_id)
         if replica is None or replica.info_json != info_json:
-            replica = self._admit(worker_id, WorkerInfo.from_json(info_json), replica)
+            if self._refused.get(worker_id) == info_json:
+                return False
+            try:
+                info = WorkerInfo.from_json(info_json)
+                if info.id != worker_id:
+                    raise ValueError(f"registered under id {worker_id!r} but says {info.id!r}")
+                self._check_prices(info)
+            except ValueError as e:
+                self._refused[worker_id] = info_json
+                log.warning("registration_refused", worker=worker_id[:64], reason=str(e)[:300])
+                return False
+            self._refused.pop(worker_id, None)
+            replica = self._admit(worker_id, info, replica)
             replica.info_json = info_json
         replica.last_seen = time.monotonic()
         if depth is not None:
-            replica.sample = DepthSample.decode(depth)
+            try:
+                replica.sample = DepthSample.decode(depth)
+            except ValueError:
+                replica.sample = None  # unknown depth: only our own in-flight calls count
+        return True
+
+    def _check_prices(self, info: WorkerInfo) -> None:
+        """A model costs the same on every replica: a registration that disagrees with the
+        replicas already serving the model is refused, not billed at its own price."""
+        for name, entry in info.models.items():
+            for other in self.replicas.values():
+                theirs = other.info.models.get(name)
+                if other.id != info.id and theirs is not None:
+                    if theirs.price_micro_usd != entry.price_micro_usd:
+                        raise ValueError(
+                            f"prices model {name!r} at {entry.price_micro_usd} micro-USD; "
+                            f"replica {other.id!r} serves it at {theirs.price_micro_usd}"
+                        )
+                    break
 
     def _admit(self, worker_id: str, info: WorkerInfo, replica: Replica | None) -> Replica:
         """A new worker, or a registration that changed."""
@@ -157,7 +203,10 @@ class Registry:
 
     async def _remove(self, worker_id: str, reason: str) -> None:
         replica = self.replicas.pop(worker_id)
-        log.info("replica_left", worker=worker_id, reason=reason)
+        replica.dropped = True
+        log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
+        for call in list(replica.calls):  # the dispatcher retries them elsewhere
+            call.cancel()
         await replica.channel.close(grace=1.0)
 
     def replicas_for(self, model: str, version: str = "") -> list[Replica]:
