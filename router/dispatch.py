@@ -64,7 +64,7 @@ class Dispatcher:
         rng: random.Random | None = None,
         max_inflight: int = 1024,
         max_inflight_per_model: int = 512,
-        answer_margin_s: float = 0.001,
+        answer_margin_s: float = 0.002,
     ) -> None:
         if policy_name not in policy.POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")

@@ -31,7 +31,7 @@ class RouterSettings(BaseSettings):
     accounting_when_slow: Literal["answer", "unavailable"] = "answer"
     max_inflight: int = Field(1024, ge=1)  # calls in the router at once; beyond: RESOURCE_EXHAUSTED
     max_inflight_per_model: int = Field(512, ge=1)
-    answer_margin_ms: float = Field(1.0, ge=0)  # a reply needs this much deadline left to be sent
+    answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
