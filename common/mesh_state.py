@@ -140,7 +140,7 @@ class WorkerInfo:
             raise ValueError("'extra' must be an object")
         return cls(
             id=raw["id"],
-            address=address,
+            address=str(address),
             models=entries,
             provider=raw["provider"],
             tp=_count(raw, "tp", "", 1) or 1,

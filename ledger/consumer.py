@@ -90,7 +90,8 @@ class Consumer:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
         self.store = store
         self.config = config
-        self._cursors: dict[str, int] = {}  # router -> seq committed (read once, then ours)
+        # router -> (epoch, seq) committed (read once, then ours)
+        self._cursors: dict[str, tuple[int, int]] = {}
         self._terms: dict[str, tuple[int, int]] = {}  # model -> (p, T) as last recorded
         self._known: set[str] = set(config.models) | set(store.models())  # served models
         self._refused: set[str] = set()  # registration texts already logged as refused

@@ -159,7 +159,8 @@ class Store:
         with self.transaction() as cur:
             cursor = self._cursor(cur, router_id, lock=True)
             start = cursor
-            for entry in sorted([*entries, *quarantined], key=lambda e: e.id):
+            pending: list[BatchEntry | Quarantined] = [*entries, *quarantined]
+            for entry in sorted(pending, key=lambda e: e.id):
                 if entry.id <= cursor:
                     continue  # applied before: exactly once
                 expected = cursor[1] + 1 if entry.epoch == cursor[0] else 1

@@ -209,7 +209,11 @@ def run(root: Path) -> list[dict]:
             )
         )
         # 5. a 10 KB model name
-        rows.append(case("model_name_10kb", client=dict(asyncio.run(odd_names(router, 3, "", "m" * 10_240)))))
+        rows.append(
+            case(
+                "model_name_10kb", client=dict(asyncio.run(odd_names(router, 3, "", "m" * 10_240)))
+            )
+        )
         # 6. byte-mutated requests
         assert mesh.router is not None
         log = mesh.router.log
