@@ -11,11 +11,16 @@ Every key, its type, its writer -> its readers, and what it holds:
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
 - meshserve:calls:{router} (STREAM, router -> ledger): one entry per accounting batch, id
-  "{seq}-1" with seq counting 1, 2, 3... per router; field "usage" is JSON
-  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]}, field "at_ms"
-  when the batch closed. The ledger applies entries in seq order, exactly once.
-- meshserve:ledger:ack:{router} (STRING, ledger -> router): the highest seq of that router the
-  durable ledger has committed; the router forgets batches up to it.
+  "{epoch}-{seq}": epoch is the router process's start (unix ms, above any id already
+  there), seq counts 1, 2, 3... within the process; field "usage" is JSON
+  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]} (success and
+  revenue negative for a refund), field "at_ms" when the batch closed. The ledger applies
+  entries in id order, exactly once, and quarantines what fails its checks.
+- meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
+  of that router the durable ledger has committed; the router forgets batches up to it.
+
+Everything read from Redis is checked before use (`WorkerInfo.from_json`,
+`DepthSample.decode`, the ledger's `parse_entry`): nothing in it is authenticated yet.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
