@@ -28,6 +28,12 @@ def parse_args(argv: list[str]) -> RouterSettings:
     parser.add_argument("--default-timeout-seconds", type=float)
     parser.add_argument("--eject-base-seconds", type=float)
     parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        help="a replica with calls in flight and no fresh depth sample for this long gets a "
+        "health probe with this timeout; no answer ejects it and retries its calls elsewhere",
+    )
+    parser.add_argument(
         "--no-accounting",
         dest="accounting",
         action="store_false",

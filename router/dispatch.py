@@ -11,7 +11,8 @@ client, or whose deadline passes, before that is an error; one answered with les
 client in time); one answered OK whose client turned out to be gone is refunded by the
 servicer (see `settle`). A call in flight to a replica that leaves the registry (a stopped
 worker stops its heartbeat) is cancelled and retried on another replica, or answered
-UNAVAILABLE. A client-chosen model or version becomes a metric label or a ledger row only
+UNAVAILABLE; so is one to a replica that stalls (no depth sample, no health answer).
+A client-chosen model or version becomes a metric label or a ledger row only
 when the mesh serves it; anything else is `_unknown_`.
 
 One retry on another replica after UNAVAILABLE (a dead or unreachable worker, which is then
@@ -236,10 +237,10 @@ class Dispatcher:
                 return reply
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if not replica.dropped or (task is not None and task.cancelling()):
+                if call not in replica.abandoned or (task is not None and task.cancelling()):
                     raise  # our own caller went away
-                # The registry dropped the replica and cancelled this call (see Registry).
-                status, details = grpc.StatusCode.UNAVAILABLE, "replica left the registry"
+                # The registry gave up on the replica and cancelled this call (see Registry).
+                status, details = grpc.StatusCode.UNAVAILABLE, "the replica stopped answering"
             except grpc.aio.AioRpcError as e:
                 status, details = e.code(), e.details() or e.code().name
                 if status == grpc.StatusCode.UNAVAILABLE:
@@ -247,6 +248,7 @@ class Dispatcher:
                     metrics.EJECTIONS.labels(replica.id).inc()
             finally:
                 replica.calls.discard(call)
+                replica.abandoned.discard(call)
                 attempt.upstream_s += time.perf_counter() - t0
                 self.registry.end(replica, token)
                 metrics.INFLIGHT.labels(replica.id).dec()

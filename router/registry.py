@@ -46,8 +46,10 @@ class Replica:
     ejected_until: float = 0.0
     backoff_s: float = 0.0
     checking: bool = False
-    dropped: bool = False  # left the registry: its calls in flight were cancelled
+    dropped: bool = False  # left the registry
     calls: set = field(default_factory=set)  # grpc.aio calls in flight to it
+    abandoned: set = field(default_factory=set)  # of those, the ones the registry cancelled
+    probed_at: float = 0.0  # last health probe of a replica that looked stalled
 
     def __post_init__(self) -> None:
         # Bytes in, bytes out: the request is forwarded as it came.
@@ -71,6 +73,7 @@ class Registry:
         ttl_s: float = 5.0,
         eject_base_s: float = 1.0,
         eject_max_s: float = 30.0,
+        stall_s: float = 1.0,
     ) -> None:
         self.redis = aioredis.from_url(
             redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
@@ -80,6 +83,7 @@ class Registry:
         self.ttl_s = ttl_s
         self.eject_base_s = eject_base_s
         self.eject_max_s = eject_max_s
+        self.stall_s = stall_s
         self.replicas: dict[str, Replica] = {}
         self.redis_state = Outage(
             "redis_unreachable_using_last_known_registry", "redis_reconnected"
@@ -106,6 +110,7 @@ class Registry:
             await asyncio.sleep(self.poll_s)
             await self.refresh()
             self._check_ejected()
+            self._check_stalled()
 
     async def refresh(self) -> None:
         try:
@@ -205,9 +210,16 @@ class Registry:
         replica = self.replicas.pop(worker_id)
         replica.dropped = True
         log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
-        for call in list(replica.calls):  # the dispatcher retries them elsewhere
-            call.cancel()
+        self._abandon(replica)
         await replica.channel.close(grace=1.0)
+
+    @staticmethod
+    def _abandon(replica: Replica) -> None:
+        """Cancel the calls in flight to a replica that stopped answering: the dispatcher
+        sees them as UNAVAILABLE and retries them elsewhere."""
+        for call in list(replica.calls):
+            replica.abandoned.add(call)
+            call.cancel()
 
     def replicas_for(self, model: str, version: str = "") -> list[Replica]:
         return [
@@ -241,6 +253,42 @@ class Registry:
                 task = asyncio.get_running_loop().create_task(self._health_check(replica))
                 self._checks.add(task)
                 task.add_done_callback(self._checks.discard)
+
+    def _check_stalled(self) -> None:
+        """A replica with calls in flight whose depth sample stopped moving (a worker
+        publishes one every 100 ms; a stopped or wedged process does not) gets a health
+        probe, at most once per `stall_s`; no answer within it ejects the replica and
+        abandons its calls at once, rather than after the registry TTL."""
+        now, now_unix_ms = time.monotonic(), now_ms()
+        for replica in self.replicas.values():
+            if (
+                replica.calls
+                and not replica.checking
+                and not replica.backoff_s
+                and now - replica.probed_at >= self.stall_s
+                and (
+                    replica.sample is None
+                    or now_unix_ms - replica.sample.at_ms > self.stall_s * 1000
+                )
+            ):
+                replica.checking = True
+                replica.probed_at = now
+                task = asyncio.get_running_loop().create_task(self._probe(replica))
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            stub = health_pb2_grpc.HealthStub(replica.channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.stall_s)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        finally:
+            replica.checking = False
+        if not healthy and not replica.dropped:
+            self.eject(replica, "stalled: no depth sample and no health answer")
+            self._abandon(replica)
 
     async def _health_check(self, replica: Replica) -> None:
         """Re-admit an ejected replica once its gRPC health check says SERVING."""

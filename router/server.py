@@ -26,6 +26,7 @@ async def serve(settings: RouterSettings) -> None:
         ttl_s=settings.registry_ttl_seconds,
         eject_base_s=settings.eject_base_seconds,
         eject_max_s=settings.eject_max_seconds,
+        stall_s=settings.stall_seconds,
     )
     accounting = Accounting(
         settings.redis_url,

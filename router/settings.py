@@ -24,6 +24,9 @@ class RouterSettings(BaseSettings):
     default_timeout_seconds: float = 60.0  # for callers that set no deadline
     eject_base_seconds: float = 1.0
     eject_max_seconds: float = 30.0
+    # a replica with calls in flight and no depth sample for this long gets a health probe
+    # with this timeout; no answer: ejected, its calls retried elsewhere
+    stall_seconds: float = Field(1.0, gt=0)
     accounting: bool = True  # off only to measure what accounting costs
     accounting_wait_seconds: float = 0.25  # longest a reply waits for its record to be in Redis
     # ...and then: "answer" (the record stays in memory until Redis is back) or "unavailable"
