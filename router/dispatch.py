@@ -144,13 +144,16 @@ class Dispatcher:
         finally:
             if admitted:
                 self._release(model)
-            metrics.REQUESTS.labels(model if served else UNKNOWN, code.name).inc()
+            label = model if served else UNKNOWN
+            if code != grpc.StatusCode.OK:  # an OK is counted once it is sure (below)
+                metrics.REQUESTS.labels(label, code.name).inc()
             metrics.LATENCY.labels("upstream").observe(attempt.upstream_s)
             metrics.LATENCY.labels("router").observe(
                 time.perf_counter() - start - attempt.upstream_s
             )
             recorded = self._account(model, version, attempt, code)
         if recorded is None or self.accounting is None:
+            metrics.REQUESTS.labels(label, code.name).inc()
             return reply, None
         future, receipt = recorded
         assert receipt is not None  # code is OK here
@@ -164,9 +167,15 @@ class Dispatcher:
                     )
                 metrics.REPLIES_BEFORE_DURABLE.inc()
             self._check_margin(deadline)
-        except BaseException:
+        except MeshError as e:
+            metrics.REQUESTS.labels(label, e.code.name).inc()
             self.refund(receipt)
             raise
+        except BaseException:
+            metrics.REQUESTS.labels(label, grpc.StatusCode.CANCELLED.name).inc()
+            self.refund(receipt)
+            raise
+        metrics.REQUESTS.labels(label, code.name).inc()
         return reply, receipt
 
     def settle(self, receipt: Receipt, delivered: bool) -> None:
