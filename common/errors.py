@@ -84,3 +84,11 @@ def grpc_errors(
         raise AssertionError("unreachable")  # context.abort always raises
 
     return wrapper
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """A client-chosen string as it may appear in an error message: at most `limit` chars
+    (a 10 KB model name must not push the status past gRPC's metadata limit), repr-quoted."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"

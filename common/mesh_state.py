@@ -13,11 +13,16 @@ Every key, its type, its writer -> its readers, and what it holds:
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
 - meshserve:calls:{router} (STREAM, router -> ledger): one entry per accounting batch, id
-  "{seq}-1" with seq counting 1, 2, 3... per router; field "usage" is JSON
-  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]}, field "at_ms"
-  when the batch closed. The ledger applies entries in seq order, exactly once.
-- meshserve:ledger:ack:{router} (STRING, ledger -> router): the highest seq of that router the
-  durable ledger has committed; the router forgets batches up to it.
+  "{epoch}-{seq}": epoch is the router process's start (unix ms, above any id already
+  there), seq counts 1, 2, 3... within the process; field "usage" is JSON
+  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]} (success and
+  revenue negative for a refund), field "at_ms" when the batch closed. The ledger applies
+  entries in id order, exactly once, and quarantines what fails its checks.
+- meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
+  of that router the durable ledger has committed; the router forgets batches up to it.
+
+Everything read from Redis is checked before use (`WorkerInfo.from_json`,
+`DepthSample.decode`, the ledger's `parse_entry`): nothing in it is authenticated yet.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
@@ -103,9 +108,68 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerInfo:
+        """Parse and check a registration; ValueError says what is wrong with it.
+
+        Fields this version does not know are ignored (a newer worker may add some); a
+        missing field, a wrong type, a negative count or price, or a model or version name
+        that cannot be part of a usage key is an error."""
         raw = json.loads(text)
-        raw["models"] = {name: ModelEntry(**m) for name, m in raw["models"].items()}
-        return cls(**raw)
+        if not isinstance(raw, dict):
+            raise ValueError("a registration is a JSON object")
+        models = raw.get("models")
+        if not isinstance(models, dict) or not models:
+            raise ValueError("'models' must be a non-empty object")
+        entries = {}
+        for name, m in models.items():
+            _check_name("model", name)
+            if not isinstance(m, dict):
+                raise ValueError(f"model {name[:64]!r}: an object expected")
+            versions = m.get("versions")
+            if not isinstance(versions, list) or not versions:
+                raise ValueError(f"model {name[:64]!r}: 'versions' must be a non-empty list")
+            for v in versions:
+                _check_name("version", v)
+            entries[name] = ModelEntry(
+                versions=list(versions),
+                max_queue=_count(m, "max_queue", name),
+                price_micro_usd=_count(m, "price_micro_usd", name, 0),
+                training_cost_micro_usd=_count(m, "training_cost_micro_usd", name, 0),
+            )
+        address = raw.get("address")
+        host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"'address' must be host:port, not {str(address)[:64]!r}")
+        for key in ("id", "provider"):
+            if not isinstance(raw.get(key), str) or not raw[key]:
+                raise ValueError(f"{key!r} must be a non-empty string")
+        extra = raw.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError("'extra' must be an object")
+        return cls(
+            id=raw["id"],
+            address=str(address),
+            models=entries,
+            provider=raw["provider"],
+            tp=_count(raw, "tp", "", 1) or 1,
+            started_ms=_count(raw, "started_ms", "", 0),
+            extra={str(k): str(v) for k, v in extra.items()},
+        )
+
+
+MAX_NAME = 256  # chars in a model or version name
+
+
+def _check_name(kind: str, name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or "|" in name:
+        raise ValueError(f"{kind} name {str(name)[:64]!r}: 1-{MAX_NAME} chars, no '|'")
+
+
+def _count(raw: dict, key: str, model: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        where = f"model {model[:64]!r}: " if model else ""
+        raise ValueError(f"{where}{key!r} must be an integer >= 0, not {str(value)[:32]!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -121,9 +185,13 @@ class DepthSample:
 
     @classmethod
     def decode(cls, text: str | bytes) -> DepthSample:
+        """ValueError unless "depth:unix_ms" with two integers >= 0."""
         if isinstance(text, bytes):
             text = text.decode()
         parts = [int(p) for p in text.split(":")]
         if len(parts) not in (2, 4):
             raise ValueError(f"depth sample {text[:64]!r}: expected depth:at_ms[:kv_used:kv_total]")
-        return cls(*parts)
+        sample = cls(*parts)
+        if min(parts) < 0 or sample.kv_used > sample.kv_total:
+            raise ValueError(f"a negative or inconsistent depth sample: {text[:64]!r}")
+        return sample

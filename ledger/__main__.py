@@ -7,8 +7,10 @@ python -m ledger report [--db URL] [--config FILE.toml] [--model M] [--json] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
+import sqlite3
 import sys
 import threading
 from pathlib import Path
@@ -52,6 +54,37 @@ def set_gauges(rows: list[Economics]) -> None:
             gauge.labels(row.model).set(value or 0)
 
 
+MAX_BACKOFF_S = 30.0
+
+
+def _db_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [sqlite3.Error]
+    try:
+        import psycopg
+
+        errors.append(psycopg.Error)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+DB_ERRORS = _db_errors()
+
+
+class Backoff:
+    """The wait before the next pass: the interval, doubled after each failed pass (up to
+    `max_s`), back to the interval after a pass that went through."""
+
+    def __init__(self, interval_s: float, max_s: float) -> None:
+        self.interval_s = interval_s
+        self.max_s = max_s
+        self.wait_s = interval_s
+
+    def next(self, ok: bool) -> float:
+        self.wait_s = self.interval_s if ok else min(self.max_s, max(self.wait_s, 0.05) * 2)
+        return self.wait_s
+
+
 def run(settings: LedgerSettings) -> int:
     config = ledger_config.load(settings.config)
     store = Store(settings.db)
@@ -63,21 +96,33 @@ def run(settings: LedgerSettings) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     log.info("ledger_running", db=settings.db, redis=settings.redis_url)
     redis_state = Outage("ledger_redis_unreachable", "ledger_redis_reconnected")
+    db_state = Outage("ledger_db_error_retrying", "ledger_db_recovered")
+    backoff = Backoff(settings.interval_seconds, MAX_BACKOFF_S)
 
-    def one_pass() -> None:
+    def one_pass() -> bool:
+        """True when the pass went through; a failure is logged (once per outage) and the
+        next pass retries it: the cursor makes a repeated pass a no-op."""
         try:
             applied = consumer.flush()
             if applied:
                 log.debug("ledger_applied", batches=applied)
             redis_state.succeeded()
+            if settings.metrics_port:  # otherwise nobody reads the gauges
+                set_gauges(report.build(store, config))
+            db_state.succeeded()
+            return True
         except (RedisError, OSError) as error:
             redis_state.failed(error)
-        if settings.metrics_port:  # otherwise nobody reads the gauges
-            set_gauges(report.build(store, config))
+        except DB_ERRORS as error:
+            db_state.failed(error)
+            with contextlib.suppress(*DB_ERRORS):
+                store.reconnect()
+        except Exception as error:  # a bug: logged with its traceback, retried, never a crash
+            log.exception("ledger_pass_failed", error=str(error)[:300])
+        return False
 
     while not stop.is_set():
-        one_pass()
-        stop.wait(settings.interval_seconds)
+        stop.wait(backoff.next(one_pass()))
     one_pass()  # what the routers flushed on their way out, when they stopped first
     consumer.close()
     store.close()

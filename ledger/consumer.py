@@ -5,6 +5,15 @@ Each pass, for every router: read the stream past the store's cursor, apply thos
 Crash anywhere and the next pass repeats the unacknowledged part; the cursor makes that a
 no-op. The pass also records each live worker's uptime span (for serving cost) and each
 model's price and training cost as the workers publish them.
+
+Nothing read from Redis is trusted as it stands. A stream entry is counted only if it has
+exactly the router's fields, a usage object keyed "model|version" for a model the ledger
+knows (from a registration, its store or its config), and five integer counts that add up
+(success + errors = calls; calls, errors and upstream time >= 0; revenue of the sign of
+success: a negative success is a refund). Anything else is quarantined in the store with
+the reason, and the cursor moves past it: one bad entry never stops the ledger. A
+registration that does not parse is skipped with a log line. What this cannot catch is a
+well-formed forgery: that needs credentials on Redis (a separate issue).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import structlog
 from common import mesh_state
 from common.mesh_state import WorkerInfo
 from ledger.config import LedgerConfig
-from ledger.store import BatchEntry, Store, WorkerSpan
+from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
 log = structlog.get_logger()
 
@@ -28,11 +37,52 @@ def worker_kind(provider: str) -> str:
     return "gpu" if "CUDA" in provider or "Tensorrt" in provider else "cpu"
 
 
-def parse_entry(entry_id: str, fields: dict[str, str]) -> BatchEntry:
+MAX_COUNT = 2**53  # any count beyond this is not a batch of one router's flush interval
+
+
+def parse_entry(entry_id: str, fields: dict[str, str], known: set[str] | None = None) -> BatchEntry:
+    """A stream entry -> its batch; ValueError says why it cannot be counted."""
+    epoch, _, seq = entry_id.partition("-")
+    if set(fields) != {"usage", "at_ms"}:
+        raise ValueError(f"fields {sorted(fields)[:8]}, expected ['at_ms', 'usage']")
+    at_ms = int(fields["at_ms"])
+    if at_ms < 0:
+        raise ValueError("at_ms < 0")
+    usage_json = json.loads(fields["usage"])
+    if not isinstance(usage_json, dict) or not usage_json:
+        raise ValueError("usage must be a non-empty object")
     usage = {}
-    for key, counts in json.loads(fields["usage"]).items():
-        usage[mesh_state.parse_model_key(key)] = [int(c) for c in counts]
-    return BatchEntry(int(entry_id.split("-")[0]), usage, int(fields["at_ms"]))
+    for key, counts in usage_json.items():
+        parts = key.split("|")
+        if len(parts) != 2 or not all(0 < len(p) <= mesh_state.MAX_NAME for p in parts):
+            raise ValueError(f"usage key {key[:64]!r} is not 'model|version'")
+        if known is not None and parts[0] not in known:
+            raise ValueError(f"model {parts[0][:64]!r} is not one the mesh serves")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != len(mesh_state.USAGE_FIELDS)
+            or not all(type(c) is int and abs(c) < MAX_COUNT for c in counts)
+        ):
+            raise ValueError(f"{key[:64]!r}: counts must be {len(mesh_state.USAGE_FIELDS)} ints")
+        calls, success, errors, revenue, upstream_ns = counts
+        if calls < 0 or errors < 0 or upstream_ns < 0 or success + errors != calls:
+            raise ValueError(f"{key[:64]!r}: counts do not add up: {counts}")
+        if revenue * success < 0 or (success == 0 and revenue != 0):
+            raise ValueError(f"{key[:64]!r}: revenue {revenue} for {success} successes")
+        usage[(parts[0], parts[1])] = counts
+    return BatchEntry(int(seq or 1), usage, at_ms, int(epoch))
+
+
+def check_entry(
+    entry_id: str, fields: dict[str, str], known: set[str] | None = None
+) -> BatchEntry | Quarantined:
+    try:
+        return parse_entry(entry_id, fields, known)
+    except (ValueError, TypeError, AttributeError) as e:
+        epoch, _, seq = entry_id.partition("-")
+        raw = json.dumps(fields)[:4096]
+        log.error("ledger_entry_quarantined", entry=entry_id, reason=str(e)[:300])
+        return Quarantined(int(epoch), int(seq or 1), str(e)[:300], raw)
 
 
 class Consumer:
@@ -40,16 +90,19 @@ class Consumer:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
         self.store = store
         self.config = config
-        self._cursors: dict[str, int] = {}  # router -> seq committed (read once, then ours)
+        # router -> (epoch, seq) committed (read once, then ours)
+        self._cursors: dict[str, tuple[int, int]] = {}
         self._terms: dict[str, tuple[int, int]] = {}  # model -> (p, T) as last recorded
+        self._known: set[str] = set(config.models) | set(store.models())  # served models
+        self._refused: set[str] = set()  # registration texts already logged as refused
 
     def flush(self) -> int:
         """One pass; returns the number of batches applied."""
         applied = 0
+        self._record_registry()  # first: the models it names are the ones batches may count
         routers: set[str] = self.redis.smembers(mesh_state.ROUTERS)  # type: ignore[assignment]
         for router_id in sorted(routers):
             applied += self._drain(router_id)
-        self._record_registry()
         return applied
 
     def _drain(self, router_id: str) -> int:
@@ -59,19 +112,25 @@ class Consumer:
         cursor = self._cursors[router_id]
         applied = 0
         while True:
-            raw = self.redis.xrange(stream, min=f"{cursor + 1}-0", count=READ_COUNT)
-            entries = [parse_entry(i, f) for i, f in raw]  # type: ignore[union-attr]
-            if entries:
-                new = self.store.apply(router_id, entries, mesh_state.now_ms())
-                applied += new - cursor
-                cursor = self._cursors[router_id] = new
+            start = f"({cursor[0]}-{cursor[1]}" if cursor != (0, 0) else "-"
+            raw = self.redis.xrange(stream, min=start, count=READ_COUNT)
+            good: list[BatchEntry] = []
+            bad: list[Quarantined] = []
+            for entry_id, fields in raw:  # type: ignore[union-attr]
+                entry = check_entry(entry_id, fields, self._known)
+                (bad if isinstance(entry, Quarantined) else good).append(entry)  # type: ignore[arg-type]
+            if raw:
+                cursor = self._cursors[router_id] = self.store.apply(
+                    router_id, good, mesh_state.now_ms(), bad
+                )
+                applied += len(good)
             # Ack even with nothing new: a Redis that restarted lost the previous ack.
             pipe = self.redis.pipeline(transaction=False)
-            pipe.set(mesh_state.ledger_ack_key(router_id), cursor)
-            if cursor:
-                pipe.xtrim(stream, minid=f"{cursor + 1}-0", approximate=False)
+            pipe.set(mesh_state.ledger_ack_key(router_id), f"{cursor[0]}-{cursor[1]}")
+            if cursor != (0, 0):
+                pipe.xtrim(stream, minid=f"{cursor[0]}-{cursor[1] + 1}", approximate=False)
             pipe.execute()
-            if len(entries) < READ_COUNT:
+            if len(raw) < READ_COUNT:  # type: ignore[arg-type]
                 return applied
 
     def _record_registry(self) -> None:
@@ -84,7 +143,14 @@ class Consumer:
         for raw in infos:  # type: ignore[union-attr]
             if raw is None:
                 continue
-            info = WorkerInfo.from_json(raw)
+            try:
+                info = WorkerInfo.from_json(raw)
+            except ValueError as e:
+                if raw not in self._refused and len(self._refused) < 10_000:
+                    self._refused.add(raw)
+                    log.warning("ledger_registration_refused", reason=str(e)[:300])
+                continue
+            self._known.update(info.models)
             spans.append(WorkerSpan(info.id, info.started_ms, worker_kind(info.provider), now))
             for name, entry in info.models.items():
                 terms = (entry.price_micro_usd, entry.training_cost_micro_usd)

@@ -1,8 +1,13 @@
 """The durable ledger: SQLite (one file, the default) or PostgreSQL (by URL).
 
-Exactly once: a router's batches carry consecutive sequence numbers. `apply` adds a batch's
-counts and advances that router's cursor in ONE transaction, skipping every seq at or below
-the cursor. A batch seen twice (re-read after a crash between commit and ack, or re-sent by
+Exactly once: a router's batches carry ids (epoch, seq): the epoch is the router process's
+start (unix ms), seq counts 1, 2, 3... within it, so a router restarted under the same id
+goes on above its previous process. `apply` adds a batch's counts and advances that
+router's cursor in ONE transaction, skipping every id at or below the cursor. A batch that
+did not pass the consumer's checks is stored in `quarantine` with the reason and its raw
+text, and the cursor moves past it: it is kept for a person to look at, never counted.
+
+A batch seen twice (re-read after a crash between commit and ack, or re-sent by
 a router after a Redis restart) therefore changes nothing, and a crash mid-transaction
 leaves neither the counts nor the cursor moved.
 """
@@ -37,6 +42,12 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS gaps (
         router_id TEXT NOT NULL, after_seq BIGINT NOT NULL, next_seq BIGINT NOT NULL,
         noticed_ms BIGINT NOT NULL)""",
+    # `cursors` held a bare seq before ids had an epoch: its seq s was the stream id "s-1".
+    """CREATE TABLE IF NOT EXISTS stream_cursors (
+        router_id TEXT PRIMARY KEY, epoch BIGINT NOT NULL, seq BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS quarantine (
+        router_id TEXT NOT NULL, entry_id TEXT NOT NULL, reason TEXT NOT NULL,
+        raw TEXT NOT NULL, noticed_ms BIGINT NOT NULL)""",
 ]
 
 FIELDS = USAGE_FIELDS  # the usage table's count columns
@@ -48,6 +59,25 @@ class BatchEntry:
     seq: int
     usage: dict[tuple[str, str], list[int]]  # (model, version) -> [calls, success, ...]
     at_ms: int
+    epoch: int = 0
+
+    @property
+    def id(self) -> tuple[int, int]:
+        return (self.epoch, self.seq)
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A stream entry that did not pass the consumer's checks: kept, not counted."""
+
+    epoch: int
+    seq: int
+    reason: str
+    raw: str
+
+    @property
+    def id(self) -> tuple[int, int]:
+        return (self.epoch, self.seq)
 
 
 @dataclass(frozen=True)
@@ -93,37 +123,68 @@ class Store:
     def close(self) -> None:
         self.conn.close()
 
+    def reconnect(self) -> None:
+        """After a database error: a fresh connection (a broken one stays broken)."""
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        self.__init__(self.url)  # type: ignore[misc]
+
     # -- writes ----------------------------------------------------------------------------
 
-    def cursor(self, router_id: str) -> int:
+    def cursor(self, router_id: str) -> tuple[int, int]:
         with self.transaction() as cur:
-            row = cur.execute("SELECT seq FROM cursors WHERE router_id = ?", (router_id,)).one()
-        return int(row[0]) if row else 0
+            return self._cursor(cur, router_id, lock=False)
 
-    def apply(self, router_id: str, entries: Sequence[BatchEntry], now_ms: int) -> int:
-        """Apply the batches above this router's cursor, in seq order; return the new cursor."""
+    def _cursor(self, cur: _Cursor, router_id: str, lock: bool) -> tuple[int, int]:
+        for_update = " FOR UPDATE" if lock and self.postgres else ""
+        row = cur.execute(
+            f"SELECT epoch, seq FROM stream_cursors WHERE router_id = ?{for_update}", (router_id,)
+        ).one()
+        if row:
+            return int(row[0]), int(row[1])
+        row = cur.execute("SELECT seq FROM cursors WHERE router_id = ?", (router_id,)).one()
+        return (int(row[0]), 1) if row and int(row[0]) else (0, 0)
+
+    def apply(
+        self,
+        router_id: str,
+        entries: Sequence[BatchEntry],
+        now_ms: int,
+        quarantined: Sequence[Quarantined] = (),
+    ) -> tuple[int, int]:
+        """Apply the batches above this router's cursor in id order, quarantine the entries
+        that did not pass the checks; return the new cursor (epoch, seq)."""
         with self.transaction() as cur:
-            lock = " FOR UPDATE" if self.postgres else ""
-            row = cur.execute(
-                f"SELECT seq FROM cursors WHERE router_id = ?{lock}", (router_id,)
-            ).one()
-            cursor = int(row[0]) if row else 0
-            for entry in sorted(entries, key=lambda e: e.seq):
-                if entry.seq <= cursor:
+            cursor = self._cursor(cur, router_id, lock=True)
+            start = cursor
+            pending: list[BatchEntry | Quarantined] = [*entries, *quarantined]
+            for entry in sorted(pending, key=lambda e: e.id):
+                if entry.id <= cursor:
                     continue  # applied before: exactly once
-                if entry.seq != cursor + 1:
+                expected = cursor[1] + 1 if entry.epoch == cursor[0] else 1
+                if entry.seq != expected:
+                    after = cursor[1] if entry.epoch == cursor[0] else 0
                     cur.execute(
                         "INSERT INTO gaps VALUES (?, ?, ?, ?)",
-                        (router_id, cursor, entry.seq, now_ms),
+                        (router_id, after, entry.seq, now_ms),
                     )
-                for (model, version), counts in entry.usage.items():
-                    self._add_usage(cur, model, version, counts, entry.at_ms)
-                cursor = entry.seq
-            cur.execute(
-                "INSERT INTO cursors VALUES (?, ?) ON CONFLICT (router_id) "
-                "DO UPDATE SET seq = excluded.seq",
-                (router_id, cursor),
-            )
+                if isinstance(entry, Quarantined):
+                    cur.execute(
+                        "INSERT INTO quarantine VALUES (?, ?, ?, ?, ?)",
+                        (router_id, f"{entry.epoch}-{entry.seq}", entry.reason, entry.raw, now_ms),
+                    )
+                else:
+                    for (model, version), counts in entry.usage.items():
+                        self._add_usage(cur, model, version, counts, entry.at_ms)
+                cursor = entry.id
+            if cursor != start:
+                cur.execute(
+                    "INSERT INTO stream_cursors VALUES (?, ?, ?) ON CONFLICT (router_id) "
+                    "DO UPDATE SET epoch = excluded.epoch, seq = excluded.seq",
+                    (router_id, *cursor),
+                )
         return cursor
 
     @staticmethod
@@ -191,6 +252,12 @@ class Store:
                 "SELECT model, price_micro_usd, training_cost_micro_usd FROM models"
             ).all()
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}
+
+    def quarantine(self) -> list[tuple[str, str, str]]:
+        """(router, entry id, reason) of every entry kept out of the counts."""
+        with self.transaction() as cur:
+            rows = cur.execute("SELECT router_id, entry_id, reason FROM quarantine").all()
+        return [(r[0], r[1], r[2]) for r in rows]
 
     def gaps(self) -> list[tuple[str, int, int]]:
         with self.transaction() as cur:

@@ -28,6 +28,12 @@ def parse_args(argv: list[str]) -> RouterSettings:
     parser.add_argument("--default-timeout-seconds", type=float)
     parser.add_argument("--eject-base-seconds", type=float)
     parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        help="a replica with calls in flight and no fresh depth sample for this long gets a "
+        "health probe with this timeout; no answer ejects it and retries its calls elsewhere",
+    )
+    parser.add_argument(
         "--no-accounting",
         dest="accounting",
         action="store_false",
@@ -35,6 +41,17 @@ def parse_args(argv: list[str]) -> RouterSettings:
         help="do not count calls (only to measure what accounting costs)",
     )
     parser.add_argument("--accounting-wait-seconds", type=float)
+    parser.add_argument(
+        "--accounting-when-slow",
+        choices=["answer", "unavailable"],
+        help="when a success's record is not in Redis after --accounting-wait-seconds: "
+        "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
+    )
+    parser.add_argument("--max-inflight", type=int, help="calls in the router at once")
+    parser.add_argument("--max-inflight-per-model", type=int)
+    parser.add_argument(
+        "--answer-margin-ms", type=float, help="deadline left below which no OK is sent"
+    )
     parser.add_argument("--metrics-port", type=int)
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--log-level")

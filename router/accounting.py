@@ -4,18 +4,34 @@ Two outputs, one flusher:
 
 - live totals: this router's cumulative counts, HSET as absolute values (idempotent; a Redis
   that restarted empty is made whole by the next flush);
-- batches for the durable ledger: every flush closes a batch with the next sequence number
-  and appends it to this router's stream. The router keeps each batch until the ledger acks
-  its seq, and appends again what a restarted Redis lost: the ledger applies each seq once.
+- batches for the durable ledger: every flush closes a batch and appends it to this router's
+  stream with the id `{epoch}-{seq}`: `epoch` is the unix ms this router process started
+  (raised above whatever its id already holds in Redis), `seq` counts 1, 2, 3... within the
+  process. A router restarted with the same id therefore appends above everything its
+  previous process wrote, and the ledger, which applies ids above its cursor, counts both.
+  The router keeps each batch until the ledger acks its id, and appends again what a
+  restarted Redis lost: the ledger applies each id once.
 
 A Redis that restarted empty is caught before anything new is appended: the append script
 refuses when this router's stream should exist and does not, and the router then appends
-every batch the ledger has not acked, oldest first, before the new ones.
+every batch the ledger has not acked, oldest first, before the new ones. An id at or below
+the stream's last one is skipped only when Redis already holds that very batch (a resend
+after a lost reply) or the ledger has acked it; anything else is an error, never a silent
+success: the batch stays in memory and the error is logged.
 
 Group commit: a successful call's reply waits until the batch holding its record is in Redis
 (one pipelined round trip shared by every call in the batch), so a router killed after a
-reply loses no count. When Redis is unreachable or slower than `wait_s`, replies do not
-wait: counts stay in memory and reach Redis when it is back.
+reply loses no count. When Redis is unreachable or slower than `wait_s`, what happens is
+the router's choice (`--accounting-when-slow`):
+
+- `answer` (the default): the reply is sent anyway; the record stays in the router's memory
+  and reaches Redis when it is back (lost only if the router dies first). Each such reply
+  is counted in `meshserve_router_replies_before_durable_total`.
+- `unavailable`: the call is answered UNAVAILABLE and recorded as an error, not billed.
+
+A call the router answered OK but whose client was gone by then (cancelled, or its deadline
+passed as the reply crossed the wire) is refunded: a later batch moves it from success to
+errors, so the ledger counts what the clients received.
 """
 
 from __future__ import annotations
@@ -38,16 +54,40 @@ from common.outage import Outage
 log = structlog.get_logger()
 
 TOTALS_EVERY_S = 0.2
+WHEN_SLOW = ("answer", "unavailable")
 COMMIT_DELAY_S = 0.0005
 
-# KEYS[1]: the stream. ARGV[1]: "1" if the stream must exist already. Then (id, usage, at_ms)
-# per batch. Returns the number appended, or -1 when the stream vanished (Redis restarted).
+# KEYS[1]: the stream, KEYS[2]: the ledger's ack. ARGV[1]: "1" if the stream must exist
+# already. Then (id, usage, at_ms) per batch. Returns the number of batches now in Redis, or
+# -1 when the stream vanished (Redis restarted). An id at or below the stream's last one is
+# skipped only when that entry is there already (a resend) or the ledger acked it; else the
+# script fails, so no count is ever reported as written when it was not.
 APPEND = """
 if ARGV[1] == "1" and redis.call("EXISTS", KEYS[1]) == 0 then return -1 end
+local function parse(id)
+  local ms, seq = string.match(id, "^(%d+)-(%d+)$")
+  if ms == nil then ms, seq = string.match(id, "^(%d+)$"), "1" end
+  return tonumber(ms), tonumber(seq)
+end
+local function le(a_ms, a_seq, b_ms, b_seq)
+  return a_ms < b_ms or (a_ms == b_ms and a_seq <= b_seq)
+end
 for i = 2, #ARGV, 3 do
   local r = redis.pcall("XADD", KEYS[1], ARGV[i], "usage", ARGV[i + 1], "at_ms", ARGV[i + 2])
-  if type(r) == "table" and r.err and not string.find(r.err, "equal or smaller") then
-    return redis.error_reply(r.err)
+  if type(r) == "table" and r.err then
+    if not string.find(r.err, "equal or smaller") then return redis.error_reply(r.err) end
+    local there = redis.call("XRANGE", KEYS[1], ARGV[i], ARGV[i], "COUNT", 1)
+    local ack = redis.call("GET", KEYS[2])
+    local id_ms, id_seq = parse(ARGV[i])
+    local acked = false
+    if ack then
+      local ack_ms, ack_seq = parse(ack)
+      acked = ack_ms ~= nil and le(id_ms, id_seq, ack_ms, ack_seq)
+    end
+    if #there == 0 and not acked then
+      return redis.error_reply("BATCHID " .. ARGV[i] .. " is at or below the last id of " ..
+        KEYS[1] .. " and is neither there nor acked: is another router using this id?")
+    end
   end
 end
 return (#ARGV - 1) / 3
@@ -69,6 +109,12 @@ class Usage:
         self.revenue_micro_usd += price if ok else 0
         self.upstream_ns += upstream_ns
 
+    def refund(self, price: int) -> None:
+        """A call counted as a success whose client did not get it: an error after all."""
+        self.success -= 1
+        self.errors += 1
+        self.revenue_micro_usd -= price
+
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in mesh_state.USAGE_FIELDS]
 
@@ -79,10 +125,31 @@ class Batch:
     usage: dict[str, Usage] = field(default_factory=lambda: defaultdict(Usage))
     at_ms: int = 0
     durable: asyncio.Future | None = None
+    epoch: int = 0  # set when the batch closes
+
+    @property
+    def id(self) -> tuple[int, int]:
+        return (self.epoch, self.seq)
 
     def args(self) -> list[str]:
         usage = json.dumps({k: u.as_list() for k, u in self.usage.items()})
-        return [f"{self.seq}-1", usage, str(self.at_ms)]
+        return [f"{self.epoch}-{self.seq}", usage, str(self.at_ms)]
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What `refund` needs to take back one recorded success."""
+
+    model: str
+    version: str
+    price_micro_usd: int
+
+
+def parse_batch_id(text: str) -> tuple[int, int]:
+    """ "{epoch}-{seq}" -> (epoch, seq); a bare "{n}" (the ack of a ledger that predates
+    epochs, whose ids were "{n}-1") -> (n, 1)."""
+    epoch, _, seq = text.partition("-")
+    return int(epoch), int(seq or 1)
 
 
 class Accounting:
@@ -91,6 +158,7 @@ class Accounting:
         redis_url: str,
         router_id: str,
         wait_s: float = 0.25,
+        when_slow: str = "answer",
         maintenance_s: float = 1.0,
         retain_max: int = 200_000,
         inflight: Callable[[], int] = lambda: 0,
@@ -100,6 +168,11 @@ class Accounting:
         )
         self.router_id = router_id
         self.wait_s = wait_s
+        if when_slow not in WHEN_SLOW:
+            raise ValueError(f"when_slow must be one of {WHEN_SLOW}, not {when_slow!r}")
+        self.when_slow = when_slow
+        self.epoch = mesh_state.now_ms()  # raised above Redis's last id before the first append
+        self._epoch_checked = False
         self.maintenance_s = maintenance_s
         self.retain_max = retain_max
         self.inflight = inflight
@@ -136,12 +209,22 @@ class Accounting:
         self._wake.set()
         return batch.durable
 
-    async def durable(self, future: asyncio.Future) -> None:
-        """Wait for a record to reach Redis, unless Redis is down or slow."""
-        if not self.redis_state.up or future.done():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(future), self.wait_s)
+    def refund(self, receipt: Receipt) -> None:
+        """Turn one recorded success into an error (its client never got the reply)."""
+        self.totals[(receipt.model, receipt.version)].refund(receipt.price_micro_usd)
+        self._records += 1
+        key = mesh_state.model_key(receipt.model, receipt.version)
+        self._current.usage[key].refund(receipt.price_micro_usd)
+        self._wake.set()
+
+    async def durable(self, future: asyncio.Future) -> bool:
+        """Wait (at most `wait_s`) for a record to reach Redis; True once it has."""
+        if future.done():
+            return future.result() is True
+        if self.redis_state.up:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(future), self.wait_s) is True
+        return False
 
     # -- the flusher -----------------------------------------------------------------------
 
@@ -176,6 +259,8 @@ class Accounting:
             return True
         sending = list(self._unsent)
         try:
+            if not self._epoch_checked:
+                await self._check_epoch()
             appended = await self._send(sending)
             if appended < 0:  # Redis lost our stream: put back what the ledger has not acked
                 log.warning("redis_restarted_resending_batches", batches=len(self._retained))
@@ -185,8 +270,10 @@ class Accounting:
                 sending = list(self._unsent)
                 await self._send(sending)
         except (RedisError, OSError) as e:
+            if "BATCHID" in str(e):
+                log.error("batch_append_refused", router=self.router_id, error=str(e))
             self.redis_state.failed(e)
-            self._release(sending)  # replies do not wait on a Redis that is down
+            self._release(sending, False)  # replies do not wait on a Redis that is down
             return False
         self.redis_state.succeeded(unsent=len(self._unsent))
         del self._unsent[: len(sending)]
@@ -194,8 +281,8 @@ class Accounting:
         if len(self._retained) > self.retain_max:
             dropped = self._retained[: len(self._retained) - self.retain_max]
             del self._retained[: len(dropped)]
-            log.error("ledger_not_draining_forgetting_batches", up_to_seq=dropped[-1].seq)
-        self._release(sending)
+            log.error("ledger_not_draining_forgetting_batches", up_to=dropped[-1].id)
+        self._release(sending, True)
         return True
 
     async def _write_totals(self) -> None:
@@ -213,13 +300,35 @@ class Accounting:
         self._totals_due = time.monotonic() + TOTALS_EVERY_S
         self._totals_written = written
 
+    async def _check_epoch(self) -> None:
+        """Before the first append: this process's epoch must be above every id this router
+        id already has in Redis (a clock set back, a restart within the same ms)."""
+        stream = mesh_state.calls_stream(self.router_id)
+        last = await self.redis.xrevrange(stream, count=1)
+        ack = await self.redis.get(mesh_state.ledger_ack_key(self.router_id))
+        seen = [0]
+        if last:
+            seen.append(parse_batch_id(last[0][0])[0])
+        if ack:
+            seen.append(parse_batch_id(ack)[0])
+        highest = max(seen)
+        if highest >= self.epoch:
+            log.warning("router_epoch_raised", router=self.router_id, seen=highest)
+            self.epoch = highest + 1
+        for b in self._unsent:  # none of them was appended yet
+            b.epoch = self.epoch
+        self._epoch_checked = True
+
     async def _send(self, batches: list[Batch]) -> int:
         args = ["1" if self._stream_exists else "0"]
         for b in batches:
+            b.epoch = b.epoch or self.epoch
             args += b.args()
-        appended = int(
-            await self._append(keys=[mesh_state.calls_stream(self.router_id)], args=args)
-        )
+        keys = [
+            mesh_state.calls_stream(self.router_id),
+            mesh_state.ledger_ack_key(self.router_id),
+        ]
+        appended = int(await self._append(keys=keys, args=args))
         if appended >= 0:
             self._stream_exists = True
         return appended
@@ -231,14 +340,14 @@ class Accounting:
         except (RedisError, OSError) as e:
             self.redis_state.failed(e)
             return
-        acked = int(ack) if ack else 0
-        self._retained = [b for b in self._retained if b.seq > acked]
+        acked = parse_batch_id(ack) if ack else (0, 0)
+        self._retained = [b for b in self._retained if b.id > acked]
 
     @staticmethod
-    def _release(batches: list[Batch]) -> None:
+    def _release(batches: list[Batch], durable: bool) -> None:
         for b in batches:
             if b.durable is not None and not b.durable.done():
-                b.durable.set_result(None)
+                b.durable.set_result(durable)
 
     async def close(self) -> None:
         if self._task is not None:

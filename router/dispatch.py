@@ -1,8 +1,22 @@
 """Pick a replica, forward the call, fail over, count it.
 
 The request arrives as bytes and leaves as the same bytes: only its header (model, version,
-id) is parsed. One retry on another replica after UNAVAILABLE (a dead or unreachable worker,
-which is then ejected) or RESOURCE_EXHAUSTED (its queue filled since the last sample), while
+id) is parsed; a header that does not parse is INVALID_ARGUMENT. The router admits at most
+`max_inflight` calls at once, and `max_inflight_per_model` per model: beyond them a call is
+answered RESOURCE_EXHAUSTED at once instead of queueing inside the router.
+
+Billing: a call counts as a success only when the router answers OK. A call cancelled by its
+client, or whose deadline passes, before that is an error; one answered with less than
+`answer_margin_s` of its deadline left is DEADLINE_EXCEEDED (the reply could not reach the
+client in time); one answered OK whose client turned out to be gone is refunded by the
+servicer (see `settle`). A call in flight to a replica that leaves the registry (a stopped
+worker stops its heartbeat) is cancelled and retried on another replica, or answered
+UNAVAILABLE; so is one to a replica that stalls (no depth sample, no health answer).
+A client-chosen model or version becomes a metric label or a ledger row only
+when the mesh serves it; anything else is `_unknown_`.
+
+One retry on another replica after UNAVAILABLE (a dead or unreachable worker, which is then
+ejected) or RESOURCE_EXHAUSTED (its queue filled since the last sample), while
 the caller's deadline allows; never after INVALID_ARGUMENT, NOT_FOUND and the like.
 """
 
@@ -11,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -18,22 +33,25 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from common.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     MeshError,
     NotFound,
     ResourceExhausted,
     Unavailable,
     UpstreamError,
+    clip,
 )
 from common.mesh_state import now_ms
 from protos.routing_pb2 import InferHeader
 from router import metrics, policy
-from router.accounting import Accounting
+from router.accounting import Accounting, Receipt
 from router.registry import Registry, Replica
 
 log = structlog.get_logger()
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+UNKNOWN = "_unknown_"  # the one label and ledger version for what the mesh does not serve
 
 
 class Dispatcher:
@@ -45,6 +63,9 @@ class Dispatcher:
         sample_max_age_ms: int = 1000,
         default_timeout_s: float = 60.0,
         rng: random.Random | None = None,
+        max_inflight: int = 1024,
+        max_inflight_per_model: int = 512,
+        answer_margin_s: float = 0.002,
     ) -> None:
         if policy_name not in policy.POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")
@@ -54,7 +75,12 @@ class Dispatcher:
         self.sample_max_age_ms = sample_max_age_ms
         self.default_timeout_s = default_timeout_s
         self.rng = rng or random.Random()
+        self.max_inflight = max_inflight
+        self.max_inflight_per_model = max_inflight_per_model
+        self.answer_margin_s = answer_margin_s
         self._tick = 0
+        self._inflight = 0
+        self._inflight_by_model: Counter[str] = Counter()
 
     def pick(self, replicas: list[Replica], model: str) -> Replica:
         now = now_ms()
@@ -83,33 +109,109 @@ class Dispatcher:
         self._tick += 1
         return by_id[policy.choose(self.policy, open_, self.rng, self._tick).id]
 
-    async def infer(self, raw: bytes, deadline: float | None) -> bytes:
+    async def infer(self, raw: bytes, deadline: float | None) -> tuple[bytes, Receipt | None]:
         """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based.
 
-        A success is answered once its record is in Redis (group commit, see accounting)."""
+        A success is answered once its record is in Redis (group commit, see accounting).
+        Returns the reply and, for a recorded success, the receipt `settle` takes."""
         start = time.perf_counter()
         try:
             header = InferHeader.FromString(raw)
         except DecodeError as e:
-            raise InvalidArgument(f"the request is not a valid ModelInferRequest ({e})") from None
+            metrics.REQUESTS.labels(UNKNOWN, "INVALID_ARGUMENT").inc()
+            raise InvalidArgument(
+                f"the request does not parse as a ModelInferRequest: {clip(str(e), 120)}"
+            ) from None
         model, version = header.model_name, header.model_version
+        served = bool(self.registry.replicas_for(model))
         attempt = _Attempt()
-        code = grpc.StatusCode.OK
+        code = grpc.StatusCode.UNKNOWN  # until the call ends one way or another
+        admitted = False
         try:
+            if served:
+                self._admit(model)
+                admitted = True
             reply = await self._forward(raw, model, version, deadline, attempt)
+            self._check_margin(deadline)
+            code = grpc.StatusCode.OK
         except MeshError as e:
             code = e.code
             raise
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            late = deadline is not None and time.monotonic() >= deadline
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
+            raise
         finally:
-            metrics.REQUESTS.labels(model, code.name).inc()
+            if admitted:
+                self._release(model)
+            label = model if served else UNKNOWN
+            if code != grpc.StatusCode.OK:  # an OK is counted once it is sure (below)
+                metrics.REQUESTS.labels(label, code.name).inc()
             metrics.LATENCY.labels("upstream").observe(attempt.upstream_s)
             metrics.LATENCY.labels("router").observe(
                 time.perf_counter() - start - attempt.upstream_s
             )
             recorded = self._account(model, version, attempt, code)
-        if recorded is not None and self.accounting is not None:
-            await self.accounting.durable(recorded)
-        return reply
+        if recorded is None or self.accounting is None:
+            metrics.REQUESTS.labels(label, code.name).inc()
+            return reply, None
+        future, receipt = recorded
+        assert receipt is not None  # code is OK here
+        try:
+            durable = await self.accounting.durable(future)
+            if not durable:
+                if self.accounting.when_slow == "unavailable":
+                    raise Unavailable(
+                        f"the call's record did not reach Redis within "
+                        f"{self.accounting.wait_s}s; it is not billed, retry"
+                    )
+                metrics.REPLIES_BEFORE_DURABLE.inc()
+            self._check_margin(deadline)
+        except MeshError as e:
+            metrics.REQUESTS.labels(label, e.code.name).inc()
+            self.refund(receipt)
+            raise
+        except BaseException:
+            metrics.REQUESTS.labels(label, grpc.StatusCode.CANCELLED.name).inc()
+            self.refund(receipt)
+            raise
+        metrics.REQUESTS.labels(label, code.name).inc()
+        return reply, receipt
+
+    def settle(self, receipt: Receipt, delivered: bool) -> None:
+        """Once the RPC is over: a success whose reply did not reach its client is refunded."""
+        if not delivered:
+            self.refund(receipt)
+
+    def refund(self, receipt: Receipt) -> None:
+        if self.accounting is not None:
+            self.accounting.refund(receipt)
+            metrics.REFUNDS.inc()
+
+    def _check_margin(self, deadline: float | None) -> None:
+        if deadline is not None and deadline - time.monotonic() < self.answer_margin_s:
+            raise DeadlineExceeded("the reply was ready too close to the deadline to reach it")
+
+    def _admit(self, model: str) -> None:
+        if self._inflight >= self.max_inflight:
+            metrics.REJECTED.labels("total").inc()
+            raise ResourceExhausted(
+                f"the router has {self._inflight} calls in flight, its limit; retry later"
+            )
+        if self._inflight_by_model[model] >= self.max_inflight_per_model:
+            metrics.REJECTED.labels("model").inc()
+            raise ResourceExhausted(
+                f"the router has {self._inflight_by_model[model]} calls to model "
+                f"{clip(model)} in flight, its per-model limit; retry later"
+            )
+        self._inflight += 1
+        self._inflight_by_model[model] += 1
+
+    def _release(self, model: str) -> None:
+        self._inflight -= 1
+        self._inflight_by_model[model] -= 1
+        if not self._inflight_by_model[model]:
+            del self._inflight_by_model[model]
 
     async def _forward(
         self, raw: bytes, model: str, version: str, deadline: float | None, attempt: _Attempt
@@ -117,14 +219,14 @@ class Dispatcher:
         replicas = self.registry.replicas_for(model, version)
         if not replicas:
             known = sorted({m for r in self.registry.replicas.values() for m in r.info.models})
-            what = f"model {model!r}" + (f" version {version!r}" if version else "")
-            raise NotFound(f"no replica serves {what}; the mesh serves {known}")
+            what = f"model {clip(model)}" + (f" version {clip(version)}" if version else "")
+            raise NotFound(f"no replica serves {what}; the mesh serves {clip(str(known), 200)}")
         tried: set[str] = set()
         while True:
-            pool = [r for r in replicas if r.id not in tried and not r.ejected]
+            pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
             if not pool:
                 raise Unavailable(
-                    f"no healthy replica of model {model!r}: "
+                    f"no healthy replica of model {clip(model)}: "
                     f"{len(replicas)} known, all failed or ejected"
                 )
             replica = self.pick(pool, model)
@@ -137,44 +239,54 @@ class Dispatcher:
             token = self.registry.begin(replica)
             metrics.INFLIGHT.labels(replica.id).inc()
             t0 = time.perf_counter()
+            call = replica.infer(raw, timeout=timeout)
+            replica.calls.add(call)
             try:
-                reply: bytes = await replica.infer(raw, timeout=timeout)
+                reply: bytes = await call
                 return reply
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if call not in replica.abandoned or (task is not None and task.cancelling()):
+                    raise  # our own caller went away
+                # The registry gave up on the replica and cancelled this call (see Registry).
+                status, details = grpc.StatusCode.UNAVAILABLE, "the replica stopped answering"
             except grpc.aio.AioRpcError as e:
-                status = e.code()
+                status, details = e.code(), e.details() or e.code().name
                 if status == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.eject(replica, e.details() or status.name)
+                    self.registry.eject(replica, details)
                     metrics.EJECTIONS.labels(replica.id).inc()
-                tried.add(replica.id)
-                # One retry, and only where another replica can take it: with none left the
-                # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
-                another = any(r.id not in tried and not r.ejected for r in replicas)
-                if status in RETRYABLE and len(tried) == 1 and another:
-                    metrics.RETRIES.labels(status.name).inc()
-                    log.info("retrying", worker=replica.id, code=status.name, model=model)
-                    continue
-                raise UpstreamError(status, e.details() or status.name) from None
             finally:
+                replica.calls.discard(call)
+                replica.abandoned.discard(call)
                 attempt.upstream_s += time.perf_counter() - t0
                 self.registry.end(replica, token)
                 metrics.INFLIGHT.labels(replica.id).dec()
+            tried.add(replica.id)
+            # One retry, and only where another replica can take it: with none left the
+            # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
+            another = any(r.id not in tried and not r.ejected and not r.dropped for r in replicas)
+            if status in RETRYABLE and len(tried) == 1 and another:
+                metrics.RETRIES.labels(status.name).inc()
+                log.info("retrying", worker=replica.id, code=status.name, model=model)
+                continue
+            raise UpstreamError(status, details)
 
     def _account(
         self, model: str, version: str, attempt: _Attempt, code: grpc.StatusCode
-    ) -> asyncio.Future | None:
+    ) -> tuple[asyncio.Future, Receipt | None] | None:
         if self.accounting is None:
             return None
         replicas = [attempt.replica] if attempt.replica else self.registry.replicas_for(model)
         entry = next((r.info.models[model] for r in replicas if model in r.info.models), None)
         if entry is None:  # a model no replica serves: nothing to attribute the call to
             return None
-        return self.accounting.record(
-            model,
-            version or entry.versions[-1],
-            code == grpc.StatusCode.OK,
-            entry.price_micro_usd,
-            int(attempt.upstream_s * 1e9),
-        )
+        if version and version not in entry.versions:
+            version = UNKNOWN  # a client-chosen string never becomes a row of its own
+        version = version or entry.versions[-1]
+        ok = code == grpc.StatusCode.OK
+        price = entry.price_micro_usd
+        future = self.accounting.record(model, version, ok, price, int(attempt.upstream_s * 1e9))
+        return future, Receipt(model, version, price) if ok else None
 
 
 @dataclass

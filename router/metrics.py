@@ -18,3 +18,16 @@ LATENCY = Histogram(
 RETRIES = Counter("meshserve_router_retries", "Calls retried on another replica", ["reason"])
 EJECTIONS = Counter("meshserve_router_ejections", "Replicas ejected after a failure", ["worker"])
 INFLIGHT = Gauge("meshserve_router_inflight", "Calls in flight from this router", ["worker"])
+REPLIES_BEFORE_DURABLE = Counter(
+    "meshserve_router_replies_before_durable",
+    "Successes answered before their record was in Redis (Redis slow or down)",
+)
+REFUNDS = Counter(
+    "meshserve_router_refunds",
+    "Calls recorded as a success whose client did not get the reply, then counted as errors",
+)
+REJECTED = Counter(
+    "meshserve_router_admission_rejected",
+    "Calls answered RESOURCE_EXHAUSTED at once: the router's in-flight limit was reached",
+    ["scope"],
+)

@@ -2,8 +2,15 @@
 
 One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
 worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
-A worker missing from Redis is dropped only after it has been missing for the registry TTL:
-a Redis that restarted empty must not empty the mesh before the workers' next heartbeat.
+A worker missing from Redis is dropped only after it has been missing for the registry TTL,
+counted from the later of its last sighting and Redis's return after an outage: a Redis that
+comes back empty (after an outage of any length) must not empty the mesh before the
+workers' next heartbeat. A dropped replica's calls in flight are cancelled at once, so the
+dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
+
+What Redis holds is checked before it is used: a registration that does not parse as a
+WorkerInfo, or that prices a model differently from the replicas already serving it, is
+ignored with one log line per registration text (nothing in Redis is authenticated yet).
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ class Replica:
     ejected_until: float = 0.0
     backoff_s: float = 0.0
     checking: bool = False
+    dropped: bool = False  # left the registry
+    calls: set = field(default_factory=set)  # grpc.aio calls in flight to it
+    abandoned: set = field(default_factory=set)  # of those, the ones the registry cancelled
+    probed_at: float = 0.0  # last health probe of a replica that looked stalled
 
     def __post_init__(self) -> None:
         # Bytes in, bytes out: the request is forwarded as it came.
@@ -62,6 +73,7 @@ class Registry:
         ttl_s: float = 5.0,
         eject_base_s: float = 1.0,
         eject_max_s: float = 30.0,
+        stall_s: float = 1.0,
     ) -> None:
         self.redis = aioredis.from_url(
             redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
@@ -71,11 +83,13 @@ class Registry:
         self.ttl_s = ttl_s
         self.eject_base_s = eject_base_s
         self.eject_max_s = eject_max_s
+        self.stall_s = stall_s
         self.replicas: dict[str, Replica] = {}
         self.redis_state = Outage(
             "redis_unreachable_using_last_known_registry", "redis_reconnected"
         )
         self._tokens = itertools.count()
+        self._refused: dict[str, str] = {}  # worker id -> registration text refused last
         self._task: asyncio.Task | None = None
         self._checks: set[asyncio.Task] = set()
 
@@ -96,6 +110,7 @@ class Registry:
             await asyncio.sleep(self.poll_s)
             await self.refresh()
             self._check_ejected()
+            self._check_stalled()
 
     async def refresh(self) -> None:
         try:
@@ -110,26 +125,62 @@ class Registry:
         except (RedisError, OSError) as e:
             self.redis_state.failed(e)
             return
+        now = time.monotonic()
+        if not self.redis_state.up:
+            # Back after an outage: the TTL counts again from now, so the workers get one
+            # TTL to re-register in a Redis that may have come back empty.
+            for replica in self.replicas.values():
+                replica.last_seen = now
         self.redis_state.succeeded()
         seen = set()
         for worker_id, info_json, depth in zip(ids, infos, depths, strict=True):
             if info_json is None:
                 continue
-            seen.add(worker_id)
-            self._upsert(worker_id, info_json, depth)
-        now = time.monotonic()
+            if self._upsert(worker_id, info_json, depth):
+                seen.add(worker_id)
         for worker_id in [i for i, r in self.replicas.items() if i not in seen]:
             if now - self.replicas[worker_id].last_seen > self.ttl_s:
                 await self._remove(worker_id, "left the registry")
 
-    def _upsert(self, worker_id: str, info_json: str, depth: str | None) -> None:
+    def _upsert(self, worker_id: str, info_json: str, depth: str | None) -> bool:
+        """Admit or refresh one registration; False when it is refused."""
         replica = self.replicas.get(worker_id)
         if replica is None or replica.info_json != info_json:
-            replica = self._admit(worker_id, WorkerInfo.from_json(info_json), replica)
+            if self._refused.get(worker_id) == info_json:
+                return False
+            try:
+                info = WorkerInfo.from_json(info_json)
+                if info.id != worker_id:
+                    raise ValueError(f"registered under id {worker_id!r} but says {info.id!r}")
+                self._check_prices(info)
+            except ValueError as e:
+                self._refused[worker_id] = info_json
+                log.warning("registration_refused", worker=worker_id[:64], reason=str(e)[:300])
+                return False
+            self._refused.pop(worker_id, None)
+            replica = self._admit(worker_id, info, replica)
             replica.info_json = info_json
         replica.last_seen = time.monotonic()
         if depth is not None:
-            replica.sample = DepthSample.decode(depth)
+            try:
+                replica.sample = DepthSample.decode(depth)
+            except ValueError:
+                replica.sample = None  # unknown depth: only our own in-flight calls count
+        return True
+
+    def _check_prices(self, info: WorkerInfo) -> None:
+        """A model costs the same on every replica: a registration that disagrees with the
+        replicas already serving the model is refused, not billed at its own price."""
+        for name, entry in info.models.items():
+            for other in self.replicas.values():
+                theirs = other.info.models.get(name)
+                if other.id != info.id and theirs is not None:
+                    if theirs.price_micro_usd != entry.price_micro_usd:
+                        raise ValueError(
+                            f"prices model {name!r} at {entry.price_micro_usd} micro-USD; "
+                            f"replica {other.id!r} serves it at {theirs.price_micro_usd}"
+                        )
+                    break
 
     def _admit(self, worker_id: str, info: WorkerInfo, replica: Replica | None) -> Replica:
         """A new worker, or a registration that changed."""
@@ -157,8 +208,18 @@ class Registry:
 
     async def _remove(self, worker_id: str, reason: str) -> None:
         replica = self.replicas.pop(worker_id)
-        log.info("replica_left", worker=worker_id, reason=reason)
+        replica.dropped = True
+        log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
+        self._abandon(replica)
         await replica.channel.close(grace=1.0)
+
+    @staticmethod
+    def _abandon(replica: Replica) -> None:
+        """Cancel the calls in flight to a replica that stopped answering: the dispatcher
+        sees them as UNAVAILABLE and retries them elsewhere."""
+        for call in list(replica.calls):
+            replica.abandoned.add(call)
+            call.cancel()
 
     def replicas_for(self, model: str, version: str = "") -> list[Replica]:
         return [
@@ -192,6 +253,42 @@ class Registry:
                 task = asyncio.get_running_loop().create_task(self._health_check(replica))
                 self._checks.add(task)
                 task.add_done_callback(self._checks.discard)
+
+    def _check_stalled(self) -> None:
+        """A replica with calls in flight whose depth sample stopped moving (a worker
+        publishes one every 100 ms; a stopped or wedged process does not) gets a health
+        probe, at most once per `stall_s`; no answer within it ejects the replica and
+        abandons its calls at once, rather than after the registry TTL."""
+        now, now_unix_ms = time.monotonic(), now_ms()
+        for replica in self.replicas.values():
+            if (
+                replica.calls
+                and not replica.checking
+                and not replica.backoff_s
+                and now - replica.probed_at >= self.stall_s
+                and (
+                    replica.sample is None
+                    or now_unix_ms - replica.sample.at_ms > self.stall_s * 1000
+                )
+            ):
+                replica.checking = True
+                replica.probed_at = now
+                task = asyncio.get_running_loop().create_task(self._probe(replica))
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            stub = health_pb2_grpc.HealthStub(replica.channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.stall_s)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        finally:
+            replica.checking = False
+        if not healthy and not replica.dropped:
+            self.eject(replica, "stalled: no depth sample and no health answer")
+            self._abandon(replica)
 
     async def _health_check(self, replica: Replica) -> None:
         """Re-admit an ejected replica once its gRPC health check says SERVING."""

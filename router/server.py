@@ -26,11 +26,13 @@ async def serve(settings: RouterSettings) -> None:
         ttl_s=settings.registry_ttl_seconds,
         eject_base_s=settings.eject_base_seconds,
         eject_max_s=settings.eject_max_seconds,
+        stall_s=settings.stall_seconds,
     )
     accounting = Accounting(
         settings.redis_url,
         router_id,
         settings.accounting_wait_seconds,
+        settings.accounting_when_slow,
         inflight=lambda: sum(len(r.inflight) for r in registry.replicas.values()),
     )
     dispatcher = Dispatcher(
@@ -39,6 +41,9 @@ async def serve(settings: RouterSettings) -> None:
         policy_name=settings.policy,
         sample_max_age_ms=settings.sample_max_age_ms,
         default_timeout_s=settings.default_timeout_seconds,
+        max_inflight=settings.max_inflight,
+        max_inflight_per_model=settings.max_inflight_per_model,
+        answer_margin_s=settings.answer_margin_ms / 1000,
     )
     await registry.start()
     accounting.start()

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from common import rpc, streaming
-from common.errors import MeshError, NotFound, UpstreamError, grpc_errors
+from common.errors import MeshError, NotFound, UpstreamError, clip, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from router.aggregate import sum_statistics
@@ -39,7 +39,14 @@ class RouterServicer:
 
     @grpc_errors
     async def ModelInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self.dispatcher.infer(request, _deadline(context))
+        reply, receipt = await self.dispatcher.infer(request, _deadline(context))
+        if receipt is not None:
+            # Recorded as a success: if the client is gone by the time the reply is sent
+            # (cancelled, or its deadline passed), the RPC ends cancelled and is refunded.
+            context.add_done_callback(
+                lambda ctx: self.dispatcher.settle(receipt, not ctx.cancelled())
+            )
+        return reply
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -48,7 +55,7 @@ class RouterServicer:
         deadline = _deadline(context)
 
         async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-            raw = await self.dispatcher.infer(request.SerializeToString(), deadline)
+            raw, _ = await self.dispatcher.infer(request.SerializeToString(), deadline)
             return pb.ModelInferResponse.FromString(raw)
 
         async for reply in streaming.serve(request_iterator, infer):
@@ -112,7 +119,7 @@ class RouterServicer:
         if request.name:
             replicas = self.registry.replicas_for(request.name, request.version)
             if not replicas:
-                raise NotFound(f"no replica serves model {request.name!r}")
+                raise NotFound(f"no replica serves model {clip(request.name)}")
         else:
             replicas = list(self.registry.replicas.values())
         replies = await asyncio.gather(
@@ -130,7 +137,7 @@ class RouterServicer:
     async def _forward(self, method: str, request: Any, model: str, version: str) -> Any:
         replicas = self._healthy(self.registry.replicas_for(model, version))
         if not replicas:
-            what = f"model {model!r}" + (f" version {version!r}" if version else "")
+            what = f"model {clip(model)}" + (f" version {clip(version)}" if version else "")
             raise NotFound(f"no replica serves {what}")
         last: grpc.aio.AioRpcError | None = None
         for replica in replicas:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.rpc import MAX_MESSAGE_BYTES
@@ -23,8 +24,17 @@ class RouterSettings(BaseSettings):
     default_timeout_seconds: float = 60.0  # for callers that set no deadline
     eject_base_seconds: float = 1.0
     eject_max_seconds: float = 30.0
+    # a replica with calls in flight and no depth sample for this long gets a health probe
+    # with this timeout; no answer: ejected, its calls retried elsewhere
+    stall_seconds: float = Field(1.0, gt=0)
     accounting: bool = True  # off only to measure what accounting costs
     accounting_wait_seconds: float = 0.25  # longest a reply waits for its record to be in Redis
+    # ...and then: "answer" (the record stays in memory until Redis is back) or "unavailable"
+    # (the call is answered UNAVAILABLE and not billed)
+    accounting_when_slow: Literal["answer", "unavailable"] = "answer"
+    max_inflight: int = Field(1024, ge=1)  # calls in the router at once; beyond: RESOURCE_EXHAUSTED
+    max_inflight_per_model: int = Field(512, ge=1)
+    answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     metrics_host: str = "127.0.0.1"

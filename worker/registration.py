@@ -1,8 +1,9 @@
 """The worker's presence in Redis: registration with a heartbeat TTL, and its queue depth.
 
 Redis trouble never stops serving: a failed write is logged once per outage and tried again
-on the next tick, and a Redis that restarted empty gets the registration back within one
-heartbeat.
+on the next tick. The registration is written again at once when Redis comes back from an
+error, and whenever the depth write (every `depth_interval_s`) finds the registration gone:
+a Redis that restarted empty has it back within a depth interval, not a heartbeat.
 """
 
 from __future__ import annotations
@@ -67,14 +68,20 @@ class Registration:
                 )
                 if due or changed:
                     sample = DepthSample(depth, now_ms(), kv_used, kv_total)
-                    await self.redis.set(
-                        mesh_state.depth_key(self.info.id), sample.encode(), px=self.ttl_ms
-                    )
+                    key = mesh_state.depth_key(self.info.id)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.set(key, sample.encode(), px=self.ttl_ms)
+                        pipe.exists(mesh_state.worker_key(self.info.id))
+                        _, registered = await pipe.execute()
                     last_depth = sample
+                    if not registered:  # Redis lost it (restarted empty): now, not next beat
+                        await self._heartbeat()
+                        last_beat = now
                 self.redis_state.succeeded()
             except (RedisError, OSError) as e:
                 self.redis_state.failed(e)
-                await asyncio.sleep(self.heartbeat_s / 2)
+                last_beat = 0.0  # register again as soon as Redis answers
+                await asyncio.sleep(min(self.heartbeat_s / 2, 0.1))
                 continue
             await asyncio.sleep(poll)
 

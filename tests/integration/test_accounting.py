@@ -1,0 +1,54 @@
+"""The router's accounting against a real redis-server: the append script never reports a
+batch as written when it was not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common import mesh_state
+from router.accounting import Accounting
+from tests.integration.mesh import Mesh
+
+
+def test_an_id_below_the_stream_is_refused_not_swallowed(mesh: Mesh) -> None:
+    r = mesh.redis_client()
+    stream = mesh_state.calls_stream("r1")
+    # Another process under the same router id already wrote far above this one's epoch.
+    r.xadd(stream, {"usage": "{}", "at_ms": "0"}, id="9999999999999-1")
+
+    async def run() -> tuple[bool, int, bool, int]:
+        accounting = Accounting(mesh.redis_url, "r1")
+        accounting._epoch_checked = True  # as if the other process wrote after our check
+        accounting.record("mlp", "1", True, 250)
+        refused = await accounting.flush()
+        unsent = len(accounting._unsent)
+        # A resend of a batch Redis already holds (its reply was lost) is not an error.
+        accounting2 = Accounting(mesh.redis_url, "r2")
+        accounting2.record("mlp", "1", True, 250)
+        assert await accounting2.flush()
+        again = await accounting2._send(accounting2._retained)
+        await accounting.redis.aclose()
+        await accounting2.redis.aclose()
+        return refused, unsent, again == 1, r.xlen(mesh_state.calls_stream("r2"))
+
+    refused, unsent, resent, length = asyncio.run(run())
+    assert refused is False and unsent == 1  # kept in memory, not reported as written
+    assert r.xlen(stream) == 1  # and nothing slipped in
+    assert resent and length == 1
+
+
+def test_a_restarted_router_starts_above_what_redis_holds(mesh: Mesh) -> None:
+    r = mesh.redis_client()
+    future = mesh_state.now_ms() + 3_600_000  # a previous process whose clock ran ahead
+    r.xadd(mesh_state.calls_stream("r1"), {"usage": "{}", "at_ms": "0"}, id=f"{future}-7")
+
+    async def run() -> bool:
+        accounting = Accounting(mesh.redis_url, "r1")
+        accounting.record("mlp", "1", True, 250)
+        ok = await accounting.flush()
+        await accounting.redis.aclose()
+        return ok
+
+    assert asyncio.run(run())
+    ((last_id, _),) = r.xrevrange(mesh_state.calls_stream("r1"), count=1)
+    assert last_id == f"{future + 1}-1"

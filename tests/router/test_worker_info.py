@@ -1,0 +1,61 @@
+"""Registrations as the router and the ledger read them from Redis: checked, not trusted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.mesh_state import DepthSample, WorkerInfo
+
+GOOD = {
+    "id": "w1",
+    "address": "127.0.0.1:9001",
+    "models": {"mlp": {"versions": ["1"], "max_queue": 8, "price_micro_usd": 250}},
+    "provider": "CPUExecutionProvider",
+    "tp": 1,
+    "started_ms": 5,
+    "extra": {},
+}
+
+
+def test_a_registration_round_trips_and_unknown_fields_are_ignored() -> None:
+    info = WorkerInfo.from_json(json.dumps(GOOD))
+    assert WorkerInfo.from_json(info.to_json()) == info
+    newer = WorkerInfo.from_json(json.dumps({**GOOD, "zone": "eu-1"}))
+    assert newer == info
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"models": {}},
+        {"models": {"mlp": {"versions": ["1"], "max_queue": -1}}},
+        {"models": {"mlp": {"versions": ["1"], "max_queue": 8, "price_micro_usd": -250}}},
+        {"models": {"mlp": {"versions": ["1"], "max_queue": 8, "price_micro_usd": "250"}}},
+        {"models": {"m|x": {"versions": ["1"], "max_queue": 8}}},
+        {"models": {"mlp": {"versions": ["1|success"], "max_queue": 8}}},
+        {"models": {"mlp": {"versions": [], "max_queue": 8}}},
+        {"address": "nowhere"},
+        {"address": "127.0.0.1:99999"},
+        {"tp": -3},
+        {"id": ""},
+        {"extra": []},
+    ],
+)
+def test_a_bad_registration_is_a_value_error(change: dict) -> None:
+    with pytest.raises(ValueError):
+        WorkerInfo.from_json(json.dumps({**GOOD, **change}))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '"w1"'])
+def test_text_that_is_no_registration_is_a_value_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        WorkerInfo.from_json(text)
+
+
+def test_a_depth_sample_is_two_counts() -> None:
+    assert DepthSample.decode("3:1000") == DepthSample(3, 1000)
+    for text in ("-1:1000", "x:1", "3"):
+        with pytest.raises(ValueError):
+            DepthSample.decode(text)
