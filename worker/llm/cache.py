@@ -15,6 +15,7 @@ plus max_tokens when admitted), rounded up to pages.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,8 @@ class KVCache:
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
         self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+        # told of every freed slot (a shard group's other ranks free their copies too)
+        self.on_release: Callable[[int], None] | None = None
 
     @property
     def free_slots(self) -> int:
@@ -69,13 +72,19 @@ class KVCache:
     def release(self, slot: int, tokens: int) -> None:
         """Give the slot back and its written pages to the OS."""
         self.reserved_tokens -= tokens
+        self.discard(slot)
+        self._free.append(slot)
+        if self.on_release is not None:
+            self.on_release(slot)
+
+    def discard(self, slot: int) -> None:
+        """Return the slot's written pages to the OS (it reads as zeros afterwards)."""
         layer_bytes = self.shape.slots * self._slot_bytes
         for kv in range(2):
             for layer in range(self.shape.layers):
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
                 # page-aligned by construction when max_len * head_dim * 4 is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
-        self._free.append(slot)
 
     def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
         """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
