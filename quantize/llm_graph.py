@@ -83,7 +83,7 @@ class _Graph:
 
 def cache_info(layer: int, kv_heads: int, head_dim: int) -> tuple[list, list]:
     """Layer `layer`'s cache as graph inputs (past) and outputs (present): BNSH buffers."""
-    shape = ["rows", kv_heads, "max_len", head_dim]
+    shape: list[str | int] = ["rows", kv_heads, "max_len", head_dim]
     past = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in past_names(layer)]
     present = [
         helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in present_names(layer)

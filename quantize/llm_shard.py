@@ -35,6 +35,7 @@ from typing import Any
 import onnx
 import torch
 from onnx import TensorProto, helper
+from tokenizers import Tokenizer
 
 from quantize import llm_graph as lg
 from quantize.models import DecoderConfig, LlamaDecoder
@@ -238,3 +239,29 @@ def write(
             target.replace(Path(tmp) / "old")
         staged.replace(target)
     return target / MANIFEST
+
+
+def write_model(
+    model: LlamaDecoder,
+    tokenizer: Tokenizer,
+    name: str,
+    output: Path,
+    tps: list[int],
+    max_positions: int,
+    max_model_len: int = 2048,
+    version: str = "1",
+) -> list[Path]:
+    """OUTPUT/<name>/ as a shard group serves an LLM: tokenizer.json, a decoupled LLM
+    config.pbtxt (kept when there is one) and a tp<N> shard set per N."""
+    from quantize import llm
+
+    for tp in tps:  # refuse before any slow export
+        check_tp(name, model.config.heads, model.config.kv_heads, tp)
+    model_dir = output / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    if not (model_dir / "config.pbtxt").exists():
+        (model_dir / "config.pbtxt").write_text(llm.config_text(name, "fp32", max_model_len))
+    return [write(model, name, model_dir, tp, max_positions, version) for tp in tps]

@@ -577,17 +577,25 @@ def shard_model(
 ) -> list[Path]:
     """Load the real weights of `name` (quantize/pipeline.py SOURCES), write a tp<N> shard set
     for each N into OUTPUT/<serve_as or name>/<version>/, and a config.pbtxt when there is
-    none (a shard group serves token ids, so it gets no text parameters)."""
+    none. An encoder's group serves token ids (no text parameters); a decoder's is the LLM
+    engine's step graph (quantize/llm_shard.py), served with Triton's vLLM-backend tensors."""
     from quantize import pipeline
 
     source = pipeline.source(name)
-    model = source.load().model
+    loaded = source.load()
+    model = loaded.model
     heads, kv = heads_of(model)
     for tp in tps:  # refuse before any slow export
         check_tp(name, heads, kv, tp)
     if layers:
         model = truncate(model, layers)
     serve_as = serve_as or name
+    if isinstance(model, LlamaDecoder):  # a decoder is served by the LLM engine
+        from quantize import llm, llm_shard
+
+        return llm_shard.write_model(
+            model, loaded.tokenizer, serve_as, output, tps, llm.MAX_POSITIONS
+        )
     model_dir = output / serve_as
     model_dir.mkdir(parents=True, exist_ok=True)
     if not (model_dir / "config.pbtxt").exists():

@@ -136,6 +136,7 @@ class RankSteps:
             dims = CacheShape(f.layers, f.kv_heads, f.head_dim, step.slots, step.max_len)
             self.cache = c = KVCache(dims, step.slots * step.max_len)
             log.info("tp_cache_allocated", rank=self.rank, slots=step.slots, max_len=step.max_len)
+        assert c is not None
         if self.owns_cache:
             for slot in step.released:
                 c.discard(slot)
