@@ -14,6 +14,8 @@ plus max_tokens when admitted), rounded up to pages.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,4 +105,9 @@ class KVCache:
     def close(self) -> None:
         self._views.clear()
         del self.data
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view still lives (e.g. in a logged traceback's frame)
+            gc.collect()
+            with contextlib.suppress(BufferError):  # then the last view's owner frees it
+                self._map.close()

@@ -147,8 +147,27 @@ class RankSteps:
         rank (this one or another) failed the step. Other ranks return None."""
         step = unpack(batch)  # a malformed batch is a bug in the leader: fail the group
         self.steps += 1
+        shard, error = self._forward(group, step)
+        flag = np.full((shard.shape[0], 1), 0.0 if error is None else 1.0, np.float32)
+        t1 = time.perf_counter_ns()
+        parts = group.gather(np.concatenate([shard, flag], axis=1))
+        self.timing.comm_ns += time.perf_counter_ns() - t1
+        if error is not None:
+            self.failures += 1
+        if parts is None:
+            return None
+        failed = [r for r, p in enumerate(parts) if p[0, -1] != 0.0]
+        if failed:
+            detail = f" ({error})" if error is not None else ""
+            raise StepFailed(f"TP rank(s) {failed} failed this step{detail}")
+        logits = np.concatenate([p[:, :-1] for p in parts], axis=1)
+        return logits[:, : self.facts.vocab_size]
+
+    def _forward(self, group: TpGroup, step: Step) -> tuple[np.ndarray, str | None]:
+        """Every segment with its collectives: this rank's logits shard, and what went wrong
+        here (then the shard is zeros, and every collective was still made)."""
         rows, new = step.ids.shape
-        error: Exception | None = None
+        error: str | None = None
         env: dict[str, np.ndarray] = {
             IDS: step.ids,
             SEQLENS: (step.lengths - 1).astype(np.int32),
@@ -165,7 +184,7 @@ class RankSteps:
                         views = self._cache_for(step).views(step.lo, step.hi)
                     results = self.run_segment(name, inputs, outputs, env, views)
                 except Exception as e:  # this step fails; the group keeps its lockstep
-                    error = e
+                    error = f"{type(e).__name__}: {e}"  # no traceback kept (it holds the cache)
                     log.exception("tp_step_failed", rank=self.rank, segment=name)
                 self.timing.compute_ns += time.perf_counter_ns() - t0
             if results is None:
@@ -182,20 +201,7 @@ class RankSteps:
                 else:
                     env[out] = array
             self.timing.comm_ns += time.perf_counter_ns() - t1
-        flag = np.full((rows, 1), 0.0 if error is None else 1.0, np.float32)
-        t1 = time.perf_counter_ns()
-        parts = group.gather(np.concatenate([shard, flag], axis=1))
-        self.timing.comm_ns += time.perf_counter_ns() - t1
-        if error is not None:
-            self.failures += 1
-        if parts is None:
-            return None
-        failed = [r for r, p in enumerate(parts) if p[0, -1] != 0.0]
-        if failed:
-            detail = f": {error}" if error is not None else ""
-            raise StepFailed(f"TP rank(s) {failed} failed this step{detail}")
-        logits = np.concatenate([p[:, :-1] for p in parts], axis=1)
-        return logits[:, : self.facts.vocab_size]
+        return shard, error
 
     def run_segment(
         self,
