@@ -3,12 +3,14 @@
     python -m benchmarks.tp [--repeat 20] [--skip-decoder]
 
 Real MiniLM (all 6 layers) at batch 1 and 8 (32 tokens), and real SmolLM2 (all 30 layers;
-TP 1 and 3: 9 heads / 3 KV heads) greedily generating 8 tokens at batch 1 and 8 from a
-16-token prompt. Each point starts a fresh gloo group (worker/tp_local.py), warms up, then
-times `--repeat` forwards on rank 0: total, onnxruntime compute (the segments), and
-communication (the collectives, including waiting for the slowest rank). TP1 runs twice:
-one process with every core (what a single-process worker does) and one process with one
-thread (the compute that TP divides). Writes benchmarks/results/tp.json.
+TP 1 and 3: 9 heads / 3 KV heads) served by the LLM engine over a group
+(worker/llm/tp.py): 1 and 8 concurrent greedy requests of 32 new tokens. Each point starts
+a fresh gloo group (worker/tp_local.py). MiniLM: warm up, then time `--repeat` forwards on
+rank 0: total, onnxruntime compute (the segments), and communication (the collectives,
+including waiting for the slowest rank). SmolLM2: generated tokens per second over the
+whole run (prefill included), with rank 0's compute and communication time. TP1 runs
+twice: one process with every core (what a single-process worker does) and one process
+with one thread (the compute that TP divides). Writes benchmarks/results/tp.json.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import ROOT, machine, write_result
-from quantize import shard, weights
-from worker.tp_local import run_group
+from quantize import llm, llm_shard, shard, weights
+from worker.tp_local import run_group, run_llm_group
 
 CACHE = ROOT / "build" / "bench-tp"
 ENCODER_TPS = (1, 2, 3)
@@ -36,6 +38,21 @@ def ensure_shards(name: str, loaded: weights.Loaded, tps: tuple[int, ...]) -> Pa
         if not (CACHE / name / "1" / f"tp{tp}" / shard.MANIFEST).exists():
             print(f"sharding {name} for TP {tp} into {CACHE}", flush=True)
             shard.write_shards(loaded.model, name, CACHE / name, tp)
+    return CACHE
+
+
+def ensure_llm_shards(name: str, loaded: weights.Loaded, tps: tuple[int, ...]) -> Path:
+    missing = [tp for tp in tps if not (CACHE / name / "1" / f"tp{tp}" / shard.MANIFEST).exists()]
+    if missing:
+        print(f"sharding {name}'s engine graph for TP {missing} into {CACHE}", flush=True)
+        llm_shard.write_model(
+            loaded.model,  # type: ignore[arg-type]
+            loaded.tokenizer,
+            name,
+            CACHE,
+            missing,
+            llm.MAX_POSITIONS,
+        )
     return CACHE
 
 
@@ -126,18 +143,65 @@ def main() -> None:
     payload["minilm"] = sweep("minilm", enc_feeds, ENCODER_TPS, args.repeat)
     if not args.skip_decoder:
         smol = weights.load_smollm2()
-        ensure_shards("smollm2", smol, DECODER_TPS)
-        dec_feeds = {
-            b: {"input_ids": rng.integers(100, 40000, (b, 16)).astype(np.int64)} for b in BATCHES
-        }
-        payload["smollm2"] = sweep(
-            "smollm2", dec_feeds, DECODER_TPS, max(3, args.repeat // 4), "--new-tokens", "8"
-        )
-        payload["smollm2"]["new_tokens"] = 8
-        payload["smollm2"]["config_layers"] = smol.model.config.layers  # type: ignore[union-attr]
+        ensure_llm_shards("smollm2", smol, DECODER_TPS)
+        payload["smollm2"] = decoder_sweep("smollm2", DECODER_TPS)
     payload["reading"] = reading(payload)
     print(payload["reading"])
     print(write_result("tp", payload))
+
+
+DECODE_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Tensor parallelism splits a model",
+    "Once upon a time",
+    "The three primary colors are",
+    "Explain what a KV cache is.",
+    "import numpy as np",
+]
+
+
+def decoder_sweep(name: str, tps: tuple[int, ...]) -> dict:
+    cores = os.cpu_count() or 1
+    tokenizer = CACHE / name / "tokenizer.json"
+    config = {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_tokens": 4096}
+    results: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for streams in BATCHES:
+            wave = [{"text": t, "max_tokens": DECODE_TOKENS} for t in PROMPTS[:streams]]
+            rows = []
+            for tp, threads in [(1, cores), *((tp, 1) for tp in tps)]:
+                out = run_llm_group(
+                    CACHE,
+                    name,
+                    tp,
+                    [wave[:1], wave],  # the first wave warms up
+                    tokenizer,
+                    Path(tmp),
+                    "--intra-op-threads",
+                    str(threads),
+                    engine_config=config,
+                )
+                tokens = sum(len(r["tokens"]) for r in out["results"][1])
+                row = {
+                    "tp": tp,
+                    "threads_per_rank": threads,
+                    "streams": streams,
+                    "tokens_per_s": round(tokens / out["waves_seconds"][1], 1),
+                    "compute_s": round(out["compute_ns"] / 1e9, 2),
+                    "comm_s": round(out["comm_ns"] / 1e9, 2),
+                    "errors": [r["error"] for r in out["results"][1] if r["error"]],
+                }
+                print(name, row, flush=True)
+                rows.append(row)
+            results[f"streams{streams}"] = rows
+    return {
+        "throughput": results,
+        "new_tokens": DECODE_TOKENS,
+        "weight_bytes_per_rank": {f"tp{tp}": rank_bytes(name, tp) for tp in tps},
+    }
 
 
 def reading(p: dict) -> str:
@@ -167,19 +231,18 @@ def decoder_reading(p: dict) -> str:
     if "smollm2" not in p:
         return ""
     d = p["smollm2"]
-    rows = {b: {(r["tp"], r["threads_per_rank"]): r for r in v} for b, v in d["latency"].items()}
-    b8 = rows["batch8"]
     cores = p["machine"]["cores"]
-    calls = 8 * (2 * d["config_layers"] + 1) if "config_layers" in d else None
-    per = f" (~{b8[(3, 1)]['comm_ms'] / calls:.1f} ms per collective)" if calls else ""
+    rows = {k: {(r["tp"], r["threads_per_rank"]): r for r in v} for k, v in d["throughput"].items()}
+    one, eight = rows["streams1"], rows["streams8"]
     mb = {k: max(v) / 1e6 for k, v in d["weight_bytes_per_rank"].items()}
     return (
-        f" SmolLM2 (8 new tokens, batch 8): {b8[(1, cores)]['total_ms']} ms at TP1, "
-        f"{b8[(3, 1)]['total_ms']} ms at TP3, whose compute is {b8[(3, 1)]['compute_ms']} ms "
-        f"(vs {b8[(1, 1)]['compute_ms']} ms on one thread) and whose communication is "
-        f"{b8[(3, 1)]['comm_ms']} ms{per}: 3 ranks on 2 cores wait on each other at every one "
-        f"of the 61 all-reduces per step. Its weights per rank fall from {mb['tp1']:.0f} MB to "
-        f"{mb['tp3']:.0f} MB (the tied embedding / LM head is stored twice unsharded)."
+        f" SmolLM2 through the LLM engine ({d['new_tokens']} new tokens per stream): "
+        f"{one[(1, cores)]['tokens_per_s']} tok/s at TP1 ({cores} threads) vs "
+        f"{one[(3, 1)]['tokens_per_s']} at TP3 for one stream; {eight[(1, cores)]['tokens_per_s']}"
+        f" vs {eight[(3, 1)]['tokens_per_s']} tok/s for 8 concurrent streams (rank 0 of TP3: "
+        f"{eight[(3, 1)]['compute_s']} s compute, {eight[(3, 1)]['comm_s']} s in collectives). "
+        f"Weights per rank: {mb['tp1']:.0f} MB at TP1, {mb['tp3']:.0f} MB at TP3 (the embedding "
+        "is replicated, the LM head vocab-parallel)."
     )
 
 

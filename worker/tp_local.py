@@ -142,9 +142,11 @@ async def run_engine(model, tokenizer, config, requests: list[list[dict]]) -> di
     engine.start()
     try:
         t0 = time.perf_counter()
-        results = []
+        results, waves_seconds = [], []
         for wave in requests:
+            start = time.perf_counter()
             results.append(await drive(engine, wave))
+            waves_seconds.append(time.perf_counter() - start)
         seconds = time.perf_counter() - t0
     finally:
         await engine.close()
@@ -152,6 +154,7 @@ async def run_engine(model, tokenizer, config, requests: list[list[dict]]) -> di
     return {
         "results": results,
         "seconds": seconds,
+        "waves_seconds": waves_seconds,
         "steps": s.steps,
         "decode_tokens": s.decode_tokens,
         "prefill_tokens": s.prefill_tokens,

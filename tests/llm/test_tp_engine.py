@@ -132,6 +132,7 @@ def test_single_rank_group_equals_the_step_model(group_repo) -> None:  # type: i
         for ids, lengths in steps:
             want = ref.run(caches[0], ids, lengths, 0, 2)
             got = rank.step(group, pack(caches[1].shape, 0, 2, ids, lengths, []))
+            assert got is not None
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
         np.testing.assert_allclose(caches[1].data, caches[0].data, atol=1e-6, rtol=0)
     finally:
