@@ -185,8 +185,6 @@ class RankModel:
             for out, array in zip(outputs, arrays, strict=True):
                 if out == "partial":
                     env["reduced"] = group.all_reduce(array)
-                elif out == "logits_shard":
-                    env["logits"] = group.all_gather(array, axis=-1)
                 elif out.endswith("_out"):
                     env[out[:-4]] = array
                 else:
