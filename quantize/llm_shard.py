@@ -19,8 +19,11 @@ shards are gathered on rank 0, the leader, which alone samples. worker/llm/tp.py
 Tensor names: an output `partial` is all-reduced into the next segment's `reduced`;
 `hidden_out` becomes the next `hidden`; the cache is past_key.{i}/present_key.{i} (bound to
 the same buffer), with seqlens_k and total_sequence_length as in the unsharded graph.
-Written as DIR/<model>/<version>/tp<N>/{manifest.json, rank<r>/*.onnx} (the manifest of
-quantize/shard.py, kind "llm"), next to the model's tokenizer.json and decoupled config.
+RoPE's cos/sin tables are inputs of the attention segments, bound once per rank from
+rank<r>/rope.npz (as initializers, every layer's graph would hold its own copy: 2 MB a layer
+for SmolLM2's 8,192 positions). Written as DIR/<model>/<version>/tp<N>/{manifest.json,
+rank<r>/*.onnx, rank<r>/rope.npz} (the manifest of quantize/shard.py, kind "llm"), next to
+the model's tokenizer.json and decoupled config.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
@@ -50,6 +54,8 @@ HIDDEN, HIDDEN_OUT, REDUCED, PARTIAL, SHARD = (
     "partial",
     "logits_shard",
 )
+ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"  # llm_graph's names; a file per rank here
+ROPE_FILE = "rope.npz"
 COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # a rank keeps rows of [out, in]
 ROW_PARALLEL = ("o", "down")  # a rank keeps columns
 
@@ -126,10 +132,14 @@ def plan(model: LlamaDecoder, rank: int, tp: int, max_positions: int) -> list[Se
     meta = {"rank": rank, "tp": tp}
     segments = []
 
+    rope = [  # inputs, bound to one table per rank (not an initializer in every layer's graph)
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, [max_positions, c.head_dim // 2])
+        for n in (ROPE_COS, ROPE_SIN)
+    ]
+
     def attention_segment(name: str, layer: int, first: bool) -> Segment:
         g = lg._Graph()
-        lg.add_rope(g, c, max_positions)
-        inputs = lg.step_inputs()
+        inputs = [*lg.step_inputs(), *rope]
         if first:
             x = lg.embed(g, state)
             outs = [(x, _hidden_info(HIDDEN, c))]
@@ -199,12 +209,14 @@ def write(
         for rank, segments in enumerate(plans):
             folder = staged / f"rank{rank}"
             folder.mkdir(parents=True)
+            cos, sin = lg.rope_tables(c, max_positions)
+            np.savez(folder / ROPE_FILE, cos=cos, sin=sin)
             files = []
-            for seg in segments:
-                path = lg.save(seg.proto, folder / f"{seg.name}.onnx")
+            paths = [(s.name, lg.save(s.proto, folder / f"{s.name}.onnx")) for s in segments]
+            for segment, path in [*paths, ("rope", folder / ROPE_FILE)]:
                 files.append(
                     {
-                        "segment": seg.name,
+                        "segment": segment,
                         "path": str(path.relative_to(staged)),
                         "sha256": sha256(path),
                         "bytes": path.stat().st_size,
@@ -213,7 +225,9 @@ def write(
             ranks.append(
                 {
                     "rank": rank,
-                    "weight_bytes": sum(_weight_bytes(s.proto) for s in segments),
+                    "weight_bytes": sum(_weight_bytes(s.proto) for s in segments)
+                    + cos.nbytes
+                    + sin.nbytes,
                     "sharded_bytes": sum(_sharded_bytes(s.proto) for s in segments),
                     "files": files,
                 }

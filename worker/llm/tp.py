@@ -27,6 +27,7 @@ from collections import deque
 from typing import Protocol
 
 import numpy as np
+import onnxruntime as ort
 import structlog
 
 from worker.llm.cache import CacheShape, KVCache
@@ -44,6 +45,7 @@ HIDDEN, HIDDEN_OUT, REDUCED, PARTIAL, SHARD = (
     "partial",
     "logits_shard",
 )
+ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
 _HEAD = 8  # slots, max_len, lo, hi, rows, new, released, budget
 
 
@@ -96,7 +98,14 @@ class RankSteps:
         self.rank = rank
         self.tp = shards.tp
         self.segments = [(s["name"], s["inputs"], s["outputs"]) for s in m["segments"]]
-        self.sessions = {name: OnnxSession(files[name], options, providers) for name in files}
+        self.sessions = {
+            name: OnnxSession(files[name], options, providers) for name, _, _ in self.segments
+        }
+        with np.load(files["rope"]) as rope:  # RoPE tables, bound to every attention segment
+            self._bound = {
+                ROPE_COS: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rope["cos"])),
+                ROPE_SIN: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rope["sin"])),
+            }
         self.provider = self.sessions["first"].provider
         self.weight_bytes = int(m["ranks"][rank]["weight_bytes"])
         c = m["config"]
@@ -218,6 +227,8 @@ class RankSteps:
             if n.startswith("past_"):
                 kind, layer = n[len("past_") :].split(".")
                 io.bind_ortvalue_input(n, views[int(layer)][kind == "value"])
+            elif n in self._bound:
+                io.bind_ortvalue_input(n, self._bound[n])
             else:
                 io.bind_cpu_input(n, np.ascontiguousarray(env[n]))
         plain = [n for n in outputs if not n.startswith("present_")]
