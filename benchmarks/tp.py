@@ -144,7 +144,8 @@ def main() -> None:
     if not args.skip_decoder:
         smol = weights.load_smollm2()
         ensure_llm_shards("smollm2", smol, DECODER_TPS)
-        payload["smollm2"] = decoder_sweep("smollm2", DECODER_TPS)
+        # its own key: the rows are tokens/s through the engine, not forward latencies
+        payload["smollm2_engine"] = decoder_sweep("smollm2", DECODER_TPS)
     payload["reading"] = reading(payload)
     print(payload["reading"])
     print(write_result("tp", payload))
@@ -228,9 +229,9 @@ def reading(p: dict) -> str:
 
 
 def decoder_reading(p: dict) -> str:
-    if "smollm2" not in p:
+    if "smollm2_engine" not in p:
         return ""
-    d = p["smollm2"]
+    d = p["smollm2_engine"]
     cores = p["machine"]["cores"]
     rows = {k: {(r["tp"], r["threads_per_rank"]): r for r in v} for k, v in d["throughput"].items()}
     one, eight = rows["streams1"], rows["streams8"]
