@@ -187,3 +187,22 @@ def test_a_bad_id_or_a_failing_rank_fails_one_step_not_the_group(  # type: ignor
     assert failed["tokens"] == want["results"][1][0]["tokens"][:1]  # its prefill's token
     assert later["error"] is None
     assert later["tokens"] == want["results"][2][0]["tokens"]
+
+
+def test_a_rank_allocates_its_cache_and_frees_the_slots_the_leader_freed(group_repo) -> None:  # type: ignore[no-untyped-def]
+    repo, _, _ = group_repo
+    (shards,) = [s for s in find_shard_sets(repo, 2) if s.model == "tiny"]
+    rank = RankSteps(shards, 1, RuntimeOptions(intra_op_threads=1), CPU)
+    shape = CacheShape(2, 1, 16, 2, 256)  # what the leader's engine allocated
+    group = init_tp_group(0, 1)  # one process: collectives are the identity
+    try:
+        rank.step(group, pack(shape, 0, 2, np.array([[5, 6], [7, 8]]), np.array([2, 2]), []))
+        assert rank.cache is not None and rank.cache.shape == shape
+        data = rank.cache.data  # [kv, layers, slots, kv_heads, max_len, head_dim]
+        assert np.abs(data[:, :, 0, :, :2]).sum() > 0 and np.abs(data[:, :, 1, :, :2]).sum() > 0
+        rank.step(group, pack(shape, 1, 2, np.array([[9]]), np.array([3]), [0]))
+        assert not data[:, :, 0].any()  # slot 0's pages went back to the OS
+        assert np.abs(data[:, :, 1, :, :3]).sum() > 0
+    finally:
+        destroy_tp_group()
+        rank.close()

@@ -46,7 +46,9 @@ class KVCache:
         self.reserved_tokens = 0
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES)
+        # private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data)
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=private)
         self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
         self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
