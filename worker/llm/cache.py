@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 FLOAT_BYTES = 4
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class KVCache:
         self.reserved_tokens = 0
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        # private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data)
-        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=private)
+        # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
+        # No swap reserved for slots x max_len: only the budget's pages are ever resident.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=flags)
         self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
         self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
