@@ -10,7 +10,9 @@ rank 0: total, onnxruntime compute (the segments), and communication (the collec
 including waiting for the slowest rank). SmolLM2: generated tokens per second over the
 whole run (prefill included), with rank 0's compute and communication time. TP1 runs
 twice: one process with every core (what a single-process worker does) and one process
-with one thread (the compute that TP divides). Writes benchmarks/results/tp.json.
+with one thread (the compute that TP divides). Writes benchmarks/results/tp.json; the
+reading it prints is computed from the numbers (benchmarks/readings.py; the engine's
+rows by decoder_reading here).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import readings
 from benchmarks.common import ROOT, machine, write_result
 from quantize import llm, llm_shard, shard, weights
 from worker.tp_local import run_group, run_llm_group
@@ -146,7 +149,7 @@ def main() -> None:
         ensure_llm_shards("smollm2", smol, DECODER_TPS)
         # its own key: the rows are tokens/s through the engine, not forward latencies
         payload["smollm2_engine"] = decoder_sweep("smollm2", DECODER_TPS)
-    payload["reading"] = reading(payload)
+    payload["reading"] = readings.tp_reading(payload) + decoder_reading(payload)
     print(payload["reading"])
     print(write_result("tp", payload))
 
@@ -203,29 +206,6 @@ def decoder_sweep(name: str, tps: tuple[int, ...]) -> dict:
         "new_tokens": DECODE_TOKENS,
         "weight_bytes_per_rank": {f"tp{tp}": rank_bytes(name, tp) for tp in tps},
     }
-
-
-def reading(p: dict) -> str:
-    m = p["minilm"]["latency"]
-    b1 = {(r["tp"], r["threads_per_rank"]): r for r in m["batch1"]}
-    b8 = {(r["tp"], r["threads_per_rank"]): r for r in m["batch8"]}
-    cores = p["machine"]["cores"]
-    one = (1, 1)
-    return (
-        f"On {cores} CPU cores TP does not pay for latency: MiniLM at batch 8 takes "
-        f"{b8[(1, cores)]['total_ms']} ms in one process with {cores} threads, "
-        f"{b8[(2, 1)]['total_ms']} ms at TP2 and {b8[(3, 1)]['total_ms']} ms at TP3 "
-        f"(batch 1: {b1[(1, cores)]['total_ms']} / {b1[(2, 1)]['total_ms']} / "
-        f"{b1[(3, 1)]['total_ms']} ms). Compute on rank 0 does split: one thread "
-        f"{b8[one]['compute_ms']} ms at TP1 -> {b8[(2, 1)]['compute_ms']} ms at TP2 -> "
-        f"{b8[(3, 1)]['compute_ms']} ms at TP3 (batch 8), but every layer adds two gloo "
-        f"all-reduces through the kernel's loopback ({b8[(2, 1)]['comm_ms']} ms at TP2, "
-        f"{b8[(3, 1)]['comm_ms']} ms at TP3, which also counts waiting for the slowest rank; "
-        "TP3 runs 3 processes on 2 cores). Where TP pays instead: capacity — per-rank weight "
-        "bytes fall to about replicated + sharded/N, so a model over one device's memory "
-        "budget loads at TP N — and GPUs joined by NVLink/NCCL, where an all-reduce of a "
-        "few hundred KB costs microseconds against milliseconds of compute." + decoder_reading(p)
-    )
 
 
 def decoder_reading(p: dict) -> str:

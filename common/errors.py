@@ -48,6 +48,12 @@ class FailedPrecondition(MeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Internal(MeshError):
+    """A failure that is ours or the model's, not the client's: INTERNAL, logged where raised."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class UpstreamError(MeshError):
     """A status from a server this one called (the router's workers), passed on unchanged."""
 

@@ -36,7 +36,7 @@ async def serve(
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """Yield every reply of every request as it comes. `handle` returns an async iterator
     of replies when `streams`, else one awaitable reply."""
-    each: Handle = handle if streams else unary(handle)  # type: ignore[arg-type]
+    each: Handle = handle if streams else unary(handle)  # type: ignore[assignment,arg-type]
     out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
 

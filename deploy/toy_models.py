@@ -6,6 +6,13 @@
 - `add_sub`: INT32 INPUT0, INPUT1 [-1, 16] -> OUTPUT0 = sum, OUTPUT1 = difference.
 - `identity_<type>`: one per v2 datatype, INPUT0 -> OUTPUT0, any [batch, n] shape.
 - `fixed`: no batch dimension, FP32 [2, 3] -> doubled.
+- `zeros`: no batch dimension, INT64 [2] -> FP32 zeros of that shape: memory the input
+  chooses (an allocation that fails, a negative size), as a generative model's can be.
+- `embedding`: INT64 input_ids [batch, n] -> FP32 [batch, n, 8] rows of a 100-row table
+  (a Gather, as a text model's first layer): token ids outside 0..99 are out of range.
+- `write_text_embedder(DIR)` (not in the default repository): a text model as the worker
+  serves them, a word-level tokenizer.json and an embedding bag over input_ids and
+  attention_mask, so clients send TEXT or token ids.
 """
 
 from __future__ import annotations
@@ -95,6 +102,78 @@ def fixed() -> onnx.GraphProto:
     )
 
 
+def zeros() -> onnx.GraphProto:
+    value = helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0])
+    return helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["INPUT0"], ["OUTPUT0"], value=value)],
+        "zeros",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["rows", "columns"])],
+    )
+
+
+EMBEDDING_VOCAB = 100
+
+
+def embedding(dim: int = 8, seed: int = 0) -> onnx.GraphProto:
+    table = np.random.default_rng(seed).standard_normal((EMBEDDING_VOCAB, dim)).astype(np.float32)
+    return helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["OUTPUT0"], axis=0)],
+        "embedding",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "n"])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", "n", dim])],
+        initializer=[numpy_helper.from_array(table, "table")],
+    )
+
+
+TEXT_WORDS = ["[PAD]", "[UNK]", "hello", "world", "a", "b", "mesh", "serve"]
+
+
+def text_embedder(dim: int = 4, seed: int = 0) -> onnx.GraphProto:
+    """sentence_embedding = sum over unmasked tokens of their embedding rows."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((len(TEXT_WORDS), dim)).astype(np.float32)
+    ids = ["batch", "seq"]
+    return helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "input_ids"], ["rows"], axis=0),
+            helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["m", "last"], ["m3"]),
+            helper.make_node("Mul", ["rows", "m3"], ["kept"]),
+            helper.make_node("ReduceSum", ["kept", "seq_axis"], ["sentence_embedding"], keepdims=0),
+        ],
+        "text_embedder",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ids),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ids),
+        ],
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", dim])],
+        initializer=[
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array([1], np.int64), "seq_axis"),
+        ],
+    )
+
+
+def write_text_embedder(model_dir: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(TEXT_WORDS)}, unk_token="[UNK]")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    write(
+        model_dir,
+        text_embedder(),
+        "max_batch_size: 8\n"
+        'parameters { key: "meshserve.tokenizer" value { string_value: "tokenizer.json" } }\n'
+        'parameters { key: "meshserve.text_task" value { string_value: "embed" } }\n',
+    )
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
 MLP_CONFIG = """\
 max_batch_size: 64
 dynamic_batching {
@@ -125,6 +204,8 @@ def build(root: Path) -> Path:
     for datatype in ONNX_TYPES:
         _save(identity(datatype), root / f"identity_{datatype.lower()}" / "1" / "model.onnx")
     _save(fixed(), root / "fixed" / "1" / "model.onnx")
+    _save(zeros(), root / "zeros" / "1" / "model.onnx")
+    _save(embedding(), root / "embedding" / "1" / "model.onnx")
     return root
 
 

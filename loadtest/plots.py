@@ -67,3 +67,31 @@ def latency_vs_load(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def tokens_vs_load(runs: list[dict], path: Path, title: str = "Output tokens/s") -> Path:
+    """LLM mode: aggregate output tokens/s (left axis) and the median stream's tokens/s
+    (right axis) against concurrency (closed loop) or offered requests/s (open loop)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    closed = all("concurrency" in r for r in runs)
+    xs = [r["concurrency"] if closed else r["offered_rps"] for r in runs]
+    ax.plot(xs, [r["output_tokens_per_s"] for r in runs], "o-", label="aggregate")
+    ax.set(
+        xlabel="concurrency" if closed else "offered load (req/s)",
+        ylabel="aggregate output tokens/s",
+        title=title,
+    )
+    per_stream = ax.twinx()
+    medians = [r["stream_tokens_per_s"].get("p50") for r in runs]
+    per_stream.plot(xs, medians, "s--", color="tab:orange", label="per stream (p50)")
+    per_stream.set_ylabel("tokens/s of one stream (p50)")
+    ax.set_ylim(bottom=0)
+    per_stream.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()[0] + per_stream.get_legend_handles_labels()[0]
+    ax.legend(lines, [str(line.get_label()) for line in lines], fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

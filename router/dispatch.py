@@ -15,8 +15,16 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
-from common.errors import MeshError, NotFound, ResourceExhausted, Unavailable, UpstreamError
+from common.errors import (
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    UpstreamError,
+)
 from common.mesh_state import now_ms
 from protos.routing_pb2 import InferHeader
 from router import metrics, policy
@@ -80,7 +88,10 @@ class Dispatcher:
 
         A success is answered once its record is in Redis (group commit, see accounting)."""
         start = time.perf_counter()
-        header = InferHeader.FromString(raw)
+        try:
+            header = InferHeader.FromString(raw)
+        except DecodeError as e:
+            raise InvalidArgument(f"the request is not a valid ModelInferRequest ({e})") from None
         model, version = header.model_name, header.model_version
         attempt = _Attempt()
         code = grpc.StatusCode.OK

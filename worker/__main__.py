@@ -30,6 +30,7 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--default-max-batch-size", type=int)
     parser.add_argument("--default-max-queue-size", type=int)
     parser.add_argument("--max-message-bytes", type=int)
+    parser.add_argument("--max-bytes-elements", type=int, help="BYTES elements per tensor")
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--redis-url")
     parser.add_argument("--worker-id")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from common.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
+from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from worker.config import SIMULATED_COMPUTE_US, ModelSpec
 from worker.stats import ModelStats
 
@@ -33,6 +33,10 @@ log = structlog.get_logger()
 INLINE_BELOW_NS = 100_000
 PROBE_BELOW_NS = 1_000_000  # never block the loop to re-time a model slower than this
 PROBE_EVERY = 64
+HEAVY_OBJECTS = 10_000  # BYTES elements in a batch that always run on the thread
+
+# Failures of a merged batch that may be one request's doing: each request then runs alone.
+PER_REQUEST = (InvalidArgument, ResourceExhausted)
 
 RunFn = Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -169,23 +173,24 @@ class Batcher:
             self._running -= len(batch)
 
     async def _settle(self, batch: list[_Pending], names: list[str]) -> None:
-        """Run the batch and resolve its callers. When a merged batch fails, each request runs
-        on its own, so the one bad request fails alone."""
+        """Run the batch and resolve its callers. When a merged batch fails on its input
+        (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED: a smaller run may fit) or in a way nobody
+        mapped (a bug: INTERNAL, logged), each request runs on its own, so the one request
+        that caused it fails alone. Any other status (a failed TP group: UNAVAILABLE) fails
+        them all at once: running each again could not help."""
         try:
             results, timings = await self._call(batch, names)
-        except MeshError as e:  # the runtime said what happened (a failed TP group)
+        except Exception as e:
+            mesh = isinstance(e, MeshError)
+            if len(batch) > 1 and (isinstance(e, PER_REQUEST) or not mesh):
+                for p in batch:
+                    if not p.future.done():
+                        await self._settle([p], names)
+                return
+            error = e if mesh else self._internal(e)
             for p in batch:
                 if not p.future.done():
-                    p.future.set_exception(e)
-            return
-        except Exception as e:
-            if len(batch) > 1:
-                for p in batch:
-                    await self._settle([p], names)
-            elif not batch[0].future.done():
-                batch[0].future.set_exception(
-                    InvalidArgument(f"model {self.spec.name!r} failed on this input: {e}")
-                )
+                    p.future.set_exception(error)
             return
         rows = sum(p.rows for p in batch) if self._batched else 1
         self.stats.record_execution(len(batch), rows, *timings)
@@ -203,17 +208,32 @@ class Batcher:
         # thread for good: a model that looks only moderately slow there is re-timed inline
         # now and then, and inline timings decide.
         probe = avg < PROBE_BELOW_NS and self._calls % PROBE_EVERY == 1
-        if avg < INLINE_BELOW_NS or probe:
+        # Many BYTES elements cost Python work per element (str conversion): never inline.
+        heavy = any(
+            a.dtype == object and a.size > HEAVY_OBJECTS for p in batch for a in p.inputs.values()
+        )
+        if (avg < INLINE_BELOW_NS or probe) and not heavy:
             out = self._run_batch(batch, names)
             measured = out[1][1]
             self._infer_ns_avg = measured if probe else 0.8 * avg + 0.2 * measured
         else:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._pool, self._run_batch, batch, names)
-            self._infer_ns_avg = 0.8 * avg + 0.2 * out[1][1]
+            if not heavy:  # an outlier says nothing about the usual request's cost
+                self._infer_ns_avg = 0.8 * avg + 0.2 * out[1][1]
         if self._simulated_s:
             await asyncio.sleep(self._simulated_s)
         return out
+
+    def _internal(self, e: Exception) -> Internal:
+        """Not a MeshError: a bug of ours (the runtime maps what onnxruntime raises)."""
+        log.error(
+            "batch_failed",
+            model=self.spec.name,
+            error_type=type(e).__name__,
+            exc_info=(type(e), e, e.__traceback__),
+        )
+        return Internal(f"model {self.spec.name!r}: internal error: {type(e).__name__}: {e}")
 
     def _run_batch(
         self, batch: list[_Pending], names: list[str]

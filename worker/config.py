@@ -25,11 +25,14 @@ EXECUTION_PROVIDER = "meshserve.execution_provider"
 SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
 # Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
 # the tokens. The worker then adds a BYTES input TEXT (and, to generators, an output
-# TEXT_OUTPUT); the graph's token inputs become optional.
+# TEXT_OUTPUT); the graph's token inputs become its optional alternative.
 TOKENIZER = "meshserve.tokenizer"
 TEXT_TASK = "meshserve.text_task"  # embed | generate
 MAX_NEW_TOKENS = "meshserve.max_new_tokens"
 TEXT_TASKS = ("embed", "generate")
+# meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
+# an embedding). Found in the graph where an input indexes a constant table; may be set.
+VOCAB_SIZE = "meshserve.vocab_size."
 TEXT_INPUT = "TEXT"
 TEXT_OUTPUT = "TEXT_OUTPUT"
 # An LLM served by the generation engine (worker/llm/): the model folder holds the engine's
@@ -191,7 +194,8 @@ def _show(dims: tuple[int | None, ...]) -> list[int]:
 
 
 def _check_parameters(config: mc.ModelConfig) -> None:
-    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, MAX_NEW_TOKENS):
+    vocab = [k for k in config.parameters if k.startswith(VOCAB_SIZE)]
+    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, MAX_NEW_TOKENS, *vocab):
         if key in config.parameters:
             raw = config.parameters[key].string_value
             if not raw.isdigit():
@@ -201,9 +205,26 @@ def _check_parameters(config: mc.ModelConfig) -> None:
                 )
 
 
+def add_index_bounds(config: mc.ModelConfig, bounds: Mapping[str, int]) -> None:
+    """Record the vocabulary sizes found in the graph, unless the config set them."""
+    for name, size in bounds.items():
+        key = VOCAB_SIZE + name
+        if key not in config.parameters:
+            config.parameters[key].string_value = str(size)
+
+
+def vocab_sizes(spec: ModelSpec) -> dict[str, int]:
+    return {
+        k.removeprefix(VOCAB_SIZE): int(v)
+        for k, v in spec.parameters.items()
+        if k.startswith(VOCAB_SIZE)
+    }
+
+
 def add_text_tensors(config: mc.ModelConfig) -> None:
-    """For a config naming a tokenizer: the TEXT input (and TEXT_OUTPUT for generators),
-    token inputs made optional. Call after `complete`, which checks tensors against the graph."""
+    """For a config naming a tokenizer: the TEXT input, required (and TEXT_OUTPUT for
+    generators); the token inputs stay, marked optional (the alternative to TEXT).
+    Call after `complete`, which checks tensors against the graph."""
     params = config.parameters
     if TOKENIZER not in params and TEXT_TASK not in params:
         return
@@ -215,10 +236,12 @@ def add_text_tensors(config: mc.ModelConfig) -> None:
             f"tokenizer={params[TOKENIZER].string_value if TOKENIZER in params else None!r}, "
             f"task={task!r}"
         )
+    # TEXT is the input a request needs; the token inputs are the alternative, marked
+    # optional as Triton does (perf_analyzer and generic clients then send TEXT alone).
     dims = [1] if config.max_batch_size > 0 else [-1, 1]
     for tensor in config.input:
         tensor.optional = True
-    config.input.add(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=dims, optional=True)
+    config.input.add(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=dims)
     if task == "generate":
         config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=dims)
 

@@ -129,6 +129,7 @@ class Repository:
             self.default_max_queue_size,
         )
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        cfg.add_index_bounds(completed, session.index_bounds)
         cfg.add_text_tensors(completed)
         spec = cfg.spec(completed, version)
         stats = ModelStats()

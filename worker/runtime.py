@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import structlog
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from common import dtypes
+from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted
 from worker.config import GraphTensor, ModelSpec
 
 log = structlog.get_logger()
@@ -86,11 +89,54 @@ class OnnxSession:
             )
         self.inputs = [_graph_tensor(a) for a in self.session.get_inputs()]
         self.outputs = [_graph_tensor(a) for a in self.session.get_outputs()]
+        self.model = path.parent.parent.name
+        # How v2 BYTES cross into onnxruntime's string tensors (see strings_reader).
+        self.text_op: str | None = None
+        if any(t.datatype == "BYTES" for t in self.inputs + self.outputs):
+            self.text_op = strings_reader(path)
+        # Integer inputs that index a table (token ids into an embedding): their bound.
+        self.index_bounds: dict[str, int] = {}
+        if any(t.datatype.startswith(("INT", "UINT")) for t in self.inputs):
+            self.index_bounds = index_bounds(path)
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take `str`.
-        feeds = {name: _as_str(a) if a.dtype == object else a for name, a in feeds.items()}
-        return self.session.run(output_names, feeds)  # type: ignore[no-any-return]
+        # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take and give `str`.
+        feeds = {
+            name: self._to_str(name, a) if a.dtype == object else a for name, a in feeds.items()
+        }
+        try:
+            outputs = self.session.run(output_names, feeds)
+        except Exception as e:
+            raise run_error(self.model, e) from e
+        return [self._to_bytes(a) if a.dtype == object else a for a in outputs]
+
+    def _to_str(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Bytes -> str. A graph that only moves strings gets each byte as one code point
+        (latin-1), so any bytes come back exactly; a graph that reads text gets the UTF-8
+        text, and bytes that are not UTF-8 are the client's error."""
+        flat = array.reshape(-1).tolist()
+        out = np.empty(array.shape, dtype=object)
+        if self.text_op is None:
+            out.reshape(-1)[:] = [x.decode("latin-1") if type(x) is bytes else x for x in flat]
+            return out
+        try:
+            out.reshape(-1)[:] = [x.decode("utf-8") if type(x) is bytes else x for x in flat]
+        except UnicodeDecodeError:
+            index = next(i for i, x in enumerate(flat) if not _is_utf8(x))
+            raise InvalidArgument(
+                f"input {name!r}: BYTES element {index} is not valid UTF-8, and model "
+                f"{self.model!r} reads its strings as text (its graph runs {self.text_op} on "
+                "them); send UTF-8 text"
+            ) from None
+        return out
+
+    def _to_bytes(self, array: np.ndarray) -> np.ndarray:
+        encoding = "latin-1" if self.text_op is None else "utf-8"
+        out = np.empty(array.shape, dtype=object)
+        out.reshape(-1)[:] = [
+            x.encode(encoding) if type(x) is str else x for x in array.reshape(-1).tolist()
+        ]
+        return out
 
     def warm_up(self, spec: ModelSpec) -> None:
         """One run on zeros of the smallest shape, so the first client call is not slow."""
@@ -105,6 +151,53 @@ class OnnxSession:
         self.run(list(spec.outputs), feeds)
 
 
+# Allocation failures, as onnxruntime's CPU arena, CUDA, cuDNN and cuBLAS word them.
+_ALLOCATION = (
+    "failed to allocate memory",
+    "bad allocation",
+    "bad_alloc",
+    "out of memory",
+    "alloc_failed",
+    "cudaerrormemoryallocation",
+)
+# What onnxruntime raises for a run that this input made impossible: shapes that do not fit
+# the graph, indices out of range, sizes that overflow. Kernel failures come as Fail or
+# RuntimeException, input checks as InvalidArgument.
+_INPUT_ERRORS = (ort_errors.InvalidArgument, ort_errors.Fail, ort_errors.RuntimeException)
+
+
+def run_error(model: str, e: Exception) -> MeshError:
+    """A failed session run as the status the client should get:
+    RESOURCE_EXHAUSTED for an allocation failure (another replica, or later, may have the
+    memory: the router retries it), INVALID_ARGUMENT with onnxruntime's words for what the
+    input made impossible, INTERNAL for the rest (the provider failed, or a bug of ours)."""
+    if isinstance(e, MeshError):
+        return e
+    message = str(e)
+    if isinstance(e, MemoryError) or any(a in message.lower() for a in _ALLOCATION):
+        log.warning("run_out_of_memory", model=model, error=message[:500])
+        return ResourceExhausted(
+            f"model {model!r} ran out of memory on this request ({_brief(message)}); "
+            "retry later or send a smaller batch"
+        )
+    if isinstance(e, _INPUT_ERRORS):
+        return InvalidArgument(f"model {model!r} cannot run on this input: {_brief(message)}")
+    log.error("run_failed", model=model, error_type=type(e).__name__, error=message[:2000])
+    return Internal(f"model {model!r} failed: {type(e).__name__}: {_brief(message)}")
+
+
+def _brief(message: str, limit: int = 600) -> str:
+    """onnxruntime's message without its source paths and C++ signatures, cut to `limit`."""
+    message = message.replace("[ONNXRuntimeError] : ", "")
+    if "Status Message: " in message:
+        head, _, status = message.partition("Status Message: ")
+        # "/onnxruntime_src/.../bfc_arena.cc:359 void* ...::AllocateRawInternal(...) Failed to"
+        status = status.rsplit(") ", 1)[-1] if status.startswith("/") else status
+        message = head + status
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
 def _graph_tensor(arg: ort.NodeArg) -> GraphTensor:
     if arg.type not in dtypes.FROM_ONNX:
         raise ValueError(f"tensor {arg.name!r} has type {arg.type}, which v2 cannot carry")
@@ -112,9 +205,94 @@ def _graph_tensor(arg: ort.NodeArg) -> GraphTensor:
     return GraphTensor(arg.name, dtypes.FROM_ONNX[arg.type], dims)
 
 
-def _as_str(array: np.ndarray) -> np.ndarray:
-    out = np.empty(array.shape, dtype=object)
-    out.reshape(-1)[:] = [
-        x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in array.reshape(-1)
-    ]
-    return out
+def _is_utf8(item: object) -> bool:
+    if not isinstance(item, bytes):
+        return True
+    try:
+        item.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+# Operators that move, select or reshape tensor elements without reading them: a graph whose
+# strings meet only these treats them as opaque values.
+OPAQUE_OPS = frozenset(
+    {
+        "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice",
+        "Gather", "GatherElements", "GatherND", "Transpose", "Expand", "Tile", "Shape", "Size",
+        "Compress", "Where",
+    }
+)  # fmt: skip
+
+
+_PASS_THROUGH = ("Identity", "Cast", "DequantizeLinear")
+
+
+def index_bounds(path: Path) -> dict[str, int]:
+    """Graph inputs used as the indices of a Gather over a constant table (an embedding,
+    perhaps quantized): input name -> rows of the table. onnxruntime reads a negative index
+    from the end and fails on one past the end, so a token id outside 0..rows-1 is either
+    silently wrong or an error deep in the graph; the codec rejects it up front."""
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # unreadable here: nothing known, onnxruntime still checks
+        return {}
+    tables = {t.name: list(t.dims) for t in graph.initializer}
+    produced = {o: n for n in graph.node for o in n.output}
+    for name in list(produced):  # Constant nodes and table -> Dequantize/Cast chains
+        node = produced[name]
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].t.dims:
+            tables[name] = list(node.attribute[0].t.dims)
+    inputs = {i.name for i in graph.input} - set(tables)
+
+    def table(name: str, hops: int = 3) -> list[int] | None:
+        if name in tables:
+            return tables[name]
+        node = produced.get(name)
+        if hops and node is not None and node.op_type in _PASS_THROUGH:
+            return table(node.input[0], hops - 1)
+        return None
+
+    bounds: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2:
+            continue
+        indices = node.input[1]
+        source = produced.get(indices)
+        if source is not None and source.op_type in ("Identity", "Cast"):
+            indices = source.input[0]
+        dims = table(node.input[0])
+        if indices not in inputs or not dims:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(dims)
+        bounds[indices] = min(dims[axis], bounds.get(indices, dims[axis]))
+    return bounds
+
+
+def strings_reader(path: Path) -> str | None:
+    """None when every node that takes a string tensor in the graph only moves it (so BYTES
+    may carry any bytes); otherwise the first operator that reads strings as text (or a
+    reason it could not be told, e.g. a string constant, whose UTF-8 bytes must stay so)."""
+    try:
+        model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    except Exception as e:  # unreadable by onnx's checker: assume text, the strict choice
+        return f"(graph not analysable: {type(e).__name__})"
+    graph = model.graph
+    strings = {
+        v.name
+        for v in [*graph.input, *graph.output, *graph.value_info]
+        if v.type.tensor_type.elem_type == onnx.TensorProto.STRING
+    }
+    if any(t.data_type == onnx.TensorProto.STRING for t in graph.initializer):
+        return "a string initializer"
+    for node in graph.node:
+        subgraph = any(a.g.node or a.graphs for a in node.attribute)  # If, Loop, Scan
+        reads = node.op_type not in OPAQUE_OPS and any(i in strings for i in node.input)
+        if (
+            subgraph
+            or reads
+            or any(o in strings for o in node.output if node.op_type == "Constant")
+        ):
+            return node.op_type
+    return None

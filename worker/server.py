@@ -8,12 +8,12 @@ import structlog
 
 from common import rpc
 from common.mesh_state import ModelEntry, WorkerInfo, now_ms
-from protos import grpc_service_pb2_grpc as pb_grpc
+from worker.codec import Limits
 from worker.config import PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
-from worker.servicer import WorkerServicer
+from worker.servicer import WorkerServicer, handler
 from worker.settings import WorkerSettings
 from worker.tp_serve import GroupFailed, TpRepository
 
@@ -40,8 +40,11 @@ async def serve(settings: WorkerSettings) -> None:
     repository.load()
 
     server, health = rpc.new_server(settings.max_message_bytes)
-    servicer = WorkerServicer(repository)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    limits = Limits(
+        max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
+    )
+    servicer = WorkerServicer(repository, limits)
+    server.add_generic_rpc_handlers([handler(servicer)])
     address = f"{settings.host}:{settings.port}"
     port = server.add_insecure_port(address)
     await server.start()

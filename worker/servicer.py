@@ -5,13 +5,16 @@ Thin on purpose: validation lives in codec, scheduling in batcher, sessions in r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import structlog
 
-from common import streaming
-from common.errors import MeshError, grpc_errors
+from common import rpc, streaming
+from common.errors import InvalidArgument, MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker import codec
@@ -29,8 +32,9 @@ EXTENSIONS = ["model_configuration", "schedule_policy", "statistics"]
 
 
 class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: Repository) -> None:
+    def __init__(self, repository: Repository, limits: codec.Limits | None = None) -> None:
         self.repository = repository
+        self.limits = limits or codec.Limits()
         self.ready = False  # set once every model is loaded and warm; cleared on drain
 
     @grpc_errors
@@ -66,8 +70,12 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             versions=sorted(self.repository.models[spec.name], key=int),
             platform=model.config.platform,
         )
+        # The inputs a request needs. v2 metadata cannot say "optional", and generic clients
+        # (tritonclient from metadata, perf_analyzer) fill every input listed; ModelConfig
+        # lists the optional ones too, marked `optional: true`.
         for t in spec.inputs.values():
-            response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+            if not t.optional:
+                response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         for t in spec.outputs.values():
             response.outputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         return response
@@ -81,7 +89,11 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
         return await self._infer(request)
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(
+        self, request: pb.ModelInferRequest | codec.Unparsable
+    ) -> pb.ModelInferResponse:
+        if isinstance(request, codec.Unparsable):
+            raise InvalidArgument(f"the request is not a valid ModelInferRequest ({request.error})")
         structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
         model = self.repository.get(request.model_name, request.model_version)
         start = time.perf_counter_ns()
@@ -92,25 +104,44 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
                 # refuses the call instead; answering is what a unary client wants).
                 response = await self._complete(request, model.llm, model.spec)
             else:
-                inputs, outputs = codec.decode_request(request, model.spec)
-                results = await model.infer(inputs, outputs)
-                response = codec.encode_response(request, model.spec, results)
+                response = await self._run(request, model)
             ok = True
             return response
         finally:
             model.stats.record_request(ok, time.perf_counter_ns() - start)
 
+    async def _run(
+        self, request: pb.ModelInferRequest, model: LoadedModel
+    ) -> pb.ModelInferResponse:
+        # A large request decodes (and its reply encodes) on a thread: pure-Python BYTES
+        # work on the event loop would stall health checks and every other call.
+        if codec.is_heavy(request):
+            decoded = await asyncio.to_thread(
+                codec.decode_request, request, model.spec, self.limits
+            )
+        else:
+            decoded = codec.decode_request(request, model.spec, self.limits)
+        results = await model.infer(*decoded)
+        if any(a.dtype == object and a.size > codec.HEAVY_ELEMENTS for a in results.values()):
+            return await asyncio.to_thread(codec.encode_response, request, model.spec, results)
+        return codec.encode_response(request, model.spec, results)
+
     async def _complete(
         self, request: pb.ModelInferRequest, llm: LLMServing, spec: ModelSpec
     ) -> pb.ModelInferResponse:
-        inputs, _ = codec.decode_request(request, spec)
+        inputs, _ = codec.decode_request(request, spec, self.limits)
         out = await llm.complete(llm.parse(inputs, codec.request_parameters(request)))
         _raise_failed(out)
         return codec.encode_text_piece(request, spec, out.text, True, _usage(out))
 
-    async def _stream(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
+    async def _stream(
+        self, request: pb.ModelInferRequest | codec.Unparsable
+    ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response of one request on a stream: one for a plain model; for an LLM
         with stream=true, one per new piece of text, the last flagged final."""
+        if isinstance(request, codec.Unparsable):
+            yield await self._infer(request)  # INVALID_ARGUMENT
+            return
         model = self.repository.get(request.model_name, request.model_version)
         if model.llm is None:
             yield await self._infer(request)
@@ -120,7 +151,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter_ns()
         ok = False
         try:
-            inputs, _ = codec.decode_request(request, spec)
+            inputs, _ = codec.decode_request(request, spec, self.limits)
             parameters = codec.request_parameters(request)
             parsed = llm.parse(inputs, parameters)
             if not parsed.stream:
@@ -179,6 +210,51 @@ def _usage(out: Output) -> tuple[int, int, str]:
 def _raise_failed(out: Output) -> None:
     if out.error is not None:
         raise MeshError(f"generation failed after {out.completion_tokens} tokens: {out.error}")
+
+
+def handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
+    """The inference service with ModelInfer's requests parsed by `codec.parse_request`, so a
+    request that is not a ModelInferRequest gets INVALID_ARGUMENT rather than gRPC's UNKNOWN."""
+    s = servicer
+
+    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn,
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        rpc.SERVICE,
+        {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                s.ModelInfer,
+                request_deserializer=codec.parse_request,
+                response_serializer=pb.ModelInferResponse.SerializeToString,
+            ),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                s.ModelStreamInfer,
+                request_deserializer=codec.parse_request,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+            ),
+            "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                s.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                s.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelConfig": unary(s.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelStatistics": unary(
+                s.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
+            ),
+            "RepositoryIndex": unary(
+                s.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
+            ),
+        },
+    )
 
 
 def _duration(d: Duration) -> pb.StatisticDuration:

@@ -23,6 +23,11 @@ class WorkerSettings(BaseSettings):
     default_max_batch_size: int = 32  # for models whose config does not say
     default_max_queue_size: int = 512
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # BYTES elements per request tensor: each becomes a Python object and an onnxruntime
+    # string, so a few bytes of request can cost ~100 bytes of memory and ~1 us of CPU, part
+    # of it with the GIL held in onnxruntime's string conversion (which stalls health checks:
+    # ~0.3 s at this default on a busy 2-core machine, under the router's 1 s health timeout).
+    max_bytes_elements: int = 1 << 18
     grace_seconds: float = 10.0
     # Mesh membership: with a Redis URL the worker registers itself for routers to find.
     redis_url: str | None = None

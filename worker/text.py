@@ -84,7 +84,10 @@ class TextModel:
             return await self.submit(inputs, [o for o in outputs if o != TEXT_OUTPUT])
         extra = sorted(set(inputs) - {TEXT_INPUT})
         if extra:
-            raise InvalidArgument(f"send {TEXT_INPUT} or token inputs, not both (also got {extra})")
+            raise InvalidArgument(
+                f"send {TEXT_INPUT}, or instead the token inputs {self.token_inputs} (optional "
+                f"in ModelConfig), not both (got {TEXT_INPUT} and {extra})"
+            )
         texts = [_text(x) for x in inputs[TEXT_INPUT].reshape(-1)]
         if self.task == EMBED:
             ids, mask = self.encode(texts, left=False)

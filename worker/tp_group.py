@@ -9,7 +9,8 @@ leader sends a heartbeat (a broadcast and an all-reduce) every `heartbeat_s`, so
 that hangs is found within the collective timeout even without traffic, and the waiting
 ranks never time out. A rank that exits or a collective that fails marks the group failed
 for good: calls get UNAVAILABLE and the worker leaves the registry and exits, so the
-launcher restarts the whole group.
+launcher restarts the whole group. Any other exception in a forward pass fails that request
+only (every rank hits it at the same point); the group goes on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import structlog
 
 from common.errors import Unavailable
 from worker.parallel import CollectiveError, TpGroup, destroy_tp_group
+from worker.runtime import run_error
 from worker.tp_runtime import OP_NOOP, OP_STOP, execute
 
 log = structlog.get_logger()
@@ -82,7 +84,12 @@ def follow(models: list, group: TpGroup) -> None:
         if op == OP_NOOP:
             heartbeat(group)
             continue
-        execute(models[index], group, op, arg, arrays)
+        try:
+            execute(models[index], group, op, arg, arrays)
+        except CollectiveError:
+            raise
+        except Exception as e:  # every rank fails alike on the same input; rank 0 answers
+            log.warning("tp_rank_request_failed", error=f"{type(e).__name__}: {e}"[:500])
 
 
 class Leader:
@@ -120,6 +127,12 @@ class Leader:
             except CollectiveError as e:
                 self._fail(str(e))
                 raise Unavailable(f"TP group failed during this call: {e}") from e
+            except Exception as e:
+                # Not the group's failure: this request's (every rank runs the same segments
+                # on the same inputs, so each fails at the same point, before the same
+                # collective, and the group stays in step). Should one rank alone fail, the
+                # next collective times out and the group restarts, as for any hang.
+                raise run_error(self.models[index].shards.model, e) from e
             finally:
                 self._last = time.monotonic()
         return out

@@ -149,6 +149,10 @@ class TpRepository(Repository):
             self.default_max_batch_size,
             self.default_max_queue_size,
         )
+        # Token ids are checked against the embedding before they reach the group.
+        cfg.add_index_bounds(
+            completed, {n: b for x in model.sessions.values() for n, b in x.index_bounds.items()}
+        )
         self._report_group(completed, model.provider, shards.tp, backend)
         spec = cfg.spec(completed, shards.root.parent.name)
         run = self._run_fn(index)

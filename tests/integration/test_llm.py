@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_prompt_over_max_model_len_is_refused_with_both_numbers(served) -> None:
     with pytest.raises(triton.InferenceServerException) as e:
         client.infer(MODEL, inputs("word " * 3000, False, {"max_tokens": 4}))
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert "prompt is 3000 tokens; max_model_len is 2048" in e.value.message()
+    assert re.search(r"prompt is 300\d tokens; max_model_len is 2048", e.value.message())
 
 
 def test_cancelled_stream_frees_its_kv_cache(served) -> None:  # type: ignore[no-untyped-def]

@@ -213,3 +213,35 @@ def test_over_budget_refused_unsharded_and_served_with_tp(mesh: Mesh, tiny) -> N
         list(pool.map(lambda _: client.infer("enc", feeds, client_timeout=30), range(4)))
     (stats,) = client.get_inference_statistics("enc", as_json=True)["model_stats"]
     assert int(stats["inference_count"]) >= int(stats["execution_count"]) + 2
+
+
+def test_bad_input_fails_its_request_not_the_group(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
+    root, enc, tp1_text = tiny
+    address = mesh.add_worker(root, "--tp", "2", "--tp-timeout-seconds", "3")
+    worker = mesh.workers[address]
+    assert worker.popen is not None
+    ranks = ranks_of(worker.popen.pid)
+    client = triton.InferenceServerClient(address)
+    config = client.get_model_config("enc").config
+    assert config.parameters["meshserve.vocab_size.input_ids"].string_value == "64"
+
+    def call(ids: np.ndarray, mask: np.ndarray) -> str:
+        x = triton.InferInput("input_ids", list(ids.shape), "INT64")
+        x.set_data_from_numpy(ids)
+        m = triton.InferInput("attention_mask", list(mask.shape), "INT64")
+        m.set_data_from_numpy(mask)
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("enc", [x, m], client_timeout=30)
+        assert str(error.value.status()) == "StatusCode.INVALID_ARGUMENT", error.value.message()
+        return error.value.message()
+
+    # Out of the vocabulary: refused before the group sees it (a rank used to crash: exit 3).
+    for bad in (64, -1):
+        ids = np.array([[1, bad, 3]], np.int64)
+        message = call(ids, np.ones_like(ids))
+        assert f"token id {bad} at [0, 1] is outside the vocabulary 0..63" in message
+    # Past the codec, failing inside every rank's forward: that request fails, the group goes on.
+    message = call(np.ones((1, 5), np.int64), np.ones((1, 4), np.int64))
+    assert "model 'enc' cannot run on this input" in message
+    check_answers(address, enc, tp1_text)
+    assert worker.popen.poll() is None and ranks_of(worker.popen.pid) == ranks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 
 import grpc
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from protos import grpc_service_pb2 as pb
@@ -78,6 +80,11 @@ def test_mlp_matches_onnxruntime(worker, model_repository) -> None:  # type: ign
         ("UINT8", np.array([[0, 255]], np.uint8)),
         ("BOOL", np.array([[True, False]], np.bool_)),
         ("BYTES", np.array([[b"hello", b"\xc3\xa9t\xc3\xa9"], [b"", b"x"]], dtype=object)),
+        # BYTES are bytes: not UTF-8, NULs, every byte value (were U+FFFD-replaced, status OK).
+        (
+            "BYTES",
+            np.array([[b"\xff\xfe\x80", b"\xc3\x28", b"\0nul\0", bytes(range(256))]], object),
+        ),
     ],
 )
 def test_every_datatype_round_trips(worker, datatype: str, array: np.ndarray) -> None:  # type: ignore[no-untyped-def]
@@ -292,3 +299,184 @@ def test_sigterm_under_load_drops_no_call(worker_factory) -> None:  # type: igno
     assert w.process.wait(20) == 0
     assert time.monotonic() - started < 15
     assert "worker_stopped" in w.log.read_text()
+
+
+# -- issue 12: inputs that must get a clear status, never a traceback -----------------------
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _raw_infer(address: str, payload: bytes, timeout: float = 30) -> tuple[str, bytes | str]:
+    """Send bytes as a ModelInfer request, as a broken or hostile client would."""
+    options = [
+        ("grpc.max_send_message_length", 1 << 27),
+        ("grpc.max_receive_message_length", 1 << 27),
+    ]
+    with grpc.insecure_channel(address, options=options) as channel:
+        call = channel.unary_unary(METHOD)
+        try:
+            return "OK", call(payload, timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name, e.details()
+
+
+def test_shape_element_count_does_not_wrap_around(worker) -> None:  # type: ignore[no-untyped-def]
+    # 4 * 2**62 is 0 in int64: empty raw content used to "match" and fail in reshape (INTERNAL).
+    for contents in ([b""], []):
+        request = pb.ModelInferRequest(model_name="identity_fp32")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[4, 2**62])
+        request.raw_input_contents.extend(contents)
+        code, details = _raw_infer(worker.address, request.SerializeToString())
+        assert code == "INVALID_ARGUMENT", details
+        assert "'INPUT0'" in details and "[4, 4611686018427387904]" in details
+        assert "18446744073709551616 elements" in details and "67108864" in details
+
+
+def test_unparsable_request_is_invalid_argument(worker) -> None:  # type: ignore[no-untyped-def]
+    good = pb.ModelInferRequest(model_name="mlp")
+    good.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    good.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    data = good.SerializeToString()
+    for payload in (b"\xff\xff\xff\xff", data[:-7], data + b"\x0f"):
+        code, details = _raw_infer(worker.address, payload)
+        assert code == "INVALID_ARGUMENT", (payload, details)
+        assert "not a valid ModelInferRequest" in details
+    # On a stream, the bad message gets an error reply and the stream goes on.
+    with grpc.insecure_channel(worker.address) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        replies = [
+            pb.ModelStreamInferResponse.FromString(r)
+            for r in stream(iter([b"\xff\xff\xff\xff", data]), timeout=30)
+        ]
+    errors = sorted(r.error_message for r in replies)
+    assert len(replies) == 2 and errors[0] == "", errors
+    assert "not a valid ModelInferRequest" in errors[1]
+    assert "Traceback" not in worker.log.read_text()
+
+
+def _bytes_request(items: list[bytes]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="identity_bytes")
+    request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, len(items)])
+    request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b for b in items))
+    return request
+
+
+def _health_latencies(address: str, stop: threading.Event, out: list[float]) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set() and len(out) < 2000:
+            t = time.monotonic()
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            out.append(time.monotonic() - t)
+            time.sleep(0.02)
+
+
+def test_huge_bytes_requests_keep_health_answering(worker) -> None:  # type: ignore[no-untyped-def]
+    # 15.7 M empty elements (63 MB) took ~20 s of parsing on the event loop: health stalled.
+    n = 15_700_000
+    huge = pb.ModelInferRequest(model_name="identity_bytes")
+    huge.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, n])
+    huge.raw_input_contents.append(bytes(4 * n))
+    started = time.monotonic()
+    code, details = _raw_infer(worker.address, huge.SerializeToString())
+    assert code == "INVALID_ARGUMENT", details
+    assert "at most 262144 BYTES elements" in details and "[1, 15700000]" in details
+    assert time.monotonic() - started < 10
+    del huge
+    # Under the limit, a large request is decoded and encoded off the event loop.
+    items = [b"x" * (i % 5) for i in range(250_000)]
+    latencies: list[float] = []
+    stop = threading.Event()
+    poller = threading.Thread(target=_health_latencies, args=(worker.address, stop, latencies))
+    poller.start()
+    try:
+        time.sleep(0.2)
+        code, reply = _raw_infer(worker.address, _bytes_request(items).SerializeToString(), 60)
+    finally:
+        stop.set()
+        poller.join(30)
+    assert code == "OK", reply
+    out = pb.ModelInferResponse.FromString(reply)
+    assert out.raw_output_contents[0] == _bytes_request(items).raw_input_contents[0]
+    # Under the router's 1 s health-check timeout, which ejects a worker that misses it.
+    assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
+
+
+def _zeros_request(shape: list[int]) -> bytes:
+    request = pb.ModelInferRequest(model_name="zeros")
+    request.inputs.add(name="INPUT0", datatype="INT64", shape=[2])
+    request.raw_input_contents.append(np.array(shape, np.int64).tobytes())
+    return request.SerializeToString()
+
+
+def test_runtime_failures_map_to_their_status(worker) -> None:  # type: ignore[no-untyped-def]
+    # All of these were INVALID_ARGUMENT "failed on this input", which the router never retries.
+    code, reply = _raw_infer(worker.address, _zeros_request([2, 3]))
+    assert code == "OK", reply
+    # 4 TiB: onnxruntime's allocator fails. Another replica, or later, may have the memory.
+    code, details = _raw_infer(worker.address, _zeros_request([2**20, 2**20]))
+    assert code == "RESOURCE_EXHAUSTED", details
+    assert "model 'zeros' ran out of memory" in details
+    assert "Failed to allocate memory for requested buffer of size 4398046511104" in details
+    # A size the graph cannot have: the client's input, in onnxruntime's words.
+    code, details = _raw_infer(worker.address, _zeros_request([-1, 3]))
+    assert code == "INVALID_ARGUMENT", details
+    assert "model 'zeros' cannot run on this input" in details and "must be >= 0" in details
+    assert "/onnxruntime_src/" not in details
+    assert "Traceback" not in worker.log.read_text()
+
+
+def _ids(name: str, ids: list[list[int]]) -> triton.InferInput:
+    return infer_input(name, np.array(ids, np.int64), "INT64")
+
+
+def test_token_ids_outside_the_vocabulary(worker) -> None:  # type: ignore[no-untyped-def]
+    c = client(worker)
+    config = c.get_model_config("embedding").config
+    assert config.parameters["meshserve.vocab_size.input_ids"].string_value == "100"
+    out = c.infer("embedding", [_ids("input_ids", [[0, 99]])]).as_numpy("OUTPUT0")
+    assert out.shape == (1, 2, 8)
+    # -1 read the table's last row with status OK; 100 failed inside onnxruntime.
+    for bad, at in ((-1, "[0, 1]"), (100, "[0, 0]")):
+        ids = [[bad, 3]] if bad == 100 else [[3, bad]]
+        status, text = _status(lambda ids=ids: c.infer("embedding", [_ids("input_ids", ids)]))
+        assert status == "StatusCode.INVALID_ARGUMENT", text
+        assert (
+            f"token id {bad} at {at} is outside the vocabulary 0..99 of model 'embedding'" in text
+        )
+
+
+def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from deploy import toy_models
+
+    toy_models.write_text_embedder(tmp_path / "repo" / "words")
+    w = worker_factory(repository=tmp_path / "repo")
+    c = client(w)
+    # ModelConfig: every input, the token inputs marked as the optional alternative to TEXT.
+    config = c.get_model_config("words").config
+    assert {t.name: t.optional for t in config.input} == {
+        "input_ids": True,
+        "attention_mask": True,
+        "TEXT": False,
+    }
+    # A generic client fills what ModelMetadata lists (perf_analyzer: every required input):
+    # that is TEXT alone now, not TEXT and the token inputs together ("not both").
+    meta = c.get_model_metadata("words")
+    inputs = []
+    for t in meta.inputs:
+        shape = [2 if d == -1 else d for d in t.shape]
+        data = np.array([[b"hello world"], [b"mesh"]], dtype=object).reshape(shape)
+        inputs.append(infer_input(t.name, data, t.datatype))
+    assert [i.name() for i in inputs] == ["TEXT"]
+    by_text = c.infer("words", inputs).as_numpy("sentence_embedding")
+    # The alternative, token ids alone, gives the same answer; out of vocabulary it is refused.
+    ids = [[2, 3], [6, 0]]
+    mask = [[1, 1], [1, 0]]
+    by_ids = c.infer("words", [_ids("input_ids", ids), _ids("attention_mask", mask)])
+    np.testing.assert_allclose(by_ids.as_numpy("sentence_embedding"), by_text, rtol=1e-6)
+    status, text = _status(
+        lambda: c.infer("words", [_ids("input_ids", [[2, 8]]), _ids("attention_mask", [[1, 1]])])
+    )
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    assert "token id 8 at [0, 1] is outside the vocabulary 0..7 of model 'words'" in text

@@ -180,3 +180,34 @@ def test_sampler_top_k_one_is_greedy() -> None:
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     sampler = Sampler(SamplingParams(temperature=0.8, top_k=1, seed=3), [1, 2], 1000)
     assert all(sampler.sample(logits.copy()) == int(logits.argmax()) for _ in range(5))
+
+
+def test_step_logits_survive_the_next_step(tiny_step_graph) -> None:  # type: ignore[no-untyped-def]
+    """run() returns its own array: the IO binding's output buffer is reused by the next run."""
+    from worker.llm.cache import CacheShape, KVCache
+    from worker.llm.model import StepModel
+    from worker.runtime import RuntimeOptions
+
+    model = StepModel.load(tiny_step_graph, RuntimeOptions(), ["CPUExecutionProvider"])
+    f = model.facts
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 64), 64)
+    first = model.run(cache, np.array([[5, 6, 7]]), np.array([3]), 0, 1)
+    kept = first.copy()
+    model.run(cache, np.array([[8]]), np.array([4]), 0, 1)
+    assert np.array_equal(first, kept)
+    cache.close()
+
+
+def test_sampler_follows_the_distribution_and_cuts_the_nucleus() -> None:
+    from worker.llm.sampling import Sampler
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    full = Sampler(SamplingParams(temperature=1.0, seed=1), [], 4)
+    counts = np.bincount([full.sample(logits.copy()) for _ in range(4000)], minlength=4) / 4000
+    assert np.allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=1), [], 4)
+    picked = {nucleus.sample(logits.copy()) for _ in range(500)}
+    assert picked == {0, 1}  # 0.5 + 0.3 >= 0.7: the two most likely tokens only
+    penalized = Sampler(SamplingParams(temperature=0.0, presence_penalty=2.0), [], 4)
+    penalized.observe(0)
+    assert penalized.sample(logits.copy()) == 1  # token 0 was already said

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from worker.batcher import Batcher
 from worker.config import ModelSpec, TensorSpec
 from worker.stats import ModelStats
@@ -32,11 +32,13 @@ def make_spec(
 
 
 class Model:
-    """y = 2x; fails on NaN input, like a model that rejects some values; records batches."""
+    """y = 2x; fails on NaN input as the runtime reports a run the input made impossible,
+    and on inf with `error` (a group failure, a bug); records batches."""
 
-    def __init__(self, hold: threading.Event | None = None) -> None:
+    def __init__(self, hold: threading.Event | None = None, error: Exception | None = None) -> None:
         self.batches: list[tuple[int, ...]] = []
         self.hold = hold
+        self.error = error
 
     def __call__(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.hold is not None:
@@ -44,7 +46,9 @@ class Model:
         x = feeds["x"]
         self.batches.append(x.shape)
         if np.isnan(x).any():
-            raise ValueError("NaN input")
+            raise InvalidArgument("NaN input")
+        if self.error is not None and np.isinf(x).any():
+            raise self.error
         return [x * 2]
 
 
@@ -119,6 +123,38 @@ def test_one_bad_request_fails_alone() -> None:
         assert all(isinstance(r, dict) for r in results[:3])
         assert isinstance(results[3], InvalidArgument)
         assert "NaN input" in results[3].message
+
+    asyncio.run(_with_batcher(make_spec(), model, body))
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "reruns"),
+    [
+        (Unavailable("TP group failed"), Unavailable, False),  # a dead group: no re-runs
+        (ResourceExhausted("out of memory"), ResourceExhausted, True),  # smaller may fit
+        (KeyError("a bug"), Internal, True),
+    ],
+    ids=["group-failed", "out-of-memory", "bug"],
+)
+def test_batch_failures_keep_their_status(
+    error: Exception, expected: type[MeshError], reruns: bool
+) -> None:
+    model = Model(error=error)
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        xs = [np.ones((1, 2), np.float32) for _ in range(3)] + [np.full((1, 2), np.inf)]
+        results = await asyncio.gather(
+            *(batcher.submit({"x": x.astype(np.float32)}, ["y"]) for x in xs),
+            return_exceptions=True,
+        )
+        assert model.batches[0] == (4, 2)  # one merged run first
+        if reruns:  # then each request alone: only the one that caused it fails
+            assert len(model.batches) == 5
+            assert all(isinstance(r, dict) for r in results[:3])
+            assert isinstance(results[3], expected)
+        else:
+            assert len(model.batches) == 1
+            assert all(isinstance(r, expected) for r in results)
 
     asyncio.run(_with_batcher(make_spec(), model, body))
 

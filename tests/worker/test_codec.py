@@ -126,3 +126,68 @@ def test_fp16_needs_raw() -> None:
 def test_truncated_bytes() -> None:
     with pytest.raises(InvalidArgument, match="claims 10 bytes"):
         codec.deserialize_bytes(b"\x0a\0\0\0abc", 1, "x")
+
+
+@pytest.mark.parametrize(
+    ("shape", "count"),
+    [((4, 2**62), 2**64), ((1, 2**32, 2**32), 2**64), ((3, 2**40), 3 * 2**40)],
+)
+def test_element_counts_are_exact_and_bounded(shape: tuple[int, ...], count: int) -> None:
+    # np.prod in int64 wrapped (4 * 2**62 == 0), so empty contents "matched" such shapes.
+    spec = make_spec(dims=(-1,) * (len(shape) - 1), max_batch=8)
+    for raw in (b"", None):
+        request = pb.ModelInferRequest(model_name="m")
+        request.inputs.add(name="x", datatype="FP32", shape=shape)
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+        with pytest.raises(InvalidArgument) as info:
+            codec.decode_request(request, spec, codec.Limits(max_elements=1000))
+        assert f"input 'x': shape {list(shape)} has {count} elements" in info.value.message
+        assert "more than the 1000 one request can carry" in info.value.message
+
+
+def test_bytes_element_limit() -> None:
+    array = np.array([[b""] * 10], dtype=object)
+    with pytest.raises(InvalidArgument, match="at most 9 BYTES elements per tensor"):
+        codec.decode_request(
+            raw_request(array, "BYTES"), make_spec("BYTES", dims=(-1,)), codec.Limits(100, 9)
+        )
+
+
+@pytest.mark.parametrize(
+    "items",
+    [[b""] * 5, [b"ab\0"] * 4, [b"", b"a", b"\xff\0\xfe", b"xyz" * 50]],
+    ids=["all-empty", "uniform", "mixed"],
+)
+def test_bytes_parse_paths_agree(items: list[bytes]) -> None:
+    array = np.array(items, dtype=object)
+    assert codec.deserialize_bytes(codec.serialize_bytes(array), len(items), "x").tolist() == items
+
+
+@pytest.mark.parametrize(
+    ("raw", "count", "message"),
+    [
+        (b"\0\0\0\0\0\0\0\0", 1, "4 bytes left after the 1 elements"),
+        (b"\x01\0\0\0a\x05\0", 2, "too short for 2 elements"),
+        (b"\x01\0\0\0a\x01\0\0\0b\x01\0", 3, "ends inside the 4-byte length prefix of element 2"),
+        (b"\x01\0\0\0a\x01\0\0\0b\x01\0\0\0", 3, "element 2 claims 1 bytes but only 0 remain"),
+        (b"x", 0, "shape needs 0 elements"),
+    ],
+)
+def test_malformed_bytes(raw: bytes, count: int, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        codec.deserialize_bytes(raw, count, "x")
+
+
+def test_typed_contents_out_of_range() -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype="INT8", shape=[1, 4])
+    tensor.contents.int_contents.extend([1, 2, 3, 1000])
+    with pytest.raises(InvalidArgument, match=r"values in 1..1000, outside INT8's -128..127"):
+        codec.decode_request(request, make_spec("INT8"))
+
+
+def test_parse_request_never_raises() -> None:
+    assert isinstance(codec.parse_request(b"\xff\xff\xff"), codec.Unparsable)
+    good = raw_request(np.ones((1, 4), np.float32), "FP32").SerializeToString()
+    assert codec.parse_request(good).model_name == "m"

@@ -57,6 +57,7 @@ class KVCache:
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
+        self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
 
     @property
     def free_slots(self) -> int:
@@ -107,6 +108,7 @@ class KVCache:
         return views
 
     def close(self) -> None:
+        self.bindings.clear()
         self._views.clear()
         del self.data
         try:

@@ -314,7 +314,7 @@ class Engine:
         banned = None
         if len(seq.tokens) < p.min_tokens and not p.ignore_eos:
             banned = sorted(self.eos)
-        token = seq.sampler.sample(logits.copy(), banned)
+        token = seq.sampler.sample(logits, banned)  # a row of this step's own logits
         seq.sampler.observe(token)
         seq.tokens.append(token)
         reason = None

@@ -121,6 +121,7 @@ FLOAT_KEYS = {
 }
 BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
 KEYS = frozenset(_RANGES)
+HEAD = 256  # tokens sorted for top-p before falling back to the whole vocabulary
 
 
 def parse_json(text: str) -> dict[str, Any]:
@@ -214,15 +215,27 @@ class Sampler:
             return int(logits.argmax())
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.shape[0]:
-            candidates = np.argpartition(logits, -p.top_k)[-p.top_k :]
+            ids = np.argpartition(logits, -p.top_k)[-p.top_k :]
+            logits = logits[ids]
         else:
-            candidates = np.arange(logits.shape[0])
-        values = logits[candidates]
-        order = np.argsort(-values, kind="stable")
-        candidates, values = candidates[order], values[order]
-        probs = np.exp(values - values[0])
+            ids = None
+        probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
-        return int(candidates[self.rng.choice(len(candidates), p=probs)])
+            # The nucleus is almost always within the top few hundred tokens: sort those,
+            # and the whole vocabulary only when they do not hold top_p of the mass.
+            head = min(HEAD, probs.shape[0])
+            top = np.argpartition(probs, -head)[-head:]
+            top = top[np.argsort(-probs[top], kind="stable")]
+            mass = np.cumsum(probs[top])
+            if mass[-1] < p.top_p and head < probs.shape[0]:
+                top = np.argsort(-probs, kind="stable")
+                mass = np.cumsum(probs[top])
+            keep = min(int(np.searchsorted(mass, p.top_p)) + 1, top.shape[0])
+            top = top[:keep]
+            choice = top[int(np.searchsorted(mass[:keep], self.rng.random() * mass[keep - 1]))]
+        else:
+            cdf = np.cumsum(probs)
+            choice = int(np.searchsorted(cdf, self.rng.random() * cdf[-1]))
+            choice = min(choice, probs.shape[0] - 1)
+        return int(choice if ids is None else ids[choice])

@@ -113,8 +113,10 @@ class LLMServing:
             yield out
 
     async def complete(self, request: LLMRequest) -> Output:
-        """The whole completion as one Output (prompt first unless excluded)."""
-        pieces = [] if request.exclude_input else [request.prompt_text]
+        """The whole completion as one Output: the prompt first, as Triton's vLLM backend
+        answers, unless excluded or the client asked for a stream (a streamed text never
+        repeats the prompt, also when it arrives as one piece through a unary hop)."""
+        pieces = [] if request.exclude_input or request.stream else [request.prompt_text]
         last = Output("")
         async for out in self.generate(request):
             pieces.append(out.text)
