@@ -3,13 +3,16 @@
     python -m benchmarks.tp [--repeat 20] [--skip-decoder]
 
 Real MiniLM (all 6 layers) at batch 1 and 8 (32 tokens), and real SmolLM2 (all 30 layers;
-TP 1 and 3: 9 heads / 3 KV heads) greedily generating 8 tokens at batch 1 and 8 from a
-16-token prompt. Each point starts a fresh gloo group (worker/tp_local.py), warms up, then
-times `--repeat` forwards on rank 0: total, onnxruntime compute (the segments), and
-communication (the collectives, including waiting for the slowest rank). TP1 runs twice:
-one process with every core (what a single-process worker does) and one process with one
-thread (the compute that TP divides). Writes benchmarks/results/tp.json; the reading it
-prints (and benchmarks/README.md) is computed from the numbers by benchmarks/readings.py.
+TP 1 and 3: 9 heads / 3 KV heads) served by the LLM engine over a group
+(worker/llm/tp.py): 1 and 8 concurrent greedy requests of 32 new tokens. Each point starts
+a fresh gloo group (worker/tp_local.py). MiniLM: warm up, then time `--repeat` forwards on
+rank 0: total, onnxruntime compute (the segments), and communication (the collectives,
+including waiting for the slowest rank). SmolLM2: generated tokens per second over the
+whole run (prefill included), with rank 0's compute and communication time. TP1 runs
+twice: one process with every core (what a single-process worker does) and one process
+with one thread (the compute that TP divides). Writes benchmarks/results/tp.json; the
+reading it prints is computed from the numbers (benchmarks/readings.py; the engine's
+rows by decoder_reading here).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import numpy as np
 
 from benchmarks import readings
 from benchmarks.common import ROOT, machine, write_result
-from quantize import shard, weights
-from worker.tp_local import run_group
+from quantize import llm, llm_shard, shard, weights
+from worker.tp_local import run_group, run_llm_group
 
 CACHE = ROOT / "build" / "bench-tp"
 ENCODER_TPS = (1, 2, 3)
@@ -38,6 +41,21 @@ def ensure_shards(name: str, loaded: weights.Loaded, tps: tuple[int, ...]) -> Pa
         if not (CACHE / name / "1" / f"tp{tp}" / shard.MANIFEST).exists():
             print(f"sharding {name} for TP {tp} into {CACHE}", flush=True)
             shard.write_shards(loaded.model, name, CACHE / name, tp)
+    return CACHE
+
+
+def ensure_llm_shards(name: str, loaded: weights.Loaded, tps: tuple[int, ...]) -> Path:
+    missing = [tp for tp in tps if not (CACHE / name / "1" / f"tp{tp}" / shard.MANIFEST).exists()]
+    if missing:
+        print(f"sharding {name}'s engine graph for TP {missing} into {CACHE}", flush=True)
+        llm_shard.write_model(
+            loaded.model,  # type: ignore[arg-type]
+            loaded.tokenizer,
+            name,
+            CACHE,
+            missing,
+            llm.MAX_POSITIONS,
+        )
     return CACHE
 
 
@@ -128,18 +146,85 @@ def main() -> None:
     payload["minilm"] = sweep("minilm", enc_feeds, ENCODER_TPS, args.repeat)
     if not args.skip_decoder:
         smol = weights.load_smollm2()
-        ensure_shards("smollm2", smol, DECODER_TPS)
-        dec_feeds = {
-            b: {"input_ids": rng.integers(100, 40000, (b, 16)).astype(np.int64)} for b in BATCHES
-        }
-        payload["smollm2"] = sweep(
-            "smollm2", dec_feeds, DECODER_TPS, max(3, args.repeat // 4), "--new-tokens", "8"
-        )
-        payload["smollm2"]["new_tokens"] = 8
-        payload["smollm2"]["config_layers"] = smol.model.config.layers  # type: ignore[union-attr]
-    payload["reading"] = readings.tp_reading(payload)
+        ensure_llm_shards("smollm2", smol, DECODER_TPS)
+        # its own key: the rows are tokens/s through the engine, not forward latencies
+        payload["smollm2_engine"] = decoder_sweep("smollm2", DECODER_TPS)
+    payload["reading"] = readings.tp_reading(payload) + decoder_reading(payload)
     print(payload["reading"])
     print(write_result("tp", payload))
+
+
+DECODE_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Tensor parallelism splits a model",
+    "Once upon a time",
+    "The three primary colors are",
+    "Explain what a KV cache is.",
+    "import numpy as np",
+]
+
+
+def decoder_sweep(name: str, tps: tuple[int, ...]) -> dict:
+    cores = os.cpu_count() or 1
+    tokenizer = CACHE / name / "tokenizer.json"
+    config = {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_tokens": 4096}
+    results: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for streams in BATCHES:
+            wave = [{"text": t, "max_tokens": DECODE_TOKENS} for t in PROMPTS[:streams]]
+            rows = []
+            for tp, threads in [(1, cores), *((tp, 1) for tp in tps)]:
+                out = run_llm_group(
+                    CACHE,
+                    name,
+                    tp,
+                    [wave[:1], wave],  # the first wave warms up
+                    tokenizer,
+                    Path(tmp),
+                    "--intra-op-threads",
+                    str(threads),
+                    engine_config=config,
+                )
+                tokens = sum(len(r["tokens"]) for r in out["results"][1])
+                row = {
+                    "tp": tp,
+                    "threads_per_rank": threads,
+                    "streams": streams,
+                    "tokens_per_s": round(tokens / out["waves_seconds"][1], 1),
+                    "compute_s": round(out["compute_ns"] / 1e9, 2),
+                    "comm_s": round(out["comm_ns"] / 1e9, 2),
+                    "errors": [r["error"] for r in out["results"][1] if r["error"]],
+                }
+                print(name, row, flush=True)
+                rows.append(row)
+            results[f"streams{streams}"] = rows
+    return {
+        "throughput": results,
+        "new_tokens": DECODE_TOKENS,
+        "weight_bytes_per_rank": {f"tp{tp}": rank_bytes(name, tp) for tp in tps},
+    }
+
+
+def decoder_reading(p: dict) -> str:
+    if "smollm2_engine" not in p:
+        return ""
+    d = p["smollm2_engine"]
+    cores = p["machine"]["cores"]
+    rows = {k: {(r["tp"], r["threads_per_rank"]): r for r in v} for k, v in d["throughput"].items()}
+    one, eight = rows["streams1"], rows["streams8"]
+    mb = {k: max(v) / 1e6 for k, v in d["weight_bytes_per_rank"].items()}
+    return (
+        f" SmolLM2 through the LLM engine ({d['new_tokens']} new tokens per stream): "
+        f"{one[(1, cores)]['tokens_per_s']} tok/s at TP1 ({cores} threads) vs "
+        f"{one[(3, 1)]['tokens_per_s']} at TP3 for one stream; {eight[(1, cores)]['tokens_per_s']}"
+        f" vs {eight[(3, 1)]['tokens_per_s']} tok/s for 8 concurrent streams (rank 0 of TP3: "
+        f"{eight[(3, 1)]['compute_s']} s compute, {eight[(3, 1)]['comm_s']} s in collectives). "
+        f"Weights per rank: {mb['tp1']:.0f} MB at TP1, {mb['tp3']:.0f} MB at TP3 (the embedding "
+        "is replicated, the LM head vocab-parallel)."
+    )
 
 
 if __name__ == "__main__":

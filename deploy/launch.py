@@ -12,6 +12,7 @@ port. Workers come up on free ports, register in Redis, and the router serves
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -170,7 +171,9 @@ def tp_group(spec: str, root: Path) -> tuple[Path, str, str]:
     tp = int(n or "1")
     repository = root / f"{model}-tp{tp}"
     name = f"{model}_tp{tp}"
-    if not (repository / name / "1" / f"tp{tp}" / "manifest.json").exists():
+    manifest = repository / name / "1" / f"tp{tp}" / "manifest.json"
+    # a decoder's shard set from before the LLM engine ("decoder") is rebuilt as the engine's
+    if not manifest.exists() or json.loads(manifest.read_text()).get("kind") == "decoder":
         print(f"sharding {model} for TP {tp} into {repository} (once)", flush=True)
         cmd = [sys.executable, "-m", "quantize", "shard", "--model", model, "--tp", str(tp)]
         cmd += ["--name", name, "--output", str(repository)]

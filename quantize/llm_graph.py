@@ -19,6 +19,7 @@ needs are in the model's metadata (`meshserve.llm.*`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -80,74 +81,121 @@ class _Graph:
         return self.one("MatMul", [x, self.const(weight, w.detach().float().numpy().T)])
 
 
-def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
-    """The engine's step graph for `model`'s weights, with RoPE tables for max_positions."""
-    c = model.config
-    state = {k: v for k, v in model.state_dict().items()}
-    g = _Graph()
-    cos, sin = rope_tables(c, max_positions)
-    g.const("rope.cos", cos)
-    g.const("rope.sin", sin)
-    x = g.one("Gather", [g.const("embed.weight", state["embed.weight"].numpy()), IDS])
-    inputs = [
+def cache_info(layer: int, kv_heads: int, head_dim: int) -> tuple[list, list]:
+    """Layer `layer`'s cache as graph inputs (past) and outputs (present): BNSH buffers."""
+    shape: list[str | int] = ["rows", kv_heads, "max_len", head_dim]
+    past = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in past_names(layer)]
+    present = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in present_names(layer)
+    ]
+    return past, present
+
+
+def step_inputs() -> list[onnx.ValueInfoProto]:
+    return [
         helper.make_tensor_value_info(IDS, TensorProto.INT64, ["rows", "new"]),
         helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["rows"]),
         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, []),
     ]
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", c.vocab_size])]
-    cache_shape: list[str | int | None] = ["rows", c.kv_heads, "max_len", c.head_dim]
-    for i in range(c.layers):
-        p = f"layers.{i}."
-        h = g.rms_norm(
-            x, g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy()), c.eps
+
+
+def embed(g: _Graph, state: Mapping[str, torch.Tensor]) -> str:
+    return g.one("Gather", [g.const("embed.weight", state["embed.weight"].numpy()), IDS])
+
+
+def attention(
+    g: _Graph,
+    x: str,
+    state: Mapping[str, torch.Tensor],
+    layer: int,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> str:
+    """Layer `layer`'s attention on x, before the residual: norm, q/k/v, the attention op
+    (RoPE from the graph's rope.cos/rope.sin, the cache written in place), o. With the q/k/v
+    rows and o columns of some heads only, it is those heads' share (tensor parallelism)."""
+    p = f"layers.{layer}."
+    h = g.rms_norm(x, g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy()), eps)
+    q = g.linear(h, p + "q.weight", state[p + "q.weight"])
+    k = g.linear(h, p + "k.weight", state[p + "k.weight"])
+    v = g.linear(h, p + "v.weight", state[p + "v.weight"])
+    past_k, past_v = past_names(layer)
+    present_k, present_v = present_names(layer)
+    g.nodes.append(
+        helper.make_node(
+            "GroupQueryAttention",
+            [q, k, v, past_k, past_v, SEQLENS, TOTAL, "rope.cos", "rope.sin"],
+            [f"attn_{layer}", present_k, present_v],
+            name=f"attention_{layer}",
+            domain="com.microsoft",
+            num_heads=heads,
+            kv_num_heads=kv_heads,
+            do_rotary=1,
+            rotary_interleaved=0,
         )
-        q = g.linear(h, p + "q.weight", state[p + "q.weight"])
-        k = g.linear(h, p + "k.weight", state[p + "k.weight"])
-        v = g.linear(h, p + "v.weight", state[p + "v.weight"])
-        past_k, past_v = past_names(i)
-        present_k, present_v = present_names(i)
-        g.nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                [q, k, v, past_k, past_v, SEQLENS, TOTAL, "rope.cos", "rope.sin"],
-                [f"attn_{i}", present_k, present_v],
-                name=f"attention_{i}",
-                domain="com.microsoft",
-                num_heads=c.heads,
-                kv_num_heads=c.kv_heads,
-                do_rotary=1,
-                rotary_interleaved=0,
-            )
-        )
-        for name in (past_k, past_v):
-            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_shape))
-        for name in (present_k, present_v):
-            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_shape))
-        x = g.one("Add", [x, g.linear(f"attn_{i}", p + "o.weight", state[p + "o.weight"])])
-        h = g.rms_norm(
-            x, g.const(p + "ffn_norm.weight", state[p + "ffn_norm.weight"].numpy()), c.eps
-        )
-        gate = g.linear(h, p + "gate.weight", state[p + "gate.weight"])
-        up = g.linear(h, p + "up.weight", state[p + "up.weight"])
-        silu = g.one("Mul", [gate, g.one("Sigmoid", [gate])])
-        x = g.one(
-            "Add",
-            [x, g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"])],
-        )
+    )
+    return g.linear(f"attn_{layer}", p + "o.weight", state[p + "o.weight"])
+
+
+def mlp(g: _Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: float) -> str:
+    """Layer `layer`'s SwiGLU MLP on x, before the residual (or its share: some gate/up rows
+    and the matching down columns)."""
+    p = f"layers.{layer}."
+    h = g.rms_norm(x, g.const(p + "ffn_norm.weight", state[p + "ffn_norm.weight"].numpy()), eps)
+    gate = g.linear(h, p + "gate.weight", state[p + "gate.weight"])
+    up = g.linear(h, p + "up.weight", state[p + "up.weight"])
+    silu = g.one("Mul", [gate, g.one("Sigmoid", [gate])])
+    return g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"])
+
+
+def lm_head(g: _Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, eps: float) -> str:
+    """The last position only -> final norm -> the LM head (whatever rows it holds)."""
     last = g.one("Gather", [x, g.const("last_position", np.array(-1, np.int64))], axis=1)
-    last = g.one("Reshape", [last, g.const("rows_by_hidden", np.array([-1, c.hidden], np.int64))])
-    h = g.rms_norm(last, g.const("norm.weight", state["norm.weight"].numpy()), c.eps)
+    last = g.one("Reshape", [last, g.const("rows_by_hidden", np.array([-1, hidden], np.int64))])
+    h = g.rms_norm(last, g.const("norm.weight", state["norm.weight"].numpy()), eps)
     # The LM head gets its own [in, out] copy even when tied to the embedding: the Gather
     # reads rows of the fp32 table, while the quantizers can then shrink the head's MatMul.
-    logits = g.linear(h, "lm_head.weight", state["lm_head.weight"])
-    g.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="logits"))
-    graph = helper.make_graph(g.nodes, "meshserve_llm_step", inputs, outputs, g.initializers)
+    return g.linear(h, "lm_head.weight", state["lm_head.weight"])
+
+
+def add_rope(g: _Graph, c: DecoderConfig, max_positions: int) -> None:
+    cos, sin = rope_tables(c, max_positions)
+    g.const("rope.cos", cos)
+    g.const("rope.sin", sin)
+
+
+def model_proto(
+    g: _Graph, name: str, inputs: list, outputs: list, meta: Mapping[str, object]
+) -> onnx.ModelProto:
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     proto = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
         ir_version=IR_VERSION,
         producer_name="meshserve.quantize.llm_graph",
     )
+    helper.set_model_props(proto, {META + k: str(v) for k, v in meta.items()})
+    return proto
+
+
+def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
+    """The engine's step graph for `model`'s weights, with RoPE tables for max_positions."""
+    c = model.config
+    state = dict(model.state_dict())
+    g = _Graph()
+    add_rope(g, c, max_positions)
+    x = embed(g, state)
+    inputs = step_inputs()
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", c.vocab_size])]
+    for i in range(c.layers):
+        past, present = cache_info(i, c.kv_heads, c.head_dim)
+        inputs += past
+        outputs += present
+        x = g.one("Add", [x, attention(g, x, state, i, c.heads, c.kv_heads, c.eps)])
+        x = g.one("Add", [x, mlp(g, x, state, i, c.eps)])
+    logits = lm_head(g, x, state, c.hidden, c.eps)
+    g.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="logits"))
     meta = {
         "layers": c.layers,
         "heads": c.heads,
@@ -156,8 +204,7 @@ def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
         "vocab_size": c.vocab_size,
         "max_positions": max_positions,
     }
-    helper.set_model_props(proto, {META + k: str(v) for k, v in meta.items()})
-    return proto
+    return model_proto(g, "meshserve_llm_step", inputs, outputs, meta)
 
 
 def save(proto: onnx.ModelProto, path: Path) -> Path:

@@ -1,23 +1,20 @@
-"""Megatron-style tensor-parallel shards of our BertEncoder / LlamaDecoder, as ONNX segments.
+"""Megatron-style tensor-parallel shards of our BertEncoder, as ONNX segments.
 
 Per rank the model is cut at its all-reduce points into segments, each one small ONNX graph:
 
     first      embeddings (replicated) + layer 0's attention partial
     L{i}.mlp   residual + norm of the reduced attention partial, then the MLP partial
     L{i}.attn  residual + norm of the reduced MLP partial, then layer i's attention partial
-    head       the last residual + norm, then pooling (encoder) or the LM head (decoder)
+    head       the last residual + norm, then pooling
 
-Attention heads (and, for grouped-query attention, KV heads) are divided across ranks: q/k/v
-and MLP-up/gate are column-parallel (a rank keeps its rows of the weight), attention-out and
-MLP-down row-parallel (its columns, no bias: the replicated bias is added once, after the
-reduce, in the next segment). Embeddings and norms are replicated. The decoder's LM head is
-vocab-parallel when the vocabulary divides by the TP size: each rank computes its slice of
-the logits and an all-gather joins them; otherwise it is replicated.
+Attention heads are divided across ranks: q/k/v and MLP-up are column-parallel (a rank keeps
+its rows of the weight), attention-out and MLP-down row-parallel (its columns, no bias: the
+replicated bias is added once, after the reduce, in the next segment). Embeddings and norms
+are replicated. A decoder is sharded as the LLM engine's step graph instead
+(quantize/llm_shard.py, the same cut over an in-place KV cache).
 
 Tensor-name contract with worker/tp_runtime.py: an output `partial` is all-reduced into
-`reduced`; `logits_shard` is all-gathered along the last axis into `logits`; `X_out` becomes
-`X`; anything else keeps its name. Layer i's KV cache is `past_keys_i`/`past_values_i` in,
-`present_keys_i`/`present_values_i` out, [batch, kv_heads / tp, past, head_dim] per rank.
+`reduced`; `X_out` becomes `X`; anything else keeps its name.
 
 Written into a model repository as DIR/<model>/<version>/tp<N>/{manifest.json, rank<r>/*.onnx}.
 The manifest lists ranks, files, sha256 checksums and weight bytes; the worker verifies it.
@@ -40,15 +37,10 @@ from quantize.models import (
     BertEncoder,
     BertLayer,
     LlamaDecoder,
-    LlamaLayer,
-    RMSNorm,
     attention,
     bert_inputs,
-    decoder_inputs,
     gelu_mlp,
-    gqa_attention,
     mean_pool,
-    swiglu_mlp,
 )
 from worker import config as cfg
 from worker.tp_runtime import MANIFEST as MANIFEST  # the reader owns the format
@@ -180,86 +172,6 @@ class EncHead(nn.Module):
         return mean_pool(self.norm(hidden + reduced + self.down_bias), attention_mask)
 
 
-# ---- decoder segments ----------------------------------------------------------------
-
-
-class LlamaAttnPart(nn.Module):
-    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
-        super().__init__()
-        self.head_dim = hd = layer.head_dim
-        self.heads, self.kv_heads = layer.heads // tp, layer.kv_heads // tp
-        self.norm = layer.attn_norm
-        q_lo = rank * self.heads * hd
-        kv_lo = rank * self.kv_heads * hd
-        self.q = _rows(layer.q, q_lo, q_lo + self.heads * hd)
-        self.k = _rows(layer.k, kv_lo, kv_lo + self.kv_heads * hd)
-        self.v = _rows(layer.v, kv_lo, kv_lo + self.kv_heads * hd)
-        self.o = _cols(layer.o, q_lo, q_lo + self.heads * hd)
-
-    def forward(self, x, cos, sin, bias, past_k, past_v):  # type: ignore[no-untyped-def]
-        return gqa_attention(self, self.norm(x), cos, sin, bias, past_k, past_v)
-
-
-class LlamaMlpPart(nn.Module):
-    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
-        super().__init__()
-        width = layer.up.out_features // tp
-        lo, hi = rank * width, (rank + 1) * width
-        self.norm = layer.ffn_norm
-        self.gate, self.up = _rows(layer.gate, lo, hi), _rows(layer.up, lo, hi)
-        self.down = _cols(layer.down, lo, hi)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(self, self.norm(x))
-
-
-class DecFirst(nn.Module):
-    def __init__(self, model: LlamaDecoder, rank: int, tp: int) -> None:
-        super().__init__()
-        self.embed = model.embed
-        self.register_buffer("inv_freq", model.inv_freq.clone())  # type: ignore[operator]
-        self.attn = LlamaAttnPart(model.layers[0], rank, tp)  # type: ignore[arg-type]
-
-    def forward(self, input_ids, attention_mask, past_k, past_v):  # type: ignore[no-untyped-def]
-        x, cos, sin, bias = decoder_inputs(self, input_ids, attention_mask)
-        partial, k, v = self.attn(x, cos, sin, bias, past_k, past_v)
-        return x, cos, sin, bias, partial, k, v
-
-
-class DecMlp(nn.Module):
-    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
-        super().__init__()
-        self.mlp = LlamaMlpPart(layer, rank, tp)
-
-    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor):  # type: ignore[no-untyped-def]
-        x = hidden + reduced
-        return x, self.mlp(x)
-
-
-class DecAttn(nn.Module):
-    def __init__(self, layer: LlamaLayer, rank: int, tp: int) -> None:
-        super().__init__()
-        self.attn = LlamaAttnPart(layer, rank, tp)
-
-    def forward(self, hidden, reduced, cos, sin, bias, past_k, past_v):  # type: ignore[no-untyped-def]
-        x = hidden + reduced
-        partial, k, v = self.attn(x, cos, sin, bias, past_k, past_v)
-        return x, partial, k, v
-
-
-class DecHead(nn.Module):
-    def __init__(self, model: LlamaDecoder, rank: int, tp: int, vocab_parallel: bool) -> None:
-        super().__init__()
-        self.norm: RMSNorm = model.norm
-        vocab = model.lm_head.out_features
-        width = vocab // tp if vocab_parallel else vocab
-        lo = rank * width if vocab_parallel else 0
-        self.lm_head = _rows(model.lm_head, lo, lo + width)
-
-    def forward(self, hidden: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden + reduced))  # type: ignore[no-any-return]
-
-
 # ---- the segment plan ----------------------------------------------------------------
 
 
@@ -273,7 +185,7 @@ class Segment:
 
 
 # Dynamic axes by tensor name (layer suffixes stripped).
-_B, _S, _T, _P = "batch", "seq", "total", "past"
+_B, _S, _T = "batch", "seq", "total"
 AXES = {
     "input_ids": {0: _B, 1: _S},
     "attention_mask": {0: _B, 1: _T},
@@ -282,14 +194,6 @@ AXES = {
     "reduced": {0: _B, 1: _S},
     "partial": {0: _B, 1: _S},
     "bias": {0: _B, 2: _S, 3: _T},
-    "cos": {0: _B, 2: _S},
-    "sin": {0: _B, 2: _S},
-    "past_keys": {0: _B, 2: _P},
-    "past_values": {0: _B, 2: _P},
-    "present_keys": {0: _B, 2: _T},
-    "present_values": {0: _B, 2: _T},
-    "logits": {0: _B, 1: _S},
-    "logits_shard": {0: _B, 1: _S},
     "sentence_embedding": {0: _B},
 }
 
@@ -349,78 +253,15 @@ def encoder_plan(model: BertEncoder, rank: int, tp: int) -> list[Segment]:
     return plan
 
 
-def vocab_parallel(model: LlamaDecoder, tp: int) -> bool:
-    return tp > 1 and model.config.vocab_size % tp == 0
-
-
-def decoder_plan(model: LlamaDecoder, rank: int, tp: int) -> list[Segment]:
-    c = model.config
-    check_tp("decoder", c.heads, c.kv_heads, tp)
-    b, s, past = 2, 3, 4
-    kvl = c.kv_heads // tp
-    ids = torch.randint(0, c.vocab_size, (b, s))
-    mask = torch.ones(b, past + s, dtype=torch.int64)
-    cache = torch.randn(b, kvl, past, c.head_dim)
-    x = torch.randn(b, s, c.hidden)
-    cos = torch.randn(b, 1, s, c.head_dim)
-    bias = torch.zeros(b, 1, s, past + s)
-    plan = [
-        Segment(
-            "first",
-            DecFirst(model, rank, tp),
-            ("input_ids", "attention_mask", "past_keys_0", "past_values_0"),
-            ("hidden", "cos", "sin", "bias", "partial", "present_keys_0", "present_values_0"),
-            (ids, mask, cache, cache),
-        )
-    ]
-    layers: list[LlamaLayer] = list(model.layers)  # type: ignore[arg-type]
-    for i, layer in enumerate(layers):
-        if i > 0:
-            plan.append(
-                Segment(
-                    f"L{i}.attn",
-                    DecAttn(layer, rank, tp),
-                    (
-                        "hidden",
-                        "reduced",
-                        "cos",
-                        "sin",
-                        "bias",
-                        f"past_keys_{i}",
-                        f"past_values_{i}",
-                    ),
-                    ("hidden_out", "partial", f"present_keys_{i}", f"present_values_{i}"),
-                    (x, x, cos, cos, bias, cache, cache),
-                )
-            )
-        plan.append(
-            Segment(
-                f"L{i}.mlp",
-                DecMlp(layer, rank, tp),
-                ("hidden", "reduced"),
-                ("hidden_out", "partial"),
-                (x, x),
-            )
-        )
-    vp = vocab_parallel(model, tp)
-    plan.append(
-        Segment(
-            "head",
-            DecHead(model, rank, tp, vp),
-            ("hidden", "reduced"),
-            ("logits_shard",) if vp else ("logits",),
-            (x, x),
-        )
-    )
-    return plan
-
-
 def plan_for(model: nn.Module, rank: int, tp: int) -> list[Segment]:
     if isinstance(model, BertEncoder):
         return encoder_plan(model, rank, tp)
     if isinstance(model, LlamaDecoder):
-        return decoder_plan(model, rank, tp)
-    raise ShardError(f"cannot shard {type(model).__name__}: not a BertEncoder or LlamaDecoder")
+        raise ShardError(
+            "a decoder is sharded as the LLM engine's step graph: quantize/llm_shard.py "
+            "(`python -m quantize shard --model smollm2 --tp 3`)"
+        )
+    raise ShardError(f"cannot shard {type(model).__name__}: not a BertEncoder")
 
 
 # ---- export and manifest ---------------------------------------------------------------
@@ -456,30 +297,19 @@ def _sharded_bytes(plan: list[Segment], model: nn.Module, tp: int) -> int:
     for seg in plan:
         for name, p in seg.module.named_parameters():
             leaf = name.split(".")[-2] if "." in name else name
-            if leaf in {"q", "k", "v", "o", "up", "gate", "down"} or (
-                leaf == "lm_head" and tp > 1 and "logits_shard" in seg.outputs
-            ):
+            if leaf in {"q", "k", "v", "o", "up", "gate", "down"}:
                 total += p.numel() * p.element_size()
     return total
 
 
-def kind_of(model: nn.Module) -> str:
-    return "encoder" if isinstance(model, BertEncoder) else "decoder"
-
-
-def io_of(model: nn.Module) -> tuple[list[dict], list[dict]]:
-    """What the TP worker serves: token ids in; an embedding, or generated token ids, out."""
-    if isinstance(model, BertEncoder):
-        return (
-            [
-                {"name": "input_ids", "datatype": "INT64", "dims": [-1]},
-                {"name": "attention_mask", "datatype": "INT64", "dims": [-1]},
-            ],
-            [{"name": "sentence_embedding", "datatype": "FP32", "dims": [model.config.hidden]}],
-        )
+def io_of(model: BertEncoder) -> tuple[list[dict], list[dict]]:
+    """What the TP worker serves: token ids in, an embedding out."""
     return (
-        [{"name": "input_ids", "datatype": "INT64", "dims": [-1]}],
-        [{"name": "output_ids", "datatype": "INT64", "dims": [-1]}],
+        [
+            {"name": "input_ids", "datatype": "INT64", "dims": [-1]},
+            {"name": "attention_mask", "datatype": "INT64", "dims": [-1]},
+        ],
+        [{"name": "sentence_embedding", "datatype": "FP32", "dims": [model.config.hidden]}],
     )
 
 
@@ -521,15 +351,14 @@ def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version:
                 }
             )
         sharded_total = sum(r["sharded_bytes"] for r in ranks)
-        inputs, outputs = io_of(model)
+        inputs, outputs = io_of(model)  # type: ignore[arg-type]
         c = model.config
         manifest = {
             "format": FORMAT,
             "model": name,
-            "kind": kind_of(model),
+            "kind": "encoder",
             "tp": tp,
             "config": dataclasses.asdict(c),  # type: ignore[call-overload]
-            "vocab_parallel": isinstance(model, LlamaDecoder) and vocab_parallel(model, tp),
             "segments": [
                 {"name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}
                 for s in plans[0]
@@ -577,17 +406,25 @@ def shard_model(
 ) -> list[Path]:
     """Load the real weights of `name` (quantize/pipeline.py SOURCES), write a tp<N> shard set
     for each N into OUTPUT/<serve_as or name>/<version>/, and a config.pbtxt when there is
-    none (a shard group serves token ids, so it gets no text parameters)."""
+    none. An encoder's group serves token ids (no text parameters); a decoder's is the LLM
+    engine's step graph (quantize/llm_shard.py), served with Triton's vLLM-backend tensors."""
     from quantize import pipeline
 
     source = pipeline.source(name)
-    model = source.load().model
+    loaded = source.load()
+    model = loaded.model
     heads, kv = heads_of(model)
     for tp in tps:  # refuse before any slow export
         check_tp(name, heads, kv, tp)
     if layers:
         model = truncate(model, layers)
     serve_as = serve_as or name
+    if isinstance(model, LlamaDecoder):  # a decoder is served by the LLM engine
+        from quantize import llm, llm_shard
+
+        return llm_shard.write_model(
+            model, loaded.tokenizer, serve_as, output, tps, llm.MAX_POSITIONS
+        )
     model_dir = output / serve_as
     model_dir.mkdir(parents=True, exist_ok=True)
     if not (model_dir / "config.pbtxt").exists():

@@ -85,6 +85,19 @@ class TpGroup:
             raise CollectiveError(f"all_gather failed on rank {self.rank}: {e}") from e
         return np.concatenate([p.cpu().numpy() for p in parts], axis=axis)
 
+    def gather(self, array: np.ndarray) -> list[np.ndarray] | None:
+        """Every rank's array (same shape everywhere), in rank order, on rank 0; None on the
+        others."""
+        if self.world == 1:
+            return [array]
+        t = self._tensor(array)
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
+        try:
+            dist.gather(t, parts, dst=0, group=self._pg)
+        except Exception as e:
+            raise CollectiveError(f"gather failed on rank {self.rank}: {e}") from e
+        return None if parts is None else [p.cpu().numpy() for p in parts]
+
     def broadcast(
         self, head: tuple[int, int, int], arrays: list[np.ndarray] | None = None
     ) -> tuple[tuple[int, int, int], list[np.ndarray]]:

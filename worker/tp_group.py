@@ -2,7 +2,9 @@
 
 The leader spawns the other ranks (`python -m worker.tp_rank`, killed by the kernel if the
 leader dies: PR_SET_PDEATHSIG), and for each request broadcasts (op, model, arg) and the
-input arrays; every rank then runs the same segments, joined by all-reduce. While idle the
+input arrays; every rank then runs the same segments, joined by all-reduce. For an LLM one
+call is one engine step (worker/llm/tp.py): the lock is held per step, never per
+generation, and other requests' steps and heartbeats run between steps. While idle the
 leader sends a heartbeat (a broadcast and an all-reduce) every `heartbeat_s`, so a rank
 that hangs is found within the collective timeout even without traffic, and the waiting
 ranks never time out. A rank that exits or a collective that fails marks the group failed
@@ -29,7 +31,7 @@ import structlog
 from common.errors import Unavailable
 from worker.parallel import CollectiveError, TpGroup, destroy_tp_group
 from worker.runtime import run_error
-from worker.tp_runtime import OP_NOOP, OP_STOP, RankModel, execute
+from worker.tp_runtime import OP_NOOP, OP_STOP, execute
 
 log = structlog.get_logger()
 
@@ -73,7 +75,7 @@ def heartbeat(group: TpGroup) -> None:
     group.all_reduce(np.zeros(1, np.float32))
 
 
-def follow(models: list[RankModel], group: TpGroup) -> None:
+def follow(models: list, group: TpGroup) -> None:
     """Ranks 1..N-1: run whatever rank 0 broadcasts, until it says stop."""
     while True:
         (op, index, arg), arrays = group.broadcast((OP_NOOP, 0, 0))
@@ -95,7 +97,7 @@ class Leader:
 
     def __init__(
         self,
-        models: list[RankModel],
+        models: list,  # RankModel or worker.llm.tp.RankSteps, by index
         group: TpGroup,
         children: list[subprocess.Popen],
         heartbeat_s: float,

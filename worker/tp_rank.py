@@ -18,7 +18,7 @@ from worker.config import ConfigError
 from worker.parallel import CollectiveError, destroy_tp_group, init_tp_group
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.tp_group import follow
-from worker.tp_runtime import RankModel, find_shard_sets, rss_bytes
+from worker.tp_runtime import find_shard_sets, load_rank, rss_bytes
 
 log = structlog.get_logger()
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shard_sets = find_shard_sets(args.model_repository, args.tp)
         providers = requested_providers(args.providers)
-        models = [RankModel(s, args.rank, options, providers) for s in shard_sets]
+        models = [load_rank(s, args.rank, options, providers) for s in shard_sets]
     except ConfigError as e:
         print(f"meshserve tp rank {args.rank}: {e}", file=sys.stderr)
         return 2

@@ -2,8 +2,10 @@
 and the forward pass that joins them with collectives (see quantize/shard.py for the cut).
 
 Every rank runs the same code on the same inputs: `execute(op, ...)` is called by rank 0 on
-a request and by every other rank on what rank 0 broadcast (worker/tp_group.py). For the
-decoder each rank holds the KV cache of its own KV heads for the length of one generation.
+a request and by every other rank on what rank 0 broadcast (worker/tp_group.py). An encoder
+(kind "encoder") runs one forward per call (`RankModel`); a decoder (kind "llm",
+quantize/llm_shard.py) runs one step of the LLM engine per call (worker/llm/tp.py), each
+rank keeping the KV cache of its own KV heads between steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from worker.runtime import OnnxSession, RuntimeOptions
 
 MANIFEST = "manifest.json"
 
-OP_NOOP, OP_STOP, OP_ENCODE, OP_GENERATE = 0, 1, 2, 3
+OP_NOOP, OP_STOP, OP_ENCODE, OP_STEP = 0, 1, 2, 4
+ENCODER, LLM = "encoder", "llm"
 
 
 class ShardSetError(ConfigError):
@@ -182,8 +185,6 @@ class RankModel:
             for out, array in zip(outputs, arrays, strict=True):
                 if out == "partial":
                     env["reduced"] = group.all_reduce(array)
-                elif out == "logits_shard":
-                    env["logits"] = group.all_gather(array, axis=-1)
                 elif out.endswith("_out"):
                     env[out[:-4]] = array
                 else:
@@ -195,58 +196,27 @@ class RankModel:
         env = self.forward(group, {"input_ids": input_ids, "attention_mask": mask})
         return env["sentence_embedding"]
 
-    def empty_cache(self, batch: int) -> list[np.ndarray]:
-        c = self.config
-        shape = (batch, c["kv_heads"] // self.shards.tp, 0, c["hidden"] // c["heads"])
-        return [np.zeros(shape, np.float32) for _ in range(2 * c["layers"])]
 
-    def step(
-        self,
-        group: TpGroup,
-        input_ids: np.ndarray,
-        mask: np.ndarray,
-        cache: list[np.ndarray],
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One decoder step: logits [batch, seq, vocab] and this rank's new cache (its own KV
-        heads, keys then values per layer)."""
-        layers = self.config["layers"]
-        env = {"input_ids": input_ids, "attention_mask": mask}
-        for i in range(layers):
-            env[f"past_keys_{i}"], env[f"past_values_{i}"] = cache[2 * i], cache[2 * i + 1]
-        env = self.forward(group, env)
-        new = []
-        for i in range(layers):
-            new += [env[f"present_keys_{i}"], env[f"present_values_{i}"]]
-        return env["logits"], new
-
-    def generate(
-        self, group: TpGroup, input_ids: np.ndarray, new_tokens: int
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Greedy continuation of equal-length prompts [batch, seq]: token ids [batch, n] and
-        each step's logits. Every rank has the full logits (all-gathered), so every rank picks
-        the same next token without another broadcast."""
-        batch = input_ids.shape[0]
-        cache = self.empty_cache(batch)
-        mask = np.ones(input_ids.shape, np.int64)
-        ids = input_ids.astype(np.int64)
-        tokens, steps = [], []
-        for _ in range(new_tokens):
-            logits, cache = self.step(group, ids, mask, cache)
-            steps.append(logits)
-            ids = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
-            tokens.append(ids)
-            mask = np.concatenate((mask, np.ones((batch, 1), np.int64)), axis=1)
-        out = np.concatenate(tokens, axis=1) if tokens else np.zeros((batch, 0), np.int64)
-        return out, steps
-
-
-def execute(
-    model: RankModel, group: TpGroup, op: int, arg: int, arrays: list[np.ndarray]
-) -> list[np.ndarray]:
-    """What every rank runs for one broadcast operation."""
+def execute(model, group: TpGroup, op: int, arg: int, arrays: list[np.ndarray]) -> list:  # type: ignore[no-untyped-def]
+    """What every rank runs for one broadcast operation (`model` is a RankModel, or a
+    worker.llm.tp.RankSteps for OP_STEP)."""
     if op == OP_ENCODE:
         return [model.encode(group, arrays[0], arrays[1])]
-    if op == OP_GENERATE:
-        tokens, _ = model.generate(group, arrays[0], arg)
-        return [tokens]
+    if op == OP_STEP:
+        return [model.step(group, arrays[0])]
     raise ValueError(f"unknown TP operation {op}")
+
+
+def load_rank(shards: ShardSet, rank: int, options: RuntimeOptions, providers: list[str]):  # type: ignore[no-untyped-def]
+    """This rank's part of a shard set: RankModel (encoder) or RankSteps (LLM engine)."""
+    if shards.kind == ENCODER:
+        return RankModel(shards, rank, options, providers)
+    if shards.kind == LLM:
+        from worker.llm.tp import RankSteps
+
+        return RankSteps(shards, rank, options, providers)
+    raise ShardSetError(
+        f"{shards.root}: a {shards.kind!r} shard set is no longer served (decoders run the LLM "
+        f"engine's step graph); rebuild it with `python -m quantize shard --model "
+        f"{shards.model} --tp {shards.tp}`"
+    )

@@ -1,10 +1,13 @@
 """The model repository of a shard group's rank 0: `python -m worker --tp N`.
 
-Every model with a tp<N> shard set is served; ModelConfig and ModelMetadata look like any
-model's (token ids in; an embedding, or greedily generated token ids, out), and requests go
-through the same dynamic batcher as a single-process worker, whose run function is one
-group-wide forward. The config's parameters report the group: meshserve.tp,
-meshserve.tp.backend, and per rank meshserve.tp.rank<r>.weight_bytes / .rss_bytes.
+Every model with a tp<N> shard set is served. An encoder looks like any model (token ids in,
+an embedding out) and its requests go through the same dynamic batcher as a single-process
+worker, whose run function is one group-wide forward. An LLM (kind "llm",
+quantize/llm_shard.py) is served exactly as a single-process worker serves one: Triton's
+vLLM-backend tensors through LLMServing and the same Engine, whose model is a TPStepModel
+(worker/llm/tp.py) running each step over the group — so the router sees one replica. The
+config's parameters report the group: meshserve.tp, meshserve.tp.backend, and per rank
+meshserve.tp.rank<r>.weight_bytes / .rss_bytes.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import structlog
 
 from common.dtypes import NUMPY
 from common.net import free_port
+from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
+from worker.llm.serving import LLMServing
+from worker.llm.tp import RankSteps, TPStepModel
 from worker.parallel import init_tp_group
 from worker.repository import LoadedModel, Repository
 from worker.runtime import RuntimeOptions, requested_providers
@@ -29,12 +35,13 @@ from worker.settings import WorkerSettings
 from worker.stats import ModelStats
 from worker.tp_group import Leader, spawn_ranks
 from worker.tp_runtime import (
+    LLM,
     OP_ENCODE,
-    OP_GENERATE,
     RankModel,
     ShardSet,
     check_budget,
     find_shard_sets,
+    load_rank,
     rss_bytes,
 )
 
@@ -42,8 +49,8 @@ log = structlog.get_logger()
 
 TP = "meshserve.tp"
 TP_BACKEND = "meshserve.tp.backend"
-DEFAULT_NEW_TOKENS = 8
-# Text serving is the single-process worker's (worker/text.py); a shard group serves tokens.
+# Text serving of an encoder is the single-process worker's (worker/text.py); a shard group
+# serves its token ids.
 _TEXT_PARAMETERS = (cfg.TOKENIZER, cfg.TEXT_TASK)
 
 
@@ -85,9 +92,8 @@ class TpRepository(Repository):
         joined = threading.Event()
         threading.Thread(target=_exit_if_a_rank_dies, args=(children, joined), daemon=True).start()
         try:
-            models = [
-                RankModel(x, 0, self.options, requested_providers(s.providers)) for x in shard_sets
-            ]
+            providers = requested_providers(s.providers)
+            models = [load_rank(x, 0, self.options, providers) for x in shard_sets]
             group = init_tp_group(
                 0, s.tp, s.tp_backend, s.tp_master_addr, port, s.tp_timeout_seconds
             )
@@ -109,7 +115,10 @@ class TpRepository(Repository):
         )
         for index, (shards, model) in enumerate(zip(shard_sets, models, strict=True)):
             version = shards.root.parent.name
-            loaded = self._load_sharded(index, shards, model, group.backend)
+            if shards.kind == LLM:
+                loaded = self._load_llm_sharded(index, shards, model, group.backend)
+            else:
+                loaded = self._load_sharded(index, shards, model, group.backend)
             self.models.setdefault(shards.model, {})[version] = loaded
 
     def start(self, on_failure: Callable[[str], None]) -> None:
@@ -140,39 +149,73 @@ class TpRepository(Repository):
             self.default_max_batch_size,
             self.default_max_queue_size,
         )
-        params = completed.parameters
-        params[cfg.EXECUTION_PROVIDER].string_value = model.provider
         # Token ids are checked against the embedding before they reach the group.
         cfg.add_index_bounds(
             completed, {n: b for x in model.sessions.values() for n, b in x.index_bounds.items()}
         )
-        params[TP].string_value = str(shards.tp)
-        params[TP_BACKEND].string_value = backend
-        for rank, (weights, rss) in enumerate(self.rank_stats):
-            params[f"meshserve.tp.rank{rank}.weight_bytes"].string_value = str(weights)
-            params[f"meshserve.tp.rank{rank}.rss_bytes"].string_value = str(rss)
+        self._report_group(completed, model.provider, shards.tp, backend)
         spec = cfg.spec(completed, shards.root.parent.name)
-        run = self._run_fn(index, shards.kind, spec)
+        run = self._run_fn(index)
         run(list(spec.outputs), _zeros(spec))  # warm-up through every rank
         stats = ModelStats()
         batcher = Batcher(spec, run, stats, spec.max_queue_size or self.default_max_queue_size)
         log.info("model_loaded", model=spec.name, version=spec.version, tp=shards.tp)
         return LoadedModel(spec, completed, model.sessions["first"], stats, batcher=batcher)
 
-    def _run_fn(self, index: int, kind: str, spec: cfg.ModelSpec):  # type: ignore[no-untyped-def]
+    def _report_group(self, config: mc.ModelConfig, provider: str, tp: int, backend: str) -> None:
+        params = config.parameters
+        params[cfg.EXECUTION_PROVIDER].string_value = provider
+        params[TP].string_value = str(tp)
+        params[TP_BACKEND].string_value = backend
+        for rank, (weights, rss) in enumerate(self.rank_stats):
+            params[f"meshserve.tp.rank{rank}.weight_bytes"].string_value = str(weights)
+            params[f"meshserve.tp.rank{rank}.rss_bytes"].string_value = str(rss)
+
+    def _load_llm_sharded(
+        self, index: int, shards: ShardSet, model: RankSteps, backend: str
+    ) -> LoadedModel:
+        """The engine on this rank, each step over the group (the single-process worker's
+        Repository._load_llm, with a TPStepModel)."""
+        assert self.leader is not None
+        model_dir = shards.root.parent.parent
+        config = cfg.read(model_dir)
+        if not cfg.is_llm(config):
+            raise cfg.ConfigError(
+                f"model {config.name!r}: its shard set is an LLM's, but config.pbtxt does not "
+                f"set {cfg.ENGINE} to {cfg.LLM_ENGINE!r}"
+            )
+        completed = cfg.complete_llm(config, self.default_max_queue_size)
+        self._report_group(completed, model.provider, shards.tp, backend)
+        version = shards.root.parent.name
+        spec = cfg.spec(completed, version)
+        llm = LLMServing(spec, TPStepModel(model, self.leader, index), model_dir)
+        stats = ModelStats()
+        llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
+            rows, rows, 0, ns, 0
+        )
+        llm.engine.start()
+        log.info(
+            "model_loaded",
+            model=spec.name,
+            version=version,
+            tp=shards.tp,
+            engine="llm",
+            max_model_len=llm.config.max_model_len,
+            max_num_seqs=llm.config.max_num_seqs,
+            kv_cache_tokens_per_rank=llm.config.kv_cache_tokens,
+        )
+        return LoadedModel(spec, completed, model.sessions["first"], stats, llm=llm)
+
+    def _run_fn(self, index: int):  # type: ignore[no-untyped-def]
         leader = self.leader
         assert leader is not None
-        new_tokens = int(spec.parameters.get(cfg.MAX_NEW_TOKENS, DEFAULT_NEW_TOKENS))
 
         def run(names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-            if kind == "encoder":
-                ids = feeds["input_ids"]
-                mask = feeds.get("attention_mask")
-                if mask is None:
-                    mask = np.ones_like(ids)
-                (out,) = leader.call(index, OP_ENCODE, 0, [ids, mask])
-            else:
-                (out,) = leader.call(index, OP_GENERATE, new_tokens, [feeds["input_ids"]])
+            ids = feeds["input_ids"]
+            mask = feeds.get("attention_mask")
+            if mask is None:
+                mask = np.ones_like(ids)
+            (out,) = leader.call(index, OP_ENCODE, 0, [ids, mask])
             return [out for _ in names]
 
         return run

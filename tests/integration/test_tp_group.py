@@ -1,8 +1,12 @@
 """Shard groups as real processes: gloo ranks behind `python -m worker --tp N`, the router,
-a killed rank and the restart, a hung rank, the per-rank memory budget."""
+a killed rank and the restart, a hung rank, the per-rank memory budget. The decoder is
+served by the LLM engine over the group (Triton's vLLM-backend tensors, streamed): its text
+equals the unsharded engine's (TP1)."""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import subprocess
 import sys
 import time
@@ -18,35 +22,49 @@ from tritonclient.utils import InferenceServerException
 from common import mesh_state
 from common.mesh_state import WorkerInfo
 from deploy.processes import wait_serving
-from quantize import shard
-from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder, greedy
+from quantize import llm_graph, llm_shard, shard, weights
+from quantize.models import BertEncoder, EncoderConfig
 from tests.integration.mesh import Mesh
+from tests.integration.test_llm import inputs, text_of
+from tests.llm.test_tp_engine import tp_decoder
 from worker import config as cfg
+from worker.llm.engine import EngineConfig
+from worker.llm.model import StepModel
+from worker.runtime import RuntimeOptions
+from worker.tp_local import run_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-NEW_TOKENS = 4
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BertEncoder, LlamaDecoder]:
-    """A random encoder (6 heads) and decoder (4 heads, 2 KV heads) sharded for TP 1 and 2."""
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BertEncoder, str]:
+    """A random encoder (6 heads) sharded for TP 1 and 2, and a random decoder (6 heads,
+    2 KV heads) as the LLM engine's shard sets for TP 1 and 2, with SmolLM2's tokenizer;
+    and the text the unsharded engine generates for PROMPT."""
+    from gguf import GGUFReader
+
     torch.manual_seed(0)
     enc = BertEncoder(
         EncoderConfig(vocab_size=64, hidden=48, layers=2, heads=6, intermediate=96)
     ).eval()
-    dec = LlamaDecoder(
-        DecoderConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
-    ).eval()
     root = tmp_path_factory.mktemp("tp-repo")
-    for name, model in (("enc", enc), ("dec", dec)):
-        (root / name).mkdir()
-        (root / name / "config.pbtxt").write_text(
-            # a long batching window: concurrent calls always meet in one group-wide run
-            cfg.config_text(name, 8, 100_000, {cfg.MAX_NEW_TOKENS: str(NEW_TOKENS)})
-        )
-        for tp in (1, 2):
-            shard.write_shards(model, name, root / name, tp)
-    return root, enc, dec
+    (root / "enc").mkdir()
+    (root / "enc" / "config.pbtxt").write_text(
+        # a long batching window: concurrent calls always meet in one group-wide run
+        cfg.config_text("enc", 8, 100_000, {})
+    )
+    for tp in (1, 2):
+        shard.write_shards(enc, "enc", root / "enc", tp)
+    dec = tp_decoder()
+    tokenizer = weights.gguf_tokenizer(GGUFReader(str(weights.smollm2_gguf())))
+    llm_shard.write_model(dec, tokenizer, "dec", root, [1, 2], 512, max_model_len=256)
+    step = llm_graph.save(llm_graph.build(dec, 512), root.parent / "dec-step.onnx")
+    model = StepModel.load(step, RuntimeOptions(intra_op_threads=1), ["CPUExecutionProvider"])
+    request = {"text": PROMPT, "max_tokens": GREEDY["max_tokens"]}
+    out = asyncio.run(run_engine(model, tokenizer, EngineConfig(max_model_len=256), [[request]]))
+    return root, enc, out["results"][0][0]["text"]
 
 
 def ranks_of(pid: int) -> list[int]:
@@ -54,7 +72,7 @@ def ranks_of(pid: int) -> list[int]:
     return [int(c) for c in children]
 
 
-def check_answers(address: str, enc: BertEncoder, dec: LlamaDecoder) -> None:
+def check_answers(address: str, enc: BertEncoder, tp1_text: str) -> None:
     client = triton.InferenceServerClient(address)
     ids = np.array([[1, 5, 9, 2, 7], [3, 3, 8, 1, 0]], np.int64)
     mask = np.ones_like(ids)
@@ -67,13 +85,34 @@ def check_answers(address: str, enc: BertEncoder, dec: LlamaDecoder) -> None:
     with torch.no_grad():
         want = enc(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)
-    tokens = client.infer("dec", [x], client_timeout=30).as_numpy("output_ids")
-    for row in range(2):
-        assert tokens[row].tolist() == greedy(dec, torch.from_numpy(ids[row : row + 1]), NEW_TOKENS)
+    # (the router answers a stream's request with one response: the whole text)
+    assert "".join(stream("dec", address, PROMPT)) == tp1_text
+
+
+def stream(model: str, address: str, text: str) -> list[str]:
+    """The pieces of one streamed generation (tritonclient, decoupled ModelStreamInfer)."""
+    results: queue.Queue = queue.Queue()
+    client = triton.InferenceServerClient(address)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(
+            model, inputs(text, True, GREEDY), enable_empty_final_response=True
+        )
+        pieces = []
+        for _ in range(1000):
+            result, error = results.get(timeout=60)
+            assert error is None, error
+            pieces.append(text_of(result))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return pieces
+        raise AssertionError("no final response")
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def test_router_to_tp_group_killed_rank_and_restart(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
-    root, enc, dec = tiny
+    root, enc, tp1_text = tiny
     address = mesh.add_worker(root, "--tp", "2", "--tp-timeout-seconds", "3")
     router = mesh.start_router()
     mesh.wait_registered(1)
@@ -82,7 +121,9 @@ def test_router_to_tp_group_killed_rank_and_restart(mesh: Mesh, tiny) -> None:  
     info = WorkerInfo.from_json(client.get(mesh_state.worker_key(worker_id)))
     assert info.tp == 2 and info.address == address
     assert sorted(info.models) == ["dec", "enc"]
-    check_answers(router, enc, dec)
+    check_answers(router, enc, tp1_text)
+    pieces = stream("dec", address, PROMPT)  # from the group itself: one response per piece
+    assert len(pieces) > 2 and "".join(pieces) == tp1_text
     params = triton.InferenceServerClient(router).get_model_config("enc").config.parameters
     assert params["meshserve.tp"].string_value == "2"
     assert params["meshserve.tp.backend"].string_value == "gloo"
@@ -98,18 +139,18 @@ def test_router_to_tp_group_killed_rank_and_restart(mesh: Mesh, tiny) -> None:  
     time.sleep(0.3)  # the router's next registry read
     start = time.monotonic()
     with pytest.raises(InferenceServerException) as error:
-        check_answers(router, enc, dec)
+        check_answers(router, enc, tp1_text)
     assert time.monotonic() - start < 30
     assert "UNAVAILABLE" in str(error.value.status())
 
     worker.start()  # what the launcher's supervise loop does
     wait_serving(address, worker)
     mesh.wait_registered(1)
-    check_answers(router, enc, dec)
+    check_answers(router, enc, tp1_text)
 
 
 def test_hung_rank_fails_the_group_within_the_timeout(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
-    root, enc, dec = tiny
+    root, enc, tp1_text = tiny
     address = mesh.add_worker(root, "--tp", "2", "--tp-timeout-seconds", "2")
     worker = mesh.workers[address]
     assert worker.popen is not None
@@ -117,11 +158,9 @@ def test_hung_rank_fails_the_group_within_the_timeout(mesh: Mesh, tiny) -> None:
     subprocess.run(["kill", "-STOP", str(rank1)], check=True)
     try:
         client = triton.InferenceServerClient(address)
-        x = triton.InferInput("input_ids", [1, 3], "INT64")
-        x.set_data_from_numpy(np.array([[1, 2, 3]], np.int64))
         start = time.monotonic()
         with pytest.raises(InferenceServerException):
-            client.infer("dec", [x], client_timeout=4)
+            client.infer("dec", inputs(PROMPT, False, GREEDY), client_timeout=4)
         assert time.monotonic() - start < 4.5  # never past the caller's deadline
         assert worker.popen.wait(10) == 3
     finally:
@@ -129,7 +168,7 @@ def test_hung_rank_fails_the_group_within_the_timeout(mesh: Mesh, tiny) -> None:
 
 
 def test_over_budget_refused_unsharded_and_served_with_tp(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
-    root, enc, dec = tiny
+    root, enc, tp1_text = tiny
     sets = {
         tp: [
             shard.json.loads((root / n / "1" / f"tp{tp}" / "manifest.json").read_text())
@@ -163,19 +202,21 @@ def test_over_budget_refused_unsharded_and_served_with_tp(mesh: Mesh, tiny) -> N
     assert f"budget of {budget} bytes" in refused.stderr
     assert "unsharded needs" in refused.stderr and "shard it with TP 2" in refused.stderr
     address = mesh.add_worker(root, "--tp", "2", "--memory-budget-bytes", str(budget))
-    check_answers(address, enc, dec)
+    check_answers(address, enc, tp1_text)
     # dynamic batching as in a single-process worker: 4 concurrent calls, fewer executions
     client = triton.InferenceServerClient(address)
-    x = triton.InferInput("input_ids", [1, 3], "INT64")
-    x.set_data_from_numpy(np.array([[1, 2, 3]], np.int64))
+    feeds = []
+    for name in ("input_ids", "attention_mask"):
+        feeds.append(triton.InferInput(name, [1, 3], "INT64"))
+        feeds[-1].set_data_from_numpy(np.array([[1, 2, 3]], np.int64))
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: client.infer("dec", [x], client_timeout=30), range(4)))
-    (stats,) = client.get_inference_statistics("dec", as_json=True)["model_stats"]
+        list(pool.map(lambda _: client.infer("enc", feeds, client_timeout=30), range(4)))
+    (stats,) = client.get_inference_statistics("enc", as_json=True)["model_stats"]
     assert int(stats["inference_count"]) >= int(stats["execution_count"]) + 2
 
 
 def test_bad_input_fails_its_request_not_the_group(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
-    root, enc, dec = tiny
+    root, enc, tp1_text = tiny
     address = mesh.add_worker(root, "--tp", "2", "--tp-timeout-seconds", "3")
     worker = mesh.workers[address]
     assert worker.popen is not None
@@ -202,5 +243,5 @@ def test_bad_input_fails_its_request_not_the_group(mesh: Mesh, tiny) -> None:  #
     # Past the codec, failing inside every rank's forward: that request fails, the group goes on.
     message = call(np.ones((1, 5), np.int64), np.ones((1, 4), np.int64))
     assert "model 'enc' cannot run on this input" in message
-    check_answers(address, enc, dec)
+    check_answers(address, enc, tp1_text)
     assert worker.popen.poll() is None and ranks_of(worker.popen.pid) == ranks

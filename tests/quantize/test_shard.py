@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from quantize import shard
+from quantize import llm_shard, shard
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder
 from worker.tp_runtime import CapacityError, ShardSet, ShardSetError, check_budget
 
@@ -69,17 +69,25 @@ def test_encoder_segments_sum_to_the_model(tmp_path: Path) -> None:
     assert all(len(f["sha256"]) == 64 for r in manifest["ranks"] for f in r["files"])
 
 
-def test_decoder_plan_is_vocab_parallel_when_the_vocabulary_divides() -> None:
+def test_a_decoder_is_sharded_as_the_engine_step_graph() -> None:
     model = LlamaDecoder(
-        DecoderConfig(vocab_size=96, hidden=36, layers=1, heads=9, kv_heads=3, intermediate=48)
+        DecoderConfig(vocab_size=97, hidden=96, layers=1, heads=6, kv_heads=2, intermediate=48)
     )
-    assert shard.decoder_plan(model, 0, 3)[-1].outputs == ("logits_shard",)
-    odd = LlamaDecoder(
-        DecoderConfig(vocab_size=97, hidden=36, layers=1, heads=9, kv_heads=3, intermediate=48)
-    )
-    assert shard.decoder_plan(odd, 0, 3)[-1].outputs == ("logits",)
-    with pytest.raises(shard.ShardError):
-        shard.decoder_plan(model, 0, 2)
+    with pytest.raises(shard.ShardError, match="llm_shard"):
+        shard.plan_for(model, 0, 2)
+    segments = llm_shard.plan(model, 1, 2, 64)
+    assert [s.name for s in segments] == ["first", "L0.mlp", "head"]
+    # the vocabulary is padded to a multiple of the TP size, and each rank holds half
+    (head,) = [t for t in segments[-1].proto.graph.initializer if t.name == "lm_head.weight"]
+    assert list(head.dims) == [96, 49]
+    attention = [n for n in segments[0].proto.graph.node if n.op_type == "GroupQueryAttention"]
+    heads = {a.name: a.i for a in attention[0].attribute if a.name.endswith("num_heads")}
+    assert heads == {"num_heads": 3, "kv_num_heads": 1}
+    with pytest.raises(shard.ShardError, match="multiple of 16"):
+        small = DecoderConfig(
+            vocab_size=64, hidden=48, layers=1, heads=6, kv_heads=2, intermediate=8
+        )
+        llm_shard.plan(LlamaDecoder(small), 0, 2, 64)
 
 
 def test_manifest_checksums_and_budget(tmp_path: Path) -> None:

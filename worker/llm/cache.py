@@ -14,13 +14,17 @@ plus max_tokens when admitted), rounded up to pages.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
 FLOAT_BYTES = 4
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,16 @@ class KVCache:
         self.reserved_tokens = 0
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES)
+        # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
+        # No swap reserved for slots x max_len: only the budget's pages are ever resident.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=flags)
         self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
         self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+        # told of every freed slot (a shard group's other ranks free their copies too)
+        self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
 
     @property
@@ -70,13 +79,19 @@ class KVCache:
     def release(self, slot: int, tokens: int) -> None:
         """Give the slot back and its written pages to the OS."""
         self.reserved_tokens -= tokens
+        self.discard(slot)
+        self._free.append(slot)
+        if self.on_release is not None:
+            self.on_release(slot)
+
+    def discard(self, slot: int) -> None:
+        """Return the slot's written pages to the OS (it reads as zeros afterwards)."""
         layer_bytes = self.shape.slots * self._slot_bytes
         for kv in range(2):
             for layer in range(self.shape.layers):
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
                 # page-aligned by construction when max_len * head_dim * 4 is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
-        self._free.append(slot)
 
     def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
         """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
@@ -96,4 +111,9 @@ class KVCache:
         self.bindings.clear()
         self._views.clear()
         del self.data
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view still lives (e.g. in a logged traceback's frame)
+            gc.collect()
+            with contextlib.suppress(BufferError):  # then the last view's owner frees it
+                self._map.close()

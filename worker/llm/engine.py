@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.detokenize import Detokenizer
-from worker.llm.model import StepModel
+from worker.llm.model import Model
 from worker.llm.sampling import Sampler, SamplingParams
 
 log = structlog.get_logger()
@@ -104,7 +104,7 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        model: StepModel,
+        model: Model,
         tokenizer: Tokenizer,
         config: EngineConfig,
         on_execution=None,  # type: ignore[no-untyped-def]

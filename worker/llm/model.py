@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -29,6 +30,17 @@ class GraphFacts:
     head_dim: int
     vocab_size: int
     max_positions: int
+
+
+class Model(Protocol):
+    """What the engine runs: StepModel here, or worker/llm/tp.py's TPStepModel (a shard
+    group, whose `facts` are one rank's share of the heads)."""
+
+    facts: GraphFacts
+
+    def run(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
+    ) -> np.ndarray: ...
 
 
 def is_step_graph(session: OnnxSession) -> bool:

@@ -22,7 +22,7 @@ from common.errors import InvalidArgument
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.engine import Engine, EngineConfig, Output
-from worker.llm.model import StepModel
+from worker.llm.model import Model
 
 log = structlog.get_logger()
 
@@ -54,7 +54,7 @@ class LLMRequest:
     exclude_input: bool
 
 
-def engine_config(spec: ModelSpec, model: StepModel) -> EngineConfig:
+def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
     p = spec.parameters
     for key in INT_PARAMETERS:
         if key in p and not p[key].isdigit():
@@ -78,7 +78,7 @@ def engine_config(spec: ModelSpec, model: StepModel) -> EngineConfig:
 
 
 class LLMServing:
-    def __init__(self, spec: ModelSpec, model: StepModel, model_dir: Path) -> None:
+    def __init__(self, spec: ModelSpec, model: Model, model_dir: Path) -> None:
         path = model_dir / spec.parameters.get(TOKENIZER, "tokenizer.json")
         if not path.is_file():
             raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
