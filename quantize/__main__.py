@@ -144,26 +144,19 @@ def run(args: argparse.Namespace) -> int:
         from quantize import llm
 
         with progress() as bar:
-            step(bar, "export the engine graph", llm.export_step_graph, args.cache)
-            if args.recipe != pipeline.FP32:
-                step(
-                    bar, f"quantize {args.recipe}", llm.quantize_step_graph, args.recipe, args.cache
-                )
-                metrics, failures = step(bar, "gate", llm.gate, args.recipe, args.cache)
-                console.print(f"{args.recipe}: {metrics}")
-                if failures:
-                    console.print(f"[red]refused[/red] {args.recipe}: " + "; ".join(failures))
-                    return 1
-            path = step(
+            path, metrics = step(
                 bar,
-                f"install into {args.output}",
-                llm.install,
+                f"smollm2/{args.recipe} for the LLM engine",
+                llm.build,
                 args.output,
                 args.recipe,
                 args.cache,
                 args.name,
+                args.reports,
                 args.max_model_len,
             )
+        if metrics:
+            console.print(f"{args.recipe}: {metrics}")
         console.print(f"{args.name}: {path}")
         return 0
     if args.command == "evaluate":

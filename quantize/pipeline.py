@@ -16,10 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantize import evaluate, export, report, weights
+from google.protobuf import text_format
+
+from protos import model_config_pb2 as mc
+from quantize import evaluate, export, llm_graph, report, weights
+from quantize.models import LlamaDecoder
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe
 from worker import config as cfg
 
+MAX_POSITIONS = 8192  # SmolLM2's trained context; the serving limit is max_model_len
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 FP32 = "fp32"
@@ -65,8 +70,10 @@ SOURCES = {
             {
                 cfg.PRICE_PER_CALL: "200",
                 cfg.TRAINING_COST: "2500000000",
-                cfg.TEXT_TASK: "generate",
-                cfg.MAX_NEW_TOKENS: "32",
+                "meshserve.price_per_1k_input_tokens_micro_usd": "50",
+                "meshserve.price_per_1k_output_tokens_micro_usd": "200",
+                cfg.ENGINE: cfg.LLM_ENGINE,
+                "meshserve.max_model_len": "2048",
             },
             max_batch_size=16,
             max_queue_delay_us=1000,
@@ -113,6 +120,13 @@ class Artifact:
         return self.model.exists() and self.tokenizer.exists()
 
 
+def artifact_for(cache: Path, name: str, label: str) -> Artifact:
+    """CACHE/<model>/<label>; a decoder's files are the LLM engine's step graphs, kept
+    apart (engine-<label>) from any other export of the same model."""
+    kind = SOURCES[name].kind if name in SOURCES else ENCODER
+    return Artifact(cache / name / (f"engine-{label}" if kind == DECODER else label))
+
+
 def _staged(target: Path, write: Callable[[Path], None]) -> None:
     """write(tmp_folder), then rename tmp_folder to target (replacing it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +143,7 @@ def _staged(target: Path, write: Callable[[Path], None]) -> None:
 
 def export_model(name: str, cache: Path, force: bool = False) -> Artifact:
     model = source(name)
-    artifact = Artifact(cache / name / FP32)
+    artifact = artifact_for(cache, name, FP32)
     if artifact.exists() and not force:
         return artifact
     try:
@@ -140,6 +154,10 @@ def export_model(name: str, cache: Path, force: bool = False) -> Artifact:
     def write(tmp: Path) -> None:
         loaded.tokenizer.no_padding()
         loaded.tokenizer.save(str(tmp / TOKENIZER_FILE))
+        if model.kind == DECODER:  # what the LLM engine serves
+            assert isinstance(loaded.model, LlamaDecoder)
+            llm_graph.save(llm_graph.build(loaded.model, MAX_POSITIONS), tmp / MODEL_FILE)
+            return
         try:
             export.export(loaded.model, tmp / MODEL_FILE)
         except export.ExportError as e:
@@ -153,7 +171,7 @@ def quantize_model(name: str, recipe_name: str, cache: Path, force: bool = False
     model = source(name)
     recipe = recipe_for(model, recipe_name)
     parent = export_model(name, cache)
-    artifact = Artifact(cache / name / recipe.name)
+    artifact = artifact_for(cache, name, recipe.name)
     if artifact.exists() and not force:
         return artifact
     _quiet_quantizers()
@@ -192,7 +210,7 @@ def evaluate_model(
     """Evaluate CACHE/<name>/<recipe> against its fp32 parent, apply the gate, write the report."""
     model = source(name)
     recipe = recipe_for(model, recipe_name)
-    parent, candidate = Artifact(cache / name / FP32), Artifact(cache / name / recipe.name)
+    parent, candidate = artifact_for(cache, name, FP32), artifact_for(cache, name, recipe.name)
     for a in (parent, candidate):
         if not a.exists():
             raise BuildError(
@@ -231,6 +249,8 @@ def evaluate_model(
 
 
 def config_text(model: Source, versions: dict[int, str]) -> str:
+    if model.kind == DECODER:
+        return llm_config_text(model, versions)
     params = {
         **model.config,
         cfg.TOKENIZER: TOKENIZER_FILE,
@@ -246,16 +266,33 @@ def config_text(model: Source, versions: dict[int, str]) -> str:
     )
 
 
+def llm_config_text(model: Source, versions: dict[int, str]) -> str:
+    """A decoder as the LLM engine serves it: decoupled, Triton's vLLM-backend tensors
+    (completed by the worker), no batch dimension (the engine batches sequences)."""
+    config = mc.ModelConfig(name=model.name, platform="onnxruntime_onnx", max_batch_size=0)
+    config.model_transaction_policy.decoupled = True
+    if len(versions) > 1:
+        config.version_policy.all.SetInParent()
+    params = {
+        **model.config,
+        cfg.TOKENIZER: TOKENIZER_FILE,
+        **{f"meshserve.version.{v}": label for v, label in versions.items()},
+    }
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return text_format.MessageToString(config)
+
+
 def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> dict[int, str]:
     """Write OUTPUT/<name>/ (fp32 as version 1, accepted recipes after it) in one rename."""
     model = source(name)
     versions = {1: FP32, **{i + 2: r for i, r in enumerate(accepted)}}
 
     def write(tmp: Path) -> None:
-        shutil.copy(Artifact(cache / name / FP32).tokenizer, tmp / TOKENIZER_FILE)
+        shutil.copy(artifact_for(cache, name, FP32).tokenizer, tmp / TOKENIZER_FILE)
         for version, label in versions.items():
             (tmp / str(version)).mkdir()
-            src = Artifact(cache / name / label).model
+            src = artifact_for(cache, name, label).model
             try:  # a hard link when the cache is on the same disk: no second copy
                 (tmp / str(version) / MODEL_FILE).hardlink_to(src)
             except OSError:

@@ -24,17 +24,15 @@ EXECUTION_PROVIDER = "meshserve.execution_provider"
 # machine whose few cores cannot also host real compute for several replicas.
 SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
 # Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
-# the tokens. The worker then adds a BYTES input TEXT (and, to generators, an output
-# TEXT_OUTPUT); the graph's token inputs become its optional alternative.
+# the tokens. The worker then adds a BYTES input TEXT; the graph's token inputs become its
+# optional alternative.
 TOKENIZER = "meshserve.tokenizer"
-TEXT_TASK = "meshserve.text_task"  # embed | generate
-MAX_NEW_TOKENS = "meshserve.max_new_tokens"
-TEXT_TASKS = ("embed", "generate")
+TEXT_TASK = "meshserve.text_task"  # embed (generation is the LLM engine's: ENGINE below)
+TEXT_TASKS = ("embed",)
 # meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
 # an embedding). Found in the graph where an input indexes a constant table; may be set.
 VOCAB_SIZE = "meshserve.vocab_size."
 TEXT_INPUT = "TEXT"
-TEXT_OUTPUT = "TEXT_OUTPUT"
 # An LLM served by the generation engine (worker/llm/): the model folder holds the engine's
 # step graph and a tokenizer; clients speak Triton's vLLM-backend tensors (decoupled).
 ENGINE = "meshserve.engine"
@@ -195,7 +193,7 @@ def _show(dims: tuple[int | None, ...]) -> list[int]:
 
 def _check_parameters(config: mc.ModelConfig) -> None:
     vocab = [k for k in config.parameters if k.startswith(VOCAB_SIZE)]
-    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, MAX_NEW_TOKENS, *vocab):
+    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, *vocab):
         if key in config.parameters:
             raw = config.parameters[key].string_value
             if not raw.isdigit():
@@ -222,13 +220,19 @@ def vocab_sizes(spec: ModelSpec) -> dict[str, int]:
 
 
 def add_text_tensors(config: mc.ModelConfig) -> None:
-    """For a config naming a tokenizer: the TEXT input, required (and TEXT_OUTPUT for
-    generators); the token inputs stay, marked optional (the alternative to TEXT).
+    """For a config naming a tokenizer: the TEXT input, required; the token inputs stay,
+    marked optional (the alternative to TEXT).
     Call after `complete`, which checks tensors against the graph."""
     params = config.parameters
     if TOKENIZER not in params and TEXT_TASK not in params:
         return
     task = params[TEXT_TASK].string_value if TEXT_TASK in params else ""
+    if task == "generate":
+        raise ConfigError(
+            f"model {config.name!r}: text_task 'generate' is served by the LLM engine now: "
+            f"set {ENGINE}: {LLM_ENGINE!r} and build the model with `python -m quantize "
+            "build-llm` (its step graph, a decoupled config)"
+        )
     if TOKENIZER not in params or task not in TEXT_TASKS:
         raise ConfigError(
             f"model {config.name!r}: text serving needs both {TOKENIZER} (a tokenizer.json in "
@@ -242,8 +246,6 @@ def add_text_tensors(config: mc.ModelConfig) -> None:
     for tensor in config.input:
         tensor.optional = True
     config.input.add(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=dims)
-    if task == "generate":
-        config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=dims)
 
 
 def is_llm(config: mc.ModelConfig) -> bool:

@@ -41,7 +41,7 @@ def tiny_minilm() -> weights.Loaded:
 def tiny_smollm2() -> weights.Loaded:
     torch.manual_seed(0)
     config = DecoderConfig(
-        vocab_size=VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48
+        vocab_size=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96
     )
     return weights.Loaded(LlamaDecoder(config).eval(), word_tokenizer())
 

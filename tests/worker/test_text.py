@@ -31,11 +31,6 @@ def spec(task: str) -> cfg.ModelSpec:
         cfg.TEXT_INPUT: t(cfg.TEXT_INPUT, "BYTES", (1,), True),
     }
     outputs = {"sentence_embedding": t("sentence_embedding", "FP32", (4,))}
-    if task == "generate":
-        inputs["past_keys"] = t("past_keys", "FP32", (2, 1, -1, 3), True)
-        inputs["past_values"] = t("past_values", "FP32", (2, 1, -1, 3), True)
-        outputs = {n: t(n, "FP32", (-1,)) for n in ("logits", "present_keys", "present_values")}
-        outputs[cfg.TEXT_OUTPUT] = t(cfg.TEXT_OUTPUT, "BYTES", (1,))
     return cfg.ModelSpec(
         "m",
         "1",
@@ -47,7 +42,7 @@ def spec(task: str) -> cfg.ModelSpec:
         (),
         8,
         1,
-        {cfg.TOKENIZER: "tokenizer.json", cfg.TEXT_TASK: task, cfg.MAX_NEW_TOKENS: "4"},
+        {cfg.TOKENIZER: "tokenizer.json", cfg.TEXT_TASK: task},
     )
 
 
@@ -93,33 +88,14 @@ def test_token_ids_still_pass_straight_through(tmp_path: Path) -> None:
         )
 
 
-def test_generate_left_pads_grows_the_cache_and_stops_at_eos(tmp_path: Path) -> None:
-    script = iter([5, 3, 6, 2])  # b, world, <|im_end|>, (never reached)
-    calls = []
+def test_text_generate_is_refused_with_a_pointer_to_the_llm_engine() -> None:
+    from protos import model_config_pb2 as mc
 
-    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
-        calls.append({k: v.shape for k, v in inputs.items()})
-        rows, seq = inputs["input_ids"].shape
-        logits = np.zeros((rows, seq, len(WORDS)), np.float32)
-        logits[:, -1, next(script)] = 1.0
-        past = inputs["past_keys"].shape[3]
-        cache = np.zeros((rows, 2, 1, past + seq, 3), np.float32)
-        return {"logits": logits, "present_keys": cache, "present_values": cache}
-
-    text = TextModel(spec("generate"), model_dir(tmp_path), submit)
-    out = asyncio.run(
-        text.infer(
-            {cfg.TEXT_INPUT: texts("hello")},
-            ["logits", "present_keys", "present_values", cfg.TEXT_OUTPUT],
-        )
-    )
-    assert set(out) == {cfg.TEXT_OUTPUT}
-    assert out[cfg.TEXT_OUTPUT][0, 0] == b"b world"
-    assert len(calls) == 3
-    assert calls[0]["input_ids"] == (1, BUCKET) and calls[0]["past_keys"] == (1, 2, 1, 0, 3)
-    assert calls[2]["input_ids"] == (1, 1) and calls[2]["attention_mask"] == (1, BUCKET + 2)
-    with pytest.raises(InvalidArgument, match="returns TEXT_OUTPUT"):
-        asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a")}, ["logits"]))
+    config = mc.ModelConfig(name="old")
+    config.parameters[cfg.TOKENIZER].string_value = "tokenizer.json"
+    config.parameters[cfg.TEXT_TASK].string_value = "generate"
+    with pytest.raises(cfg.ConfigError, match="served by the LLM engine"):
+        cfg.add_text_tensors(config)
 
 
 def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
