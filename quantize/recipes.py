@@ -49,7 +49,9 @@ def _int8_dynamic(src: Path, dst: Path) -> None:
         weight_type=QuantType.QInt8,
         per_channel=True,
         op_types_to_quantize=["MatMul", "Gemm"],
-        extra_options={"MatMulConstBOnly": True},
+        # DefaultTensorType: shape inference cannot type what the LLM step graph's contrib
+        # ops (GroupQueryAttention) produce; every activation there is float.
+        extra_options={"MatMulConstBOnly": True, "DefaultTensorType": 1},  # TensorProto.FLOAT
     )
 
 
