@@ -155,11 +155,13 @@ def test_gate_refuses_dynamic_int8_on_smollm2_and_accepts_weight_only(
     )
     err = " ".join(capsys.readouterr().err.split())
     assert code == 1
-    assert "refused smollm2/decoder-int8-dynamic: top1_agreement = 0." in err
+    assert "refused smollm2/decoder-int8-dynamic: " in err
     refused = json.loads((tmp_path / "reports/smollm2/decoder-int8-dynamic.json").read_text())
     accepted = json.loads((tmp_path / "reports/smollm2/decoder-int8-weight-only.json").read_text())
     print("refused", refused["metrics"], "accepted", accepted["metrics"], accepted["latency_ms"])
-    assert refused["metrics"]["top1_agreement"] < 0.9
+    # activations quantized on the fly: its greedy continuations drift (0.14 of the
+    # reference's tokens kept on the engine graph), whatever its top-1 agreement
+    assert refused["failures"] and refused["metrics"]["greedy_match"] < 0.6
     assert accepted["metrics"]["top1_agreement"] >= 0.9
     assert sorted(p.name for p in (out / "smollm2").iterdir()) == [
         "1",
@@ -206,3 +208,17 @@ def test_worker_serves_minilm_int8_from_text(
     assert cosine.min() >= 0.99  # the encoder gate's mean_cosine threshold
     sims = served @ served.T
     assert sims[0, 1] > sims[0, 2]
+
+
+def test_engine_greedy_equals_the_torch_reference_decoder(smollm2: weights.Loaded) -> None:
+    """The LLM engine over the fp32 step graph generates the torch decoder's greedy tokens
+    on the real weights (continuous batching: both prompts run together)."""
+    from quantize import evaluate, pipeline
+
+    graph = pipeline.export_model("smollm2", ROOT / "build" / "quantize").model
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    ids = [smollm2.tokenizer.encode(p).ids for p in prompts]
+    engine = evaluate.greedy(evaluate.step_model(graph), smollm2.tokenizer, ids, 16)
+    reference = [greedy(smollm2.model, torch.tensor([i]), 16) for i in ids]  # type: ignore[arg-type]
+    assert engine == reference
+    assert "Paris" in smollm2.tokenizer.decode(engine[0])
