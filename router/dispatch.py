@@ -113,10 +113,8 @@ class Dispatcher:
                     r.sample.kv_used,
                     r.sample.kv_total,
                     r.sample.at_ms,
-                    r.inflight.values(),
                     now,
                     self.sample_max_age_ms,
-                    need,
                 )
                 if r.sample
                 else None,

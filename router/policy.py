@@ -7,12 +7,12 @@ the router's own in-flight calls remain: acting on stale least-loaded data makes
 herd onto the same replica (Mitzenmacher, "How useful is old information?").
 
 KV cache (replicas serving an LLM engine publish the KV tokens their running sequences hold
-and their budget): `kv_free` is the budget left, less `need` tokens for each call this router
-sent after the sample. An engine admits a sequence only once its whole reservation (prompt +
-max_tokens) fits; a request sent to a replica without room waits there, however short its
-queue looks. So "p2c" first keeps the replicas with room for `need` tokens (an average
-request's reservation, see `kv_need`) when any has room, then takes the less loaded of two,
-the one with more free KV on a tie. "p2c_depth" is the plain, KV-blind p2c, kept to compare.
+and their budget): `kv_free` is the budget left as last sampled. An engine admits a
+sequence only once its whole reservation (prompt + max_tokens) fits; a request sent to a
+replica without room waits there, however short its queue looks. So "p2c" first keeps the
+replicas with room for `need` tokens (an average request's reservation, see `kv_need`) when
+any has room, then takes the less loaded of two, the one with more free KV on a tie.
+"p2c_depth" is the plain, KV-blind p2c, kept to compare.
 
 Affinity: `preferred` (the replica that served the request's session before) is taken as
 long as it is a candidate with room; otherwise the policy decides as if there were none.
@@ -55,20 +55,16 @@ def load(
 
 
 def kv_free(
-    kv_used: int,
-    kv_total: int,
-    sampled_ms: int | None,
-    inflight_started_ms: Iterable[int],
-    now_ms: int,
-    max_age_ms: int,
-    need: int,
+    kv_used: int, kv_total: int, sampled_ms: int | None, now_ms: int, max_age_ms: int
 ) -> int | None:
-    """Free KV tokens: the sample's, less `need` per call sent after it; None when the
-    replica reports no KV cache or its sample is stale (unknown, as for `load`)."""
+    """Free KV tokens as sampled; None when the replica reports no KV cache or its sample is
+    stale (unknown, as for `load`). The calls this router sent since the sample count in
+    `load`, not here: their reservations are unknown to the router, and charging each the
+    mesh's mean (one long sequence can dominate it) makes an idle replica look full after
+    one call, sending a burst to the full one (measured: benchmarks/kv_balance.py)."""
     if kv_total <= 0 or sampled_ms is None or now_ms - sampled_ms > max_age_ms:
         return None
-    after = sum(1 for t in inflight_started_ms if t > sampled_ms)
-    return max(0, kv_total - kv_used - after * need)
+    return kv_total - kv_used
 
 
 def kv_need(samples: Iterable[tuple[int, int]]) -> int:

@@ -41,12 +41,15 @@ def test_a_full_cache_with_the_shorter_queue_is_not_picked() -> None:
     assert {plain.pick([a, b], MODEL).id for _ in range(50)} == {"a"}
 
 
-def test_calls_sent_after_the_sample_use_up_free_kv() -> None:
-    a, b = replica("a", 1, 1000), replica("b", 1, 1000)  # need 1000; 3096 free each
-    t = a.sample.at_ms + 1  # type: ignore[union-attr]
-    a.inflight.update({1: t, 2: t, 3: t})  # 3 x 1000 sent since: a has 96 left
+def test_a_burst_before_the_next_sample_does_not_make_the_idle_replica_look_full() -> None:
+    # a: one long generation holds 1010 of 1024 (so the mean reservation is 1010); b: idle.
+    # Four calls sent to b since its sample still leave it the one with room.
+    a, b = replica("a", 1, 1010, 1024), replica("b", 0, 0, 1024)
+    t = b.sample.at_ms + 1  # type: ignore[union-attr]
+    b.inflight.update({1: t, 2: t, 3: t, 4: t})
     d = dispatcher()
     assert {d.pick([a, b], MODEL).id for _ in range(20)} == {"b"}
+    assert {dispatcher("p2c_depth").pick([a, b], MODEL).id for _ in range(20)} == {"a"}
 
 
 def test_a_session_sticks_while_its_replica_has_room_then_moves() -> None:

@@ -79,12 +79,10 @@ def kv(*pairs: tuple[int, int | None], max_queue: int = 100) -> list[Candidate]:
     return [Candidate(f"w{i}", n, max_queue, free) for i, (n, free) in enumerate(pairs)]
 
 
-def test_kv_free_counts_calls_sent_after_the_sample_and_stale_is_unknown() -> None:
-    # 1000 of 4096 held at t=1000; one call of ours before the sample, two after it.
-    assert kv_free(1000, 4096, 1000, [900, 1100, 1150], 1200, 500, need=100) == 2896
-    assert kv_free(4000, 4096, 1000, [1100, 1150], 1200, 500, need=100) == 0  # never < 0
-    assert kv_free(10, 4096, 1000, [], now_ms=5000, max_age_ms=500, need=1) is None
-    assert kv_free(0, 0, 1000, [], 1000, 500, need=1) is None  # no KV cache reported
+def test_kv_free_is_the_sampled_room_and_stale_is_unknown() -> None:
+    assert kv_free(1000, 4096, 1000, now_ms=1200, max_age_ms=500) == 3096
+    assert kv_free(10, 4096, 1000, now_ms=5000, max_age_ms=500) is None
+    assert kv_free(0, 0, 1000, 1000, 500) is None  # no KV cache reported
 
 
 def test_kv_need_is_tokens_held_per_sequence() -> None:
