@@ -27,7 +27,7 @@ from pathlib import Path
 
 import redis
 
-from benchmarks.common import ROOT, machine, write_result
+from benchmarks.common import ROOT, machine, model_successes, write_result
 from deploy.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
@@ -87,9 +87,11 @@ async def phase(
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)  # a few router polls
         before_a = kv_sample(client, worker_id(a))
+        served_before = model_successes(a, MODEL), model_successes(b, MODEL)
         load.address = router
         run = await closed_loop(load, args.concurrency)
         pinned_running = not pinned.done()
+        served_after = model_successes(a, MODEL), model_successes(b, MODEL)
     finally:
         pinned.cancel()
         await asyncio.gather(pinned, return_exceptions=True)
@@ -106,6 +108,9 @@ async def phase(
         "policy": policy,
         "replica_a_before": dict(zip(("depth", "kv_used", "kv_total"), before_a, strict=True)),
         "pinned_still_running_at_end": pinned_running,
+        # every request of the phase, warm-up or not, by the replica that served it
+        "served_by_a": served_after[0] - served_before[0],
+        "served_by_b": served_after[1] - served_before[1],
         "requests": run["requests"],
         "errors": run["errors"],
         "seconds": run["seconds"],
@@ -138,6 +143,8 @@ def summarize(runs: list[dict], kv_tokens: int) -> dict:
     ratio = round(aware["p99"] / plain["p99"], 4) if plain["p99"] else None
     return {
         "kv_tokens_per_replica": kv_tokens,
+        "served_by_full_replica_plain_p2c": by["p2c_depth"]["served_by_a"],
+        "served_by_full_replica_kv_p2c": by["p2c"]["served_by_a"],
         "ttft_p99_ms_plain_p2c": plain["p99"],
         "ttft_p99_ms_kv_p2c": aware["p99"],
         "ttft_p50_ms_plain_p2c": plain["p50"],
@@ -198,9 +205,11 @@ def main() -> None:
     for r in runs:
         t = r["ttft_ms"]
         print(
-            f"{r['policy']:>9}: {r['requests']} requests, errors {r['errors'] or 'none'}, "
-            f"TTFT p50 {t['p50']} ms, p99 {t['p99']} ms; pinned generation still running at "
-            f"the end: {r['pinned_still_running_at_end']}"
+            f"{r['policy']:>9}: {r['requests']} requests measured, errors "
+            f"{r['errors'] or 'none'}, TTFT p50 {t['p50']} ms, p99 {t['p99']} ms; served by "
+            f"the full replica A: {r['served_by_a']}, by B: {r['served_by_b']}; A's pinned "
+            f"generation {'still ran' if r['pinned_still_running_at_end'] else 'had ended'} "
+            "when the load ended"
         )
     ratio = summary["kv_over_plain_p99"]
     if ratio is None:
@@ -211,6 +220,19 @@ def main() -> None:
             f"TTFT p99 under KV-aware p2c is {ratio:.3f}x plain p2c's "
             f"({summary['ttft_p99_ms_kv_p2c']} vs {summary['ttft_p99_ms_plain_p2c']} ms): "
             f"{verdict} the target of at most 0.5x"
+        )
+    p50_plain, p50_kv = summary["ttft_p50_ms_plain_p2c"], summary["ttft_p50_ms_kv_p2c"]
+    if p50_plain and p50_kv:
+        word = "higher" if p50_kv > p50_plain else "lower"
+        parked = summary["served_by_full_replica_plain_p2c"]
+        why = (
+            f": plain p2c parked {parked} requests (and their callers) on A, so fewer shared B"
+            if word == "higher" and parked > summary["served_by_full_replica_kv_p2c"]
+            else ""
+        )
+        print(
+            f"TTFT p50 is {word} under KV-aware p2c ({p50_kv} vs {p50_plain} ms, "
+            f"{p50_kv / p50_plain:.2f}x){why}"
         )
 
 
