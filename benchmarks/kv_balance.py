@@ -206,7 +206,8 @@ def main() -> None:
         t = r["ttft_ms"]
         print(
             f"{r['policy']:>9}: {r['requests']} requests measured, errors "
-            f"{r['errors'] or 'none'}, TTFT p50 {t['p50']} ms, p99 {t['p99']} ms; served by "
+            f"{r['errors'] or 'none'}, {r['throughput_rps']} req/s, "
+            f"TTFT p50 {t['p50']} ms, p99 {t['p99']} ms; served by "
             f"the full replica A: {r['served_by_a']}, by B: {r['served_by_b']}; A's pinned "
             f"generation {'still ran' if r['pinned_still_running_at_end'] else 'had ended'} "
             "when the load ended"

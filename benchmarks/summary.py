@@ -311,6 +311,7 @@ def kv_balance_section(r: dict) -> str:
         [
             x["policy"],
             x["requests"],
+            x["throughput_rps"],
             x["ttft_ms"]["p50"],
             x["ttft_ms"]["p99"],
             x["served_by_a"],
@@ -326,13 +327,20 @@ def kv_balance_section(r: dict) -> str:
             f"`python -m benchmarks.kv_balance` — 2 SmolLM2 replicas with "
             f"{s['kv_tokens_per_replica']} KV tokens each; a long generation pinned on A; "
             f"a closed loop of {load['concurrency']} callers through the router, "
-            f"{load['seconds']} s per policy, {load['max_tokens']} tokens per request. "
-            f"{r['machine'].get('note', '')}",
-            table(["policy", "requests", "TTFT p50 ms", "TTFT p99 ms", "on A", "on B"], rows),
+            f"{load['seconds']} s per policy, {load['max_tokens']} tokens per request "
+            "(on A/on B: requests each replica served). "
+            f"Machine: {r['machine'].get('note', 'not noted')}.",
+            table(
+                ["policy", "requests", "req/s", "TTFT p50 ms", "TTFT p99 ms", "on A", "on B"],
+                rows,
+            ),
             f"TTFT p99 under KV-aware p2c is {ratio}x plain p2c's: it {verdict} the target "
             "of at most 0.5x."
             if ratio is not None
             else "No TTFT p99 under plain p2c: no ratio.",
+            f"TTFT p50: {s['ttft_p50_ms_kv_p2c']} ms under KV-aware p2c, "
+            f"{s['ttft_p50_ms_plain_p2c']} ms under plain p2c "
+            f"({round(s['ttft_p50_ms_kv_p2c'] / s['ttft_p50_ms_plain_p2c'], 2)}x).",
         ]
     )
 
