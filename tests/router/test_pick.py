@@ -95,3 +95,12 @@ def test_registry_publishes_each_replicas_sample_and_forgets_a_replica_that_left
         await registry.redis.aclose()
 
     asyncio.run(run())
+
+
+def test_with_every_cache_full_the_pick_is_counted_and_goes_to_the_shorter_queue() -> None:
+    a, b = replica("a", 3, 1000, 1024), replica("b", 1, 1000, 1024)  # need 500: no room
+    get = REGISTRY.get_sample_value
+    before = get("meshserve_router_kv_no_room_total") or 0
+    d = dispatcher()
+    assert {d.pick([a, b], MODEL).id for _ in range(5)} == {"b"}
+    assert get("meshserve_router_kv_no_room_total") == before + 5
