@@ -305,6 +305,46 @@ def tp_section(r: dict) -> str:
     return "\n\n".join(parts)
 
 
+def kv_balance_section(r: dict) -> str:
+    s, load = r["summary"], r["setup"]["load"]
+    rows = [
+        [
+            x["policy"],
+            x["requests"],
+            x["throughput_rps"],
+            x["ttft_ms"]["p50"],
+            x["ttft_ms"]["p99"],
+            x["served_by_a"],
+            x["served_by_b"],
+        ]
+        for x in r["runs"]
+    ]
+    ratio = s["kv_over_plain_p99"]
+    verdict = "meets" if s["target_at_most_half_met"] else "misses"
+    return "\n\n".join(
+        [
+            "## KV-aware balancing: one replica's KV cache nearly full",
+            f"`python -m benchmarks.kv_balance` — 2 SmolLM2 replicas with "
+            f"{s['kv_tokens_per_replica']} KV tokens each; a long generation pinned on A; "
+            f"a closed loop of {load['concurrency']} callers through the router, "
+            f"{load['seconds']} s per policy, {load['max_tokens']} tokens per request "
+            "(on A/on B: requests each replica served). "
+            f"Machine: {r['machine'].get('note', 'not noted')}.",
+            table(
+                ["policy", "requests", "req/s", "TTFT p50 ms", "TTFT p99 ms", "on A", "on B"],
+                rows,
+            ),
+            f"TTFT p99 under KV-aware p2c is {ratio}x plain p2c's: it {verdict} the target "
+            "of at most 0.5x."
+            if ratio is not None
+            else "No TTFT p99 under plain p2c: no ratio.",
+            f"TTFT p50: {s['ttft_p50_ms_kv_p2c']} ms under KV-aware p2c, "
+            f"{s['ttft_p50_ms_plain_p2c']} ms under plain p2c "
+            f"({round(s['ttft_p50_ms_kv_p2c'] / s['ttft_p50_ms_plain_p2c'], 2)}x).",
+        ]
+    )
+
+
 SECTIONS = {
     "worker": worker_section,
     "router": router_section,
@@ -312,6 +352,7 @@ SECTIONS = {
     "mlserver": mlserver_section,
     "quantize": quantize_section,
     "tp": tp_section,
+    "kv_balance": kv_balance_section,
 }
 
 

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from common import logging
+from router.policy import POLICIES
 from router.server import serve
 from router.settings import RouterSettings
 
@@ -21,7 +22,16 @@ def parse_args(argv: list[str]) -> RouterSettings:
     parser.add_argument("--port", type=int)
     parser.add_argument("--redis-url")
     parser.add_argument("--router-id")
-    parser.add_argument("--policy", choices=["p2c", "least_loaded", "round_robin", "random"])
+    parser.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        help="p2c is KV-aware for replicas that report KV occupancy; p2c_depth ignores it",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        help="sessions (request parameter session_id) remembered for affinity; 0 = off",
+    )
     parser.add_argument("--poll-seconds", type=float)
     parser.add_argument("--registry-ttl-seconds", type=float)
     parser.add_argument("--sample-max-age-ms", type=int)

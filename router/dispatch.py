@@ -46,6 +46,7 @@ from common.mesh_state import now_ms
 from protos.routing_pb2 import InferHeader
 from router import metrics, policy
 from router.accounting import Accounting, Receipt
+from router.affinity import Affinity, session_of
 from router.registry import Registry, Replica
 
 log = structlog.get_logger()
@@ -66,6 +67,7 @@ class Dispatcher:
         max_inflight: int = 1024,
         max_inflight_per_model: int = 512,
         answer_margin_s: float = 0.002,
+        max_sessions: int = 100_000,
     ) -> None:
         if policy_name not in policy.POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")
@@ -78,13 +80,24 @@ class Dispatcher:
         self.max_inflight = max_inflight
         self.max_inflight_per_model = max_inflight_per_model
         self.answer_margin_s = answer_margin_s
+        self.affinity = Affinity(max_sessions)
         self._tick = 0
         self._inflight = 0
         self._inflight_by_model: Counter[str] = Counter()
 
-    def pick(self, replicas: list[Replica], model: str) -> Replica:
+    def pick(self, replicas: list[Replica], model: str, session: str | None = None) -> Replica:
+        """One of `replicas` (of `model`) by the policy; the replica that served `session`
+        before while it has room (see policy.choose, router.affinity)."""
         now = now_ms()
         by_id = {r.id: r for r in replicas}
+        fresh = [
+            r.sample
+            for r in replicas
+            if r.sample is not None
+            and r.sample.kv_total
+            and now - r.sample.at_ms <= self.sample_max_age_ms
+        ]
+        need = policy.kv_need((s.depth, s.kv_used) for s in fresh)
         candidates = [
             policy.Candidate(
                 r.id,
@@ -96,6 +109,15 @@ class Dispatcher:
                     self.sample_max_age_ms,
                 ),
                 r.info.models[model].max_queue,
+                policy.kv_free(
+                    r.sample.kv_used,
+                    r.sample.kv_total,
+                    r.sample.at_ms,
+                    now,
+                    self.sample_max_age_ms,
+                )
+                if r.sample
+                else None,
             )
             for r in replicas
         ]
@@ -107,7 +129,15 @@ class Dispatcher:
                 "retry later"
             )
         self._tick += 1
-        return by_id[policy.choose(self.policy, open_, self.rng, self._tick).id]
+        preferred = self.affinity.get(model, session)
+        chosen = policy.choose(self.policy, open_, self.rng, self._tick, need, preferred)
+        if session is not None:
+            outcome = "new" if preferred is None else "hit" if chosen.id == preferred else "moved"
+            metrics.AFFINITY.labels(outcome).inc()
+            self.affinity.remember(model, session, chosen.id)
+        if self.policy == "p2c" and not chosen.has_room(need):
+            metrics.KV_NO_ROOM.inc()  # every replica's cache was full: it waits there
+        return by_id[chosen.id]
 
     async def infer(self, raw: bytes, deadline: float | None) -> tuple[bytes, Receipt | None]:
         """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based.
@@ -124,7 +154,7 @@ class Dispatcher:
             ) from None
         model, version = header.model_name, header.model_version
         served = bool(self.registry.replicas_for(model))
-        attempt = _Attempt()
+        attempt = _Attempt(session=session_of(header.parameters))
         code = grpc.StatusCode.UNKNOWN  # until the call ends one way or another
         admitted = False
         try:
@@ -229,7 +259,7 @@ class Dispatcher:
                     f"no healthy replica of model {clip(model)}: "
                     f"{len(replicas)} known, all failed or ejected"
                 )
-            replica = self.pick(pool, model)
+            replica = self.pick(pool, model, attempt.session)
             attempt.replica = replica
             timeout = self.default_timeout_s if deadline is None else deadline - time.monotonic()
             if timeout <= 0:
@@ -291,7 +321,9 @@ class Dispatcher:
 
 @dataclass
 class _Attempt:
-    """What one call went through: the replica that answered (or last tried), time upstream."""
+    """What one call went through: the replica that answered (or last tried), time upstream,
+    and its session."""
 
     replica: Replica | None = None
     upstream_s: float = 0.0
+    session: str | None = None  # the conversation it belongs to (router.affinity)

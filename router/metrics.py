@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -31,3 +33,44 @@ REJECTED = Counter(
     "Calls answered RESOURCE_EXHAUSTED at once: the router's in-flight limit was reached",
     ["scope"],
 )
+AFFINITY = Counter(
+    "meshserve_router_affinity",
+    "Picks of requests naming a session: outcome=hit (the replica that served it before), "
+    "moved (that replica was full or gone: balanced elsewhere), new (a session not known)",
+    ["outcome"],
+)
+KV_NO_ROOM = Counter(
+    "meshserve_router_kv_no_room",
+    "Picks (p2c) where no replica had KV room for an average request: it waits in a queue",
+)
+# Per replica, from its last depth sample; a replica's series is removed when it leaves the
+# registry, so the labels are the replicas the router knows now.
+REPLICA_DEPTH = Gauge(
+    "meshserve_router_replica_depth",
+    "Requests waiting + running on the replica (an LLM engine: its sequences), last sample",
+    ["worker"],
+)
+KV_USED = Gauge(
+    "meshserve_router_replica_kv_used_tokens",
+    "KV cache tokens the replica's running sequences hold, last sample (LLM replicas)",
+    ["worker"],
+)
+KV_TOTAL = Gauge(
+    "meshserve_router_replica_kv_total_tokens",
+    "The replica's KV cache budget in tokens, last sample (LLM replicas)",
+    ["worker"],
+)
+REPLICA_GAUGES = (REPLICA_DEPTH, KV_USED, KV_TOTAL)
+
+
+def observe_sample(worker: str, depth: int, kv_used: int, kv_total: int) -> None:
+    REPLICA_DEPTH.labels(worker).set(depth)
+    if kv_total:
+        KV_USED.labels(worker).set(kv_used)
+        KV_TOTAL.labels(worker).set(kv_total)
+
+
+def forget_replica(worker: str) -> None:
+    for gauge in REPLICA_GAUGES:
+        with contextlib.suppress(KeyError):  # no sample seen from it
+            gauge.remove(worker)

@@ -5,6 +5,17 @@ worker last published, plus the calls this router sent it after that sample was 
 sample cannot include them yet). A sample older than `max_age_ms` counts as unknown and only
 the router's own in-flight calls remain: acting on stale least-loaded data makes every router
 herd onto the same replica (Mitzenmacher, "How useful is old information?").
+
+KV cache (replicas serving an LLM engine publish the KV tokens their running sequences hold
+and their budget): `kv_free` is the budget left as last sampled. An engine admits a
+sequence only once its whole reservation (prompt + max_tokens) fits; a request sent to a
+replica without room waits there, however short its queue looks. So "p2c" first keeps the
+replicas with room for `need` tokens (an average request's reservation, see `kv_need`) when
+any has room, then takes the less loaded of two, the one with more free KV on a tie.
+"p2c_depth" is the plain, KV-blind p2c, kept to compare.
+
+Affinity: `preferred` (the replica that served the request's session before) is taken as
+long as it is a candidate with room; otherwise the policy decides as if there were none.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("p2c", "least_loaded", "round_robin", "random")
+POLICIES = ("p2c", "p2c_depth", "least_loaded", "round_robin", "random")
 
 
 @dataclass(frozen=True)
@@ -21,10 +32,14 @@ class Candidate:
     id: str
     load: int
     max_queue: int
+    kv_free: int | None = None  # KV tokens free; None: not an LLM replica, or unknown
 
     @property
     def full(self) -> bool:
         return self.load >= self.max_queue
+
+    def has_room(self, need: int) -> bool:
+        return self.kv_free is None or self.kv_free >= need
 
 
 def load(
@@ -39,13 +54,53 @@ def load(
     return depth + sum(1 for t in inflight_started_ms if t > sampled_ms)
 
 
+def kv_free(
+    kv_used: int, kv_total: int, sampled_ms: int | None, now_ms: int, max_age_ms: int
+) -> int | None:
+    """Free KV tokens as sampled; None when the replica reports no KV cache or its sample is
+    stale (unknown, as for `load`). The calls this router sent since the sample count in
+    `load`, not here: their reservations are unknown to the router, and charging each the
+    mesh's mean (one long sequence can dominate it) makes an idle replica look full after
+    one call, sending a burst to the full one (measured: benchmarks/kv_balance.py)."""
+    if kv_total <= 0 or sampled_ms is None or now_ms - sampled_ms > max_age_ms:
+        return None
+    return kv_total - kv_used
+
+
+def kv_need(samples: Iterable[tuple[int, int]]) -> int:
+    """An average request's KV reservation, from (depth, kv_used) samples of a model's
+    replicas: the tokens held per sequence over all of them (waiting sequences hold none, so
+    this leans low); 1 token (any room at all) when nothing runs."""
+    depth = used = 0
+    for d, u in samples:
+        depth += d
+        used += u
+    return max(1, used // depth) if depth else 1
+
+
 def choose(
-    policy: str, candidates: Sequence[Candidate], rng: random.Random, tick: int
+    policy: str,
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    tick: int,
+    need: int = 1,
+    preferred: str | None = None,
 ) -> Candidate:
     """Pick one of `candidates` (non-empty, none full)."""
+    if preferred is not None:
+        for c in candidates:
+            if c.id == preferred and c.has_room(need):
+                return c
     if len(candidates) == 1:
         return candidates[0]
     if policy == "p2c":
+        roomy = [c for c in candidates if c.has_room(need)]
+        pool = roomy if roomy else list(candidates)
+        if len(pool) == 1:
+            return pool[0]
+        a, b = rng.sample(pool, 2)
+        return a if _key(a) <= _key(b) else b
+    if policy == "p2c_depth":
         a, b = rng.sample(list(candidates), 2)
         return a if a.load <= b.load else b
     if policy == "least_loaded":
@@ -56,3 +111,7 @@ def choose(
     if policy == "random":
         return rng.choice(list(candidates))
     raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+
+
+def _key(c: Candidate) -> tuple[int, int]:
+    return c.load, -(c.kv_free or 0)

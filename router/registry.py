@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from common import mesh_state
 from common.mesh_state import DepthSample, WorkerInfo, now_ms
 from common.outage import Outage
+from router import metrics
 
 log = structlog.get_logger()
 
@@ -166,6 +167,10 @@ class Registry:
                 replica.sample = DepthSample.decode(depth)
             except ValueError:
                 replica.sample = None  # unknown depth: only our own in-flight calls count
+                metrics.forget_replica(worker_id)
+            else:
+                s = replica.sample
+                metrics.observe_sample(worker_id, s.depth, s.kv_used, s.kv_total)
         return True
 
     def _check_prices(self, info: WorkerInfo) -> None:
@@ -209,6 +214,7 @@ class Registry:
     async def _remove(self, worker_id: str, reason: str) -> None:
         replica = self.replicas.pop(worker_id)
         replica.dropped = True
+        metrics.forget_replica(worker_id)
         log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
         self._abandon(replica)
         await replica.channel.close(grace=1.0)

@@ -44,6 +44,7 @@ async def serve(settings: RouterSettings) -> None:
         max_inflight=settings.max_inflight,
         max_inflight_per_model=settings.max_inflight_per_model,
         answer_margin_s=settings.answer_margin_ms / 1000,
+        max_sessions=settings.max_sessions,
     )
     await registry.start()
     accounting.start()

@@ -17,7 +17,8 @@ class RouterSettings(BaseSettings):
     port: int = 8001
     redis_url: str = "redis://127.0.0.1:6379/0"
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
-    policy: Literal["p2c", "least_loaded", "round_robin", "random"] = "p2c"
+    policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
+    max_sessions: int = Field(100_000, ge=0)  # session affinity LRU size; 0 = no affinity
     poll_seconds: float = 0.05  # registry and depth refresh
     registry_ttl_seconds: float = 5.0
     sample_max_age_ms: int = 1000  # an older depth sample counts as unknown

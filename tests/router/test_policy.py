@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.policy import Candidate, choose, load
+from router.policy import Candidate, choose, kv_free, kv_need, load
 
 
 def cands(*loads: int, max_queue: int = 100) -> list[Candidate]:
@@ -69,3 +69,82 @@ def test_full_and_unknown_policy() -> None:
     assert Candidate("w", 4, 4).full and not Candidate("w", 3, 4).full
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         choose("fastest", cands(1, 2), random.Random(0), 0)
+
+
+# -- KV-aware p2c ------------------------------------------------------------------------
+
+
+def kv(*pairs: tuple[int, int | None], max_queue: int = 100) -> list[Candidate]:
+    """Fake LLM replicas from (load, free KV tokens) pairs."""
+    return [Candidate(f"w{i}", n, max_queue, free) for i, (n, free) in enumerate(pairs)]
+
+
+def test_kv_free_is_the_sampled_room_and_stale_is_unknown() -> None:
+    assert kv_free(1000, 4096, 1000, now_ms=1200, max_age_ms=500) == 3096
+    assert kv_free(10, 4096, 1000, now_ms=5000, max_age_ms=500) is None
+    assert kv_free(0, 0, 1000, 1000, 500) is None  # no KV cache reported
+
+
+def test_kv_need_is_tokens_held_per_sequence() -> None:
+    assert kv_need([(2, 2000), (10, 520)]) == 210
+    assert kv_need([(0, 0), (0, 0)]) == 1  # nothing runs: any room will do
+    assert kv_need([]) == 1
+
+
+def test_p2c_never_picks_a_full_cache_while_another_has_room() -> None:
+    # w0: the shortest queue but its cache cannot hold an average request (need 50).
+    rng = random.Random(4)
+    c = kv((0, 10), (5, 3000), (7, 60), (6, 900))
+    picks = Counter(choose("p2c", c, rng, 0, need=50).id for _ in range(600))
+    assert picks["w0"] == 0
+    assert picks["w1"] > picks["w3"] > 0  # p2c among those with room
+    assert picks["w2"] == 0  # the longest queue of the three with room loses every pair
+
+
+def test_plain_p2c_depth_ignores_the_cache() -> None:
+    rng = random.Random(5)
+    c = kv((0, 0), (5, 3000))
+    picks = Counter(choose("p2c_depth", c, rng, 0, need=50).id for _ in range(200))
+    assert picks == {"w0": 200}
+
+
+def test_p2c_with_every_cache_full_falls_back_to_load_then_free_kv() -> None:
+    rng = random.Random(6)
+    assert {choose("p2c", kv((3, 10), (1, 0)), rng, 0, need=50).id for _ in range(50)} == {"w1"}
+    # equal queues: the one with more free KV
+    assert {choose("p2c", kv((2, 10), (2, 40)), rng, 0, need=50).id for _ in range(50)} == {"w1"}
+
+
+def test_p2c_ties_on_load_go_to_more_free_kv() -> None:
+    rng = random.Random(7)
+    picks = Counter(choose("p2c", kv((1, 500), (1, 4000)), rng, 0, need=50).id for _ in range(100))
+    assert picks == {"w1": 100}
+
+
+def test_unknown_kv_counts_as_room_and_non_llm_replicas_are_plain_p2c() -> None:
+    rng = random.Random(8)
+    assert choose("p2c", kv((0, 0), (4, None)), rng, 0, need=50).id == "w1"
+    picks = Counter(choose("p2c", cands(0, 10), rng, 0, need=50).id for _ in range(100))
+    assert picks == {"w0": 100}
+
+
+def test_one_roomy_replica_of_many_is_always_taken() -> None:
+    rng = random.Random(9)
+    c = kv((0, 0), (0, 5), (9, 900), (0, 1))
+    assert {choose("p2c", c, rng, 0, need=100).id for _ in range(100)} == {"w2"}
+
+
+# -- affinity ---------------------------------------------------------------------------
+
+
+def test_preferred_replica_is_kept_while_it_has_room() -> None:
+    rng = random.Random(10)
+    c = kv((9, 500), (0, 4000))
+    assert {choose("p2c", c, rng, 0, need=50, preferred="w0").id for _ in range(50)} == {"w0"}
+
+
+def test_preferred_replica_full_or_gone_falls_back_to_p2c() -> None:
+    rng = random.Random(11)
+    c = kv((0, 10), (3, 4000))
+    assert choose("p2c", c, rng, 0, need=50, preferred="w0").id == "w1"  # full
+    assert choose("p2c", c, rng, 0, need=50, preferred="w7").id == "w1"  # gone
