@@ -46,6 +46,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.mlserver
 	$(BIN)/python -m benchmarks.quantize
 	$(BIN)/python -m benchmarks.tp
+	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.summary
 
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed

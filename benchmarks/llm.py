@@ -70,15 +70,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--level-deadline-s", type=float, default=90.0)
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a stream early")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max tokens whatever EOS says (llama.cpp: a logit bias, applied by a "
+        "Python logits processor, which slows it; meshserve: sampling key ignore_eos)",
+    )
     p.add_argument("--genai-perf", action="store_true")
     p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
+    p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
+    p.add_argument("--quiet-wait-s", type=float, default=180.0)
     p.add_argument("--out", default="llm", help="results name (benchmarks/results/NAME.json)")
     return p.parse_args(argv)
 
 
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_quiet(limit: float, seconds: float) -> dict:
+    """Wait (at most `seconds`) for the 1-minute load average to fall to `limit`: llama.cpp's
+    OpenMP threads spin at barriers, and on an oversubscribed 2-core machine a decode step
+    then waits for descheduled threads (seen here: 1 tok/s at load 9 vs 100+ quiet)."""
+    start = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - start < seconds:
+        time.sleep(5)
+    return {"load_avg": load_avg(), "waited_s": round(time.monotonic() - start)}
+
+
+def measured(name: str, args: argparse.Namespace, result: dict, fn) -> None:  # type: ignore[no-untyped-def]
+    before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+    out = fn()
+    out["load"] = {"before": before, "after": load_avg()}
+    result["systems"][name] = out
 
 
 @contextlib.contextmanager
@@ -104,7 +128,9 @@ def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ctx = llm_run.Context.create(args)
+    logs = ROOT / "build" / "bench-llm"
+    logs.mkdir(parents=True, exist_ok=True)
+    ctx = llm_run.Context.create(args, logs)
     started = time.time()
     result: dict = {
         "benchmark": "llm",
@@ -127,19 +153,27 @@ def main(argv: list[str] | None = None) -> int:
                 "lengths",
             )
         }
-        | {"ignore_eos": not args.no_ignore_eos},
+        | {"ignore_eos": args.ignore_eos},
         "systems": {},
     }
-    logs = RESULTS.parent.parent / "build" / "bench-llm"
-    logs.mkdir(parents=True, exist_ok=True)
     if "llamacpp" in args.systems:
-        result["systems"]["llamacpp"] = llm_run.llamacpp_inprocess(ctx)
+        measured("llamacpp", args, result, lambda: llm_run.llamacpp_inprocess(ctx))
     if "llamacpp-server" in args.systems:
-        result["systems"]["llamacpp-server"] = asyncio.run(llm_run.llamacpp_server(ctx, logs))
+        measured(
+            "llamacpp-server",
+            args,
+            result,
+            lambda: asyncio.run(llm_run.llamacpp_server(ctx, logs)),
+        )
     if "meshserve" in args.systems:
         if args.meshserve or args.model_repository:
             with meshserve_address(args, logs) as (address, pid):
-                result["systems"]["meshserve"] = asyncio.run(llm_run.meshserve(ctx, address, pid))
+                measured(
+                    "meshserve",
+                    args,
+                    result,
+                    lambda: asyncio.run(llm_run.meshserve(ctx, address, pid)),
+                )
                 if args.genai_perf:
                     result["genai_perf"] = genai_perf(ctx, args, address, logs)
         else:

@@ -44,8 +44,8 @@ def perf(llm) -> dict:  # type: ignore[no-untyped-def]
 
 def one(llm, prompt: str, max_tokens: int, logit_bias: dict) -> dict:  # type: ignore[no-untyped-def]
     llm.reset()
-    with contextlib.suppress(Exception):  # llama-cpp-python >= 0.3.10: drop the KV too
-        llm._ctx.memory_clear(True)
+    with contextlib.suppress(Exception):  # drop the KV cache too, not just the token count
+        llm._ctx.kv_cache_clear()
     start = time.perf_counter()
     first = last = None
     text = []

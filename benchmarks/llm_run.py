@@ -30,13 +30,11 @@ class Context:
     bos_token: str | None
 
     @classmethod
-    def create(cls, args: argparse.Namespace) -> Context:
-        from gguf import GGUFReader
-
-        from quantize.weights import gguf_tokenizer, smollm2_gguf
+    def create(cls, args: argparse.Namespace, cache: Path) -> Context:
+        from quantize.weights import smollm2_gguf
 
         gguf = smollm2_gguf()
-        tokenizer = gguf_tokenizer(GGUFReader(str(gguf)))
+        tokenizer = smollm2_tokenizer(gguf, cache / "smollm2-tokenizer" / "tokenizer.json")
         ends = [t for t in ("<|endoftext|>", "<|im_end|>") if tokenizer.token_to_id(t) is not None]
         bos = "<|im_start|>" if tokenizer.token_to_id("<|im_start|>") is not None else None
         return cls(
@@ -51,7 +49,7 @@ class Context:
 
     @property
     def ignore_eos(self) -> bool:
-        return not self.args.no_ignore_eos
+        return bool(self.args.ignore_eos)
 
     def single_plan(self) -> dict[str, tuple[list[llm_load.Prompt], int]]:
         """name -> (prompts, max_tokens): decode on a short prompt, prefill on long ones."""
@@ -61,6 +59,21 @@ class Context:
             "prefill_500": ([self.prompts.make(500) for _ in range(r)], 2),
             "prefill_1500": ([self.prompts.make(1500) for _ in range(r)], 2),
         }
+
+
+def smollm2_tokenizer(gguf: Path, cached: Path) -> Tokenizer:
+    """SmolLM2's tokenizer rebuilt from the GGUF (quantize/weights.py), cached as JSON:
+    gguf.GGUFReader takes ~30 s to parse the vocabulary here."""
+    if cached.exists():
+        return Tokenizer.from_file(str(cached))
+    from gguf import GGUFReader
+
+    from quantize.weights import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(GGUFReader(str(gguf)))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(cached))
+    return tokenizer
 
 
 def _single_summary(runs: dict[str, list[dict]]) -> dict:
