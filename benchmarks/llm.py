@@ -56,13 +56,26 @@ def default_build_dir() -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     build = default_build_dir()
     p = argparse.ArgumentParser(prog="python -m benchmarks.llm", description=__doc__)
-    p.add_argument("--systems", nargs="+", default=["llamacpp", "llamacpp-server", "meshserve"])
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=["llamacpp", "llamacpp-default-omp", "llamacpp-server", "meshserve"],
+    )
     p.add_argument("--llamacpp-venv", type=Path, default=build / "llamacpp-venv")
     p.add_argument("--meshserve", help="address of a running worker (HOST:PORT)")
+    p.add_argument("--meshserve-pid", type=int, help="that worker's pid, for its RSS")
     p.add_argument("--model-repository", type=Path, help="start a worker on this repository")
     p.add_argument("--model", default="smollm2", help="the served model name on meshserve")
     p.add_argument("--worker-args", nargs="*", default=[], help="extra worker flags")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY for llama.cpp (its CPU backend is built with OpenMP); "
+        "'default' leaves it unset. With spinning threads on a busy 2-core machine a decode "
+        "step waits for descheduled threads: measured here at load 8, 0.8-1.4 tok/s "
+        "unset vs 36-39 tok/s PASSIVE. The system 'llamacpp-default-omp' measures unset.",
+    )
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64, help="per request under concurrency")
     p.add_argument("--repeats", type=int, default=3)
@@ -109,7 +122,7 @@ def measured(name: str, args: argparse.Namespace, result: dict, fn) -> None:  # 
 def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[str, int | None]]:
     """(address, pid or None) of the meshserve worker to measure."""
     if args.meshserve:
-        yield args.meshserve, None
+        yield args.meshserve, args.meshserve_pid
         return
     from deploy import processes
 
@@ -158,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "llamacpp" in args.systems:
         measured("llamacpp", args, result, lambda: llm_run.llamacpp_inprocess(ctx))
+    if "llamacpp-default-omp" in args.systems:
+        measured(
+            "llamacpp-default-omp",
+            args,
+            result,
+            lambda: llm_run.llamacpp_inprocess(ctx, omp="default", short=True),
+        )
     if "llamacpp-server" in args.systems:
         measured(
             "llamacpp-server",

@@ -10,13 +10,17 @@ no perf_analyzer, a failed run) is returned as a reason, not raised.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-PACKAGES = ("genai-perf==0.0.16", "tritonclient[all]==2.50.0")
+# perf_analyzer 2.50 links libcudart.so.12 even for CPU-only servers (the wheel below ships
+# it) and libb64.so.0d (Debian: `apt-get install libb64-0d`).
+PACKAGES = ("genai-perf==0.0.16", "tritonclient[all]==2.50.0", "nvidia-cuda-runtime-cu12")
 
 
 def tokenizer_dir(tokenizer: Tokenizer, folder: Path, eos: str, bos: str | None) -> Path:
@@ -74,6 +78,13 @@ def run(
     bin_dir = venv / "bin"
     if shutil.which("perf_analyzer", path=str(bin_dir)) is None:
         return {"error": f"no perf_analyzer in {bin_dir} (tritonclient[all] installs it)"}
+    libs = ":".join(str(p) for p in venv.glob("lib/python3*/site-packages/nvidia/*/lib"))
+    missing = _missing_libraries(bin_dir / "perf_analyzer", libs)
+    if missing:
+        return {
+            "error": f"perf_analyzer cannot load {missing} (libb64.so.0d: apt-get install "
+            "libb64-0d; libcudart.so.12: pip install nvidia-cuda-runtime-cu12 in the venv)"
+        }
     if artifacts.exists():
         shutil.rmtree(artifacts)
     args = [
@@ -107,15 +118,30 @@ def run(
         "--artifact-dir",
         str(artifacts),
     ]
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(artifacts.parent)}
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"genai-perf did not finish in {timeout_s}s", "command": args}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(artifacts.parent),
+        "LD_LIBRARY_PATH": libs,
+    }
+    artifacts.mkdir(parents=True)
+    log = artifacts / "genai-perf.log"
+    with log.open("w") as out:
+        # its own session, so a timeout ends perf_analyzer (its child) too
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    tail = log.read_text()[-1500:]
     found = sorted(artifacts.rglob("*genai_perf.json"))
-    if done.returncode != 0 or not found:
-        tail = (done.stdout + done.stderr)[-1500:]
-        return {"error": f"genai-perf exited {done.returncode}", "output_tail": tail}
+    if code is None:
+        return {"error": f"genai-perf did not finish in {timeout_s}s", "output_tail": tail}
+    if code != 0 or not found:
+        return {"error": f"genai-perf exited {code}", "output_tail": tail}
     report = json.loads(found[0].read_text())
     keep = (
         "time_to_first_token",
@@ -127,3 +153,17 @@ def run(
         "input_sequence_length",
     )
     return {"command": " ".join(args[1:]), **{k: report[k] for k in keep if k in report}}
+
+
+def _missing_libraries(binary: Path, library_path: str) -> list[str]:
+    try:
+        done = subprocess.run(
+            ["ldd", str(binary)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"LD_LIBRARY_PATH": library_path},
+        )
+    except (subprocess.SubprocessError, OSError) as e:
+        return [f"(ldd failed: {e})"]
+    return [line.split()[0] for line in done.stdout.splitlines() if "not found" in line]

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -89,11 +90,24 @@ def _single_summary(runs: dict[str, list[dict]]) -> dict:
 # ---- llama.cpp in-process ------------------------------------------------------------------
 
 
-def llamacpp_inprocess(ctx: Context) -> dict:
+def omp_env(policy: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return env if policy == "default" else {**env, "OMP_WAIT_POLICY": policy}
+
+
+def llamacpp_inprocess(ctx: Context, omp: str | None = None, short: bool = False) -> dict:
+    """short: one decode of 32 tokens and one 500-token prefill (for a slow configuration)."""
     python = ctx.args.llamacpp_venv / "bin" / "python"
     if not python.exists():
         return {"skipped": f"{python} not found: build it (see benchmarks/README.md)"}
+    omp = omp or ctx.args.omp_wait_policy
     plan = ctx.single_plan()
+    if short:
+        plan = {
+            "decode": ([ctx.prompts.make(32)], 32),
+            "prefill_500": ([ctx.prompts.make(500)], 2),
+            "prefill_1500": ([], 2),
+        }
     job = {
         "model": str(ctx.gguf),
         "n_threads": ctx.args.threads,
@@ -109,6 +123,7 @@ def llamacpp_inprocess(ctx: Context) -> dict:
         capture_output=True,
         text=True,
         timeout=900,
+        env=omp_env(omp),
     )
     if done.returncode != 0:
         return {"error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
@@ -119,13 +134,16 @@ def llamacpp_inprocess(ctx: Context) -> dict:
         runs[name] = [_inprocess_run(ctx, p, o) for p, o in zip(prompts, outs, strict=True)]
     return {
         "how": "llama_cpp.Llama in its own process, n_threads=n_threads_batch="
-        f"{ctx.args.threads}, n_ctx 4096, KV cache cleared before each run",
+        f"{ctx.args.threads}, n_ctx 4096, KV cache cleared before each run, "
+        f"OMP_WAIT_POLICY {omp}",
         "llama_cpp_python": raw["llama_cpp_python"],
         "load_s": raw["load_s"],
         "rss_mb": {"after_load": raw["rss_after_load_mb"], "end": raw["rss_end_mb"]},
         "single": _single_summary(runs),
         "runs": runs,
-        "llama_perf_last_run": raw["runs"]["prefill_1500"][-1]["perf"],
+        "llama_perf_last_run": next(
+            (r[-1]["perf"] for r in reversed(raw["runs"].values()) if r), {}
+        ),
     }
 
 
@@ -249,7 +267,8 @@ async def llamacpp_server_process(ctx: Context, logs: Path) -> AsyncIterator[tup
         "4096",
     ]
     log = (logs / "llamacpp-server.log").open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    env = omp_env(ctx.args.omp_wait_policy)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         await llm_load.wait_http("127.0.0.1", port, "/v1/models", 120, lambda: proc.poll() is None)
         yield port, proc.pid
@@ -271,7 +290,8 @@ async def llamacpp_server(ctx: Context, logs: Path) -> dict:
         out = await serve_and_measure(ctx, send, pid, "llama.cpp server")
     return {
         "how": "python -m llama_cpp.server (llama-cpp-python[server]==0.3.36), 127.0.0.1, "
-        f"n_threads=n_threads_batch={ctx.args.threads}, n_ctx 4096; streamed "
+        f"n_threads=n_threads_batch={ctx.args.threads}, n_ctx 4096, OMP_WAIT_POLICY "
+        f"{ctx.args.omp_wait_policy}; streamed "
         "/v1/completions over HTTP/1.1 (server-sent events)",
         **out,
     }

@@ -141,8 +141,9 @@ RECIPES = {
             "as 4-bit MatMulNBits (integer zero point + per-block residual, so the weights "
             "are reproduced exactly), its Q8_0 tensors (the tied lm_head) as 8-bit; "
             "accuracy_level 4 (int8 activations, as llama.cpp's Q4_1 x Q8_1 dot). "
-            "Re-quantizing the dequantized weights symmetrically (the former recipe) "
-            "rounded every weight twice and the lm_head to 4 bits: top-1 0.63, refused.",
+            "Re-quantizing the dequantized weights (the former recipe, symmetric) rounds "
+            "every weight a second time: top-1 0.63, refused; so does keeping the GGUF's "
+            "codes and scales with the zero point rounded to an integer (top-1 0.64).",
             DECODER_GATE,
             _gguf_exact_int4,
         ),
