@@ -265,6 +265,9 @@ async def llamacpp_server_process(ctx: Context, logs: Path) -> AsyncIterator[tup
         threads,
         "--n_ctx",
         "4096",
+        # by default a new request interrupts the one streaming: queue them instead
+        "--interrupt_requests",
+        "False",
     ]
     log = (logs / "llamacpp-server.log").open("w")
     env = omp_env(ctx.args.omp_wait_policy)
@@ -291,7 +294,8 @@ async def llamacpp_server(ctx: Context, logs: Path) -> dict:
     return {
         "how": "python -m llama_cpp.server (llama-cpp-python[server]==0.3.36), 127.0.0.1, "
         f"n_threads=n_threads_batch={ctx.args.threads}, n_ctx 4096, OMP_WAIT_POLICY "
-        f"{ctx.args.omp_wait_policy}; streamed "
+        f"{ctx.args.omp_wait_policy}, interrupt_requests False (queue, do not cut "
+        "the running stream); streamed "
         "/v1/completions over HTTP/1.1 (server-sent events)",
         **out,
     }
