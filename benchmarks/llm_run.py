@@ -36,15 +36,16 @@ class Context:
 
         gguf = smollm2_gguf()
         tokenizer = smollm2_tokenizer(gguf, cache / "smollm2-tokenizer" / "tokenizer.json")
-        ends = [t for t in ("<|endoftext|>", "<|im_end|>") if tokenizer.token_to_id(t) is not None]
+        ids = {t: tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
+        ends = {t: i for t, i in ids.items() if i is not None}
         bos = "<|im_start|>" if tokenizer.token_to_id("<|im_start|>") is not None else None
         return cls(
             args,
             gguf,
             tokenizer,
             Prompts(tokenizer),
-            [tokenizer.token_to_id(t) for t in ends],
-            ends[0],
+            list(ends.values()),
+            next(iter(ends)),
             bos,
         )
 

@@ -456,17 +456,17 @@ def _matmulnbits(
         zp = blocks.zero_points
         zp = _pack4(zp) if blocks.bits == 4 else zp
         inits.append(numpy_helper.from_array(zp.reshape(-1), f"{prefix}_zero_points"))
-    attrs = {"K": k, "N": n, "bits": blocks.bits, "block_size": block}
-    if accuracy_level:
-        attrs["accuracy_level"] = accuracy_level
     out = helper.make_node(
         "MatMulNBits",
         [node.input[0], *(i.name for i in inits)],
         [node.output[0]],
         name=f"{node.name or prefix}_Q{blocks.bits}",
         domain=MS_DOMAIN,
-        **attrs,
     )
+    attrs = {"K": k, "N": n, "bits": blocks.bits, "block_size": block}
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    out.attribute.extend(helper.make_attribute(key, value) for key, value in attrs.items())
     return [out], inits
 
 
