@@ -72,6 +72,7 @@ def run(
     input_tokens: int,
     output_tokens: int,
     timeout_s: float = 600,
+    model_version: str = "1",
 ) -> dict:
     """One `genai-perf profile` run; its metrics (from profile_export_genai_perf.json) or
     {"error": why}."""
@@ -117,6 +118,11 @@ def run(
         "0",
         "--artifact-dir",
         str(artifacts),
+        # passed to perf_analyzer: without a version it cannot find the model's entry in
+        # the worker's ModelStatistics ("failed to find the requested model version")
+        "--",
+        "-x",
+        model_version,
     ]
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",

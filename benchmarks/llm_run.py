@@ -100,7 +100,7 @@ def llamacpp_inprocess(ctx: Context, omp: str | None = None, short: bool = False
     """short: one decode of 32 tokens and one 500-token prefill (for a slow configuration)."""
     python = ctx.args.llamacpp_venv / "bin" / "python"
     if not python.exists():
-        return {"skipped": f"{python} not found: build it (see benchmarks/README.md)"}
+        return {"skipped": f"{python} not found: `make llamacpp-venv` builds it"}
     omp = omp or ctx.args.omp_wait_policy
     plan = ctx.single_plan()
     if short:

@@ -346,6 +346,32 @@ def llm_section(r: dict) -> str:
     return "\n\n".join(parts)
 
 
+def llm_int4_section(r: dict) -> str:
+    rows = [
+        [
+            name,
+            g["verdict"],
+            g["metrics"]["top1_agreement"],
+            g["metrics"]["kl_divergence"],
+            g["metrics"]["greedy_match"],
+            f"{g['bytes'] / 1e6:.0f}",
+        ]
+        for name, g in r["gate"].items()
+    ]
+    w = r["weights"]
+    return "\n\n".join(
+        [
+            "## SmolLM2 int4: the GGUF's own Q4_1 blocks vs re-quantizing them",
+            f"`python -m benchmarks.llm_int4` — {r['note']}. MatMul weights as the recipe "
+            f"writes them: {w['codecs']}, max |dW| per kind {w['max_abs_error']}; MatMul "
+            f"bytes {w['matmul_bytes_fp32'] / 1e6:.0f} MB fp32 -> "
+            f"{w['matmul_bytes_after'] / 1e6:.0f} MB.",
+            table(["variant", "gate", "top-1", "KL", "greedy match", "file MB"], rows),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
+
+
 def _rss(rss: dict) -> str:
     if "peak" in rss:
         return f"{rss['start']} -> peak {rss['peak']}"
@@ -361,6 +387,7 @@ SECTIONS = {
     "quantize": quantize_section,
     "tp": tp_section,
     "llm": llm_section,
+    "llm_int4": llm_int4_section,
 }
 
 
