@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "Python logits processor, which slows it; meshserve: sampling key ignore_eos)",
     )
     p.add_argument("--genai-perf", action="store_true")
+    p.add_argument("--genai-perf-concurrency", type=int, default=1)
+    p.add_argument("--genai-perf-requests", type=int, default=6)
+    p.add_argument("--genai-perf-input-tokens", type=int, default=128)
     p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
     p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
     p.add_argument("--quiet-wait-s", type=float, default=180.0)
@@ -227,10 +230,11 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
         args.model,
         folder,
         logs / "genai-perf-artifacts",
-        concurrency=4,
-        requests=12,
-        input_tokens=200,
+        concurrency=args.genai_perf_concurrency,
+        requests=args.genai_perf_requests,
+        input_tokens=args.genai_perf_input_tokens,
         output_tokens=args.max_tokens,
+        timeout_s=420,
     )
 
 

@@ -406,6 +406,8 @@ def plots(result: dict, folder: Path, name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not any(s.get("concurrency") for s in result["systems"].values()):
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for system, s in result["systems"].items():
         points = s.get("concurrency") or []

@@ -372,6 +372,32 @@ def llm_int4_section(r: dict) -> str:
     )
 
 
+def llm_genai_perf_section(r: dict) -> str:
+    g = r.get("genai_perf", {})
+    if "error" in g:
+        return f"## genai-perf against meshserve\n\nnot measured: {g['error']}"
+    rows = [
+        [k, g[k]["unit"], *(round(g[k].get(q, 0), 1) for q in ("avg", "p50", "p99"))]
+        for k in (
+            "time_to_first_token",
+            "inter_token_latency",
+            "output_token_throughput",
+            "request_throughput",
+            "input_sequence_length",
+            "output_sequence_length",
+        )
+        if k in g
+    ]
+    return "\n\n".join(
+        [
+            "## genai-perf against meshserve (its own report)",
+            "`python -m benchmarks.llm --systems --genai-perf ...` ran "
+            f"`genai-perf {g['command']}`",
+            table(["metric", "unit", "avg", "p50", "p99"], rows),
+        ]
+    )
+
+
 def _rss(rss: dict) -> str:
     if "peak" in rss:
         return f"{rss['start']} -> peak {rss['peak']}"
@@ -388,6 +414,7 @@ SECTIONS = {
     "tp": tp_section,
     "llm": llm_section,
     "llm_int4": llm_int4_section,
+    "llm_genai_perf": llm_genai_perf_section,
 }
 
 
