@@ -377,7 +377,7 @@ def llm_genai_perf_section(r: dict) -> str:
     if "error" in g:
         return f"## genai-perf against meshserve\n\nnot measured: {g['error']}"
     rows = [
-        [k, g[k]["unit"], *(round(g[k].get(q, 0), 1) for q in ("avg", "p50", "p99"))]
+        [k, g[k]["unit"], *(round(g[k][q], 1) if q in g[k] else "-" for q in ("avg", "p50", "p99"))]
         for k in (
             "time_to_first_token",
             "inter_token_latency",
