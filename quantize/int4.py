@@ -388,6 +388,8 @@ def quantize_matmuls(
             continue
         source, w, transpose = found
         gname = gguf_name(source)
+        if gname == "output.weight" and gname not in types and "token_embd.weight" in types:
+            gname = "token_embd.weight"  # tied embeddings: the lm_head is token_embd
         expected = _EXPECTED.get(types.get(gname, "")) if gname else None
         policy = OTHERWISE[otherwise]
         if gname in types and expected is None and policy == INT4:

@@ -136,6 +136,13 @@ def test_a_weight_named_after_a_q4_1_tensor_must_be_that_grid(
         int4.quantize_matmuls(model, gguf_path="x.gguf")  # type: ignore[arg-type]
 
 
+def test_a_tied_lm_head_is_checked_against_token_embd(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4, "gguf_types", lambda path: {"token_embd.weight": "Q8_0"})
+    model = graph({"lm_head.weight": RNG.standard_normal((64, 32)).astype(np.float32)})
+    with pytest.raises(int4.QuantizeError, match=r"lm_head\.weight is Q8_0 token_embd"):
+        int4.quantize_matmuls(model, gguf_path="x.gguf")  # type: ignore[arg-type]
+
+
 def test_gguf_names() -> None:
     assert int4.gguf_name("blk.7.ffn_down.weight") == "blk.7.ffn_down.weight"
     assert int4.gguf_name("layers.7.down.weight") == "blk.7.ffn_down.weight"
