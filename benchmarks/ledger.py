@@ -1,19 +1,24 @@
 """The cost of exact accounting, and the ledger's economics after a real load run.
 
-    python -m benchmarks.ledger [--seconds 5]
+    python -m benchmarks.ledger [--pairs 8] [--seconds 5] [--skip-economics] [--output F]
 
 (1) Router saturation throughput (closed loop, c=32, tiny MLP, 2 workers) with accounting on
     (group commit: a success is answered once its record is in Redis) and off
-    (`--no-accounting`), alternated twice; medians compared.
+    (`--no-accounting`), in `--pairs` pairs run back to back, the order alternating (on-off,
+    off-on, ...) so drift hits both alike. The cost is 1 - on/off per pair; it is reported
+    as the median with IQR and range, and a sign test says whether it is distinguishable
+    from run-to-run noise (6 pairs, all one way, are the fewest that can be).
 (2) A mesh with the ledger process under waves of load: the durable N against the calls the
     client saw succeed, and the report (JSON) and its plot.
-Writes benchmarks/results/ledger.json and ledger.png.
+Writes benchmarks/results/ledger.json and ledger.png (or `--output` and its .png). A quick
+check that it works: `--pairs 3 --seconds 2 --skip-economics --output /tmp/ledger.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -21,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, closed_loop, infer_request, machine, write_result
+from benchmarks import readings
+from benchmarks.common import RESULTS, closed_loop, infer_request, machine
 from deploy import toy_models
 from deploy.processes import LocalMesh
 from ledger import config as ledger_config
@@ -41,32 +47,42 @@ def request():  # type: ignore[no-untyped-def]
     return infer_request("mlp", "INPUT0", x, "FP32")
 
 
-def accounting_cost(tmp: Path, seconds: float) -> dict:
-    repo = tmp / "repo"
-    toy_models.write(repo / "mlp", toy_models.mlp(), CONFIG)
+def accounting_cost(repo: Path, tmp: Path, seconds: float, pairs: int) -> dict:
     mesh = LocalMesh(tmp / "logs-cost", worker_args=WORKER_ARGS)
     mesh.start_redis()
-    runs: dict[str, list[float]] = {"on": [], "off": []}
+    rows: list[dict] = []
     try:
         mesh.add_worker(repo)
         mesh.add_worker(repo)
         mesh.wait_registered(2)
-        for _ in range(2):
-            for mode in ("on", "off"):
+        for i in range(pairs):
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")
+            row: dict = {"order": ", ".join(order)}
+            for mode in order:
                 extra = () if mode == "on" else ("--no-accounting",)
                 address = mesh.start_router(*extra)
                 result = asyncio.run(closed_loop(address, request(), 32, seconds))
-                runs[mode].append(result["throughput_rps"])
+                row[mode] = result["throughput_rps"]
                 assert mesh.router is not None
                 mesh.router.stop()
+            print(f"pair {i + 1}/{pairs}: {row}", flush=True)
+            rows.append(row)
     finally:
         mesh.stop()
-    on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
-    return {"runs_rps": runs, "on_rps": on, "off_rps": off, "cost_fraction": round(1 - on / off, 4)}
+    on, off = [r["on"] for r in rows], [r["off"] for r in rows]
+    stats = readings.paired_cost(on, off)
+    return {
+        "pairs": rows,
+        "runs_rps": {"on": on, "off": off},
+        "on_rps": statistics.median(on),
+        "off_rps": statistics.median(off),
+        "cost_fraction": stats["median"],
+        "paired": stats,
+        "reading": readings.accounting_reading(stats),
+    }
 
 
-def economics_run(tmp: Path, waves: int = 4) -> dict:
-    repo = tmp / "repo"
+def economics_run(repo: Path, tmp: Path, plot: Path, waves: int = 4) -> dict:
     mesh = LocalMesh(tmp / "logs-econ", worker_args=WORKER_ARGS)
     mesh.start_redis()
     db = f"sqlite:///{tmp / 'ledger.db'}"
@@ -88,7 +104,7 @@ def economics_run(tmp: Path, waves: int = 4) -> dict:
     store = Store(db)
     config = ledger_config.load(None)
     rows = report.build(store, config)
-    report.plot(store, config, rows, RESULTS / "ledger.png")
+    report.plot(store, config, rows, plot)
     store.close()
     (mlp,) = rows
     return {
@@ -101,29 +117,38 @@ def economics_run(tmp: Path, waves: int = 4) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ledger", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds a run")
+    parser.add_argument("--pairs", type=int, default=8, help="accounting on/off pairs")
+    parser.add_argument("--skip-economics", action="store_true")
+    parser.add_argument("--output", type=Path, default=RESULTS / "ledger.json")
     args = parser.parse_args()
+    if args.pairs < 1 or args.seconds <= 0:
+        parser.error("--pairs must be >= 1 and --seconds > 0")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        cost = accounting_cost(tmp, args.seconds)
-        econ = economics_run(tmp)
-    path = write_result(
-        "ledger",
-        {
-            "benchmark": "ledger",
-            "machine": machine(),
-            "seconds_per_point": args.seconds,
-            "accounting": cost,
-            "economics": econ,
-        },
-    )
-    print(econ["text"])
-    print(
-        f"accounting on {cost['on_rps']} rps, off {cost['off_rps']} rps "
-        f"-> cost {cost['cost_fraction']:.1%}; exact: {econ['exact']}"
-    )
-    print(f"wrote {path}")
+        repo = tmp / "repo"
+        toy_models.write(repo / "mlp", toy_models.mlp(), CONFIG)
+        cost = accounting_cost(repo, tmp, args.seconds, args.pairs)
+        econ = (
+            None
+            if args.skip_economics
+            else economics_run(repo, tmp, args.output.with_suffix(".png"))
+        )
+    payload = {
+        "benchmark": "ledger",
+        "machine": machine(),
+        "seconds_per_point": args.seconds,
+        "accounting": cost,
+    }
+    if econ is not None:
+        payload["economics"] = econ
+        print(econ["text"])
+        print(f"client successes {econ['client_successes']}, durable {econ['durable_calls']}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    print(cost["reading"])
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import readings
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
@@ -33,6 +35,16 @@ def worker_section(r: dict) -> str:
             + ", ".join(f"{c}: {v['batching_over_bare']}x" for c, v in s.items())
             + ".",
         ]
+    )
+
+
+def router_hop_text(r: dict) -> str:
+    s = r["summary"]
+    return (
+        f"p50 ratio at c=1: **{s['hop_p50_ratio_c1']}x**; throughput ratio at c=32: "
+        f"**{s['hop_throughput_ratio_c32']}x**. `bare_proxy` is the floor for any Python "
+        "router: grpc.aio passing the bytes to one upstream with no balancing, accounting, "
+        "metrics or failover. " + readings.hop_reading(r["hop"], r["machine"]["cores"])
     )
 
 
@@ -68,47 +80,46 @@ def router_section(r: dict) -> str:
         for p in r["policies"]
     ]
     enc_rows = [[k, v["header_parse_us"], v["decode_encode_us"]] for k, v in r["reencode"].items()]
-    s = r["summary"]
-    return "\n\n".join(
-        [
-            "## Router",
-            "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
-            "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
-            table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
-            f"p50 ratio at c=1: **{s['hop_p50_ratio_c1']}x**; throughput ratio at c=32: "
-            f"**{s['hop_throughput_ratio_c32']}x**. `bare_proxy` is the floor for any Python "
-            "router: grpc.aio passing the bytes to one upstream with no balancing, accounting, "
-            "metrics or failover; the router reaches "
-            f"**{s.get('router_over_bare_proxy_c32', '?')}x** of its throughput. On 2 cores the "
-            "router process competes with the worker and the client for CPU, and a grpc.aio "
-            "server + client hop costs about as much CPU as the worker's whole call, so the "
-            "issue's targets (p50 <= 1.5x, throughput >= 0.9x) are out of reach for a Python "
-            "router on this machine; see the closing note of issue 3.",
-            "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
-            table(
-                [
-                    "model",
-                    "workers",
-                    "offered rps",
-                    "served rps",
-                    "p50 ms",
-                    "p99 ms",
-                    "rps per worker",
-                ],
-                rep_rows,
-            ),
-            "![replicas](results/router_replicas.png)",
-            "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
-            table(
-                ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
-                pol_rows,
-            ),
-            f"p2c p99 / random p99 = **{s['p2c_p99_over_random_p99']}**.",
-            "![policies](results/router_policies.png)",
-            "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
-            table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
-        ]
-    )
+    parts = [
+        "## Router",
+        "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
+        "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
+        table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
+        router_hop_text(r),
+        "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
+        table(
+            [
+                "model",
+                "workers",
+                "offered rps",
+                "served rps",
+                "p50 ms",
+                "p99 ms",
+                "rps per worker",
+            ],
+            rep_rows,
+        ),
+        " ".join(readings.replicas_reading(k, v) for k, v in r["replicas"].items()),
+        readings.client_limited_reading(
+            [
+                (f"{label}, {p['workers']} workers", p)
+                for label, points in r["replicas"].items()
+                for p in points
+            ]
+            + [(f"policy {p['policy']}", p) for p in r["policies"]]
+        ),
+        "![replicas](results/router_replicas.png)",
+        "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
+        table(
+            ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
+            pol_rows,
+        ),
+        readings.policies_reading(r["policies"]),
+        "![policies](results/router_policies.png)",
+        "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
+        table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
+    ]
+    return "\n\n".join(x for x in parts if x)
 
 
 def mlserver_section(r: dict) -> str:
@@ -143,6 +154,7 @@ def mlserver_section(r: dict) -> str:
     ]
     c8 = r["summary"]["worker_over_mlserver_c8"]
     verdict = "met" if r["summary"]["target_met"] else "**not met**"
+    worse = readings.mlserver_reading(r["summary"], names)
     return "\n\n".join(
         [
             "## Side by side with MLServer",
@@ -159,34 +171,52 @@ def mlserver_section(r: dict) -> str:
                 ratio_rows,
             ),
             f"Target (worker >= 2x MLServer's throughput at c=8, p99 no worse): {verdict} — "
-            f"{c8['throughput_ratio']}x the throughput at {c8['p99_ratio']}x the p99.",
+            f"{c8['throughput_ratio']}x the throughput at {c8['p99_ratio']}x the p99. " + worse,
             "![latency vs throughput](results/mlserver_latency.png)",
             "![latency CDF at c=8](results/mlserver_cdf_c8.png)",
         ]
     )
 
 
+def accounting_pairs(a: dict) -> list[dict]:
+    """[{"on": rps, "off": rps}, ...] in run order; results before pairs were recorded ran
+    on, off, on, off."""
+    if "pairs" in a:
+        return list(a["pairs"])
+    return [
+        {"on": x, "off": y} for x, y in zip(a["runs_rps"]["on"], a["runs_rps"]["off"], strict=True)
+    ]
+
+
 def ledger_section(r: dict) -> str:
-    a, e = r["accounting"], r["economics"]
+    a, e = r["accounting"], r.get("economics")
+    pairs = accounting_pairs(a)
+    stats = readings.paired_cost([p["on"] for p in pairs], [p["off"] for p in pairs])
+    rows = [
+        [i + 1, p.get("order", "on, off"), p["on"], p["off"], f"{cost:.1%}"]
+        for i, (p, cost) in enumerate(zip(pairs, stats["cost_per_pair"], strict=True))
+    ]
+    if e is None:
+        economics = ["The economics run was skipped (`--skip-economics`)."]
+    else:
+        exact = "the two are equal" if e["exact"] else "the two **differ**"
+        economics = [
+            f"Waves of load through the mesh with the ledger running (no failures injected): "
+            f"the client saw {e['client_successes']:,} successes, the durable ledger holds "
+            f"{e['durable_calls']:,}: {exact}.",
+            "```\n" + e["text"] + "\n```",
+            "![ledger](results/ledger.png)",
+        ]
     return "\n\n".join(
         [
             "## Ledger: what exact accounting costs, and the economics after a load run",
             "`python -m benchmarks.ledger` — router saturation throughput (closed loop, c=32, "
-            "tiny MLP, 2 workers), accounting on (each success answered once its record is "
-            "in Redis) vs `--no-accounting`, alternated twice, medians:",
-            table(
-                ["accounting", "runs (req/s)", "median req/s"],
-                [
-                    ["on", " / ".join(map(str, a["runs_rps"]["on"])), a["on_rps"]],
-                    ["off", " / ".join(map(str, a["runs_rps"]["off"])), a["off_rps"]],
-                ],
-            ),
-            f"Cost of accounting: **{a['cost_fraction']:.1%}** of throughput.",
-            f"Waves of load through the mesh with the ledger running: the client saw "
-            f"{e['client_successes']:,} successes, the durable ledger holds "
-            f"{e['durable_calls']:,} (exact: {e['exact']}).",
-            "```\n" + e["text"] + "\n```",
-            "![ledger](results/ledger.png)",
+            f"tiny MLP, 2 workers, {r['seconds_per_point']} s per run), accounting on (each "
+            "success answered once its record is in Redis) vs `--no-accounting`, in "
+            f"{len(pairs)} alternated pairs; cost per pair = 1 - on / off:",
+            table(["pair", "order", "on req/s", "off req/s", "cost"], rows),
+            readings.accounting_reading(stats),
+            *economics,
         ]
     )
 
@@ -271,7 +301,7 @@ def tp_section(r: dict) -> str:
             f"**{label}** (max weight bytes per rank — {bytes_}; max |TP N - TP1| = {err:.1e})",
             table(header, rows),
         ]
-    parts.append(r["reading"])
+    parts.append(readings.tp_reading(r))
     return "\n\n".join(parts)
 
 
@@ -418,15 +448,17 @@ SECTIONS = {
 }
 
 
-def main() -> None:
+def render(results: Path = RESULTS) -> str:
+    """benchmarks/README.md's text from the result files in `results`."""
     parts = [
         "# Benchmark results",
         "Generated by `make bench` (`python -m benchmarks.summary`) "
-        "from `benchmarks/results/*.json`; numbers from one run each.",
+        "from `benchmarks/results/*.json`; numbers from one run of each benchmark, and "
+        "every sentence below is computed from them.",
     ]
     machine_noted = False
-    for name, render in SECTIONS.items():
-        path = RESULTS / f"{name}.json"
+    for name, section in SECTIONS.items():
+        path = results / f"{name}.json"
         if not path.exists():
             parts.append(f"## {name}\n\nnot run yet: `python -m benchmarks.{name}`")
             continue
@@ -438,8 +470,12 @@ def main() -> None:
                 f"onnxruntime {m['onnxruntime']}, {m['platform']}."
             )
             machine_noted = True
-        parts.append(render(result))
-    (HERE / "README.md").write_text("\n\n".join(parts) + "\n")
+        parts.append(section(result))
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def main() -> None:
+    (HERE / "README.md").write_text(render())
     print(f"wrote {HERE / 'README.md'}")
 
 

@@ -8,7 +8,8 @@ TP 1 and 3: 9 heads / 3 KV heads) greedily generating 8 tokens at batch 1 and 8 
 times `--repeat` forwards on rank 0: total, onnxruntime compute (the segments), and
 communication (the collectives, including waiting for the slowest rank). TP1 runs twice:
 one process with every core (what a single-process worker does) and one process with one
-thread (the compute that TP divides). Writes benchmarks/results/tp.json.
+thread (the compute that TP divides). Writes benchmarks/results/tp.json; the reading it
+prints (and benchmarks/README.md) is computed from the numbers by benchmarks/readings.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import readings
 from benchmarks.common import ROOT, machine, write_result
 from quantize import shard, weights
 from worker.tp_local import run_group
@@ -135,52 +137,9 @@ def main() -> None:
         )
         payload["smollm2"]["new_tokens"] = 8
         payload["smollm2"]["config_layers"] = smol.model.config.layers  # type: ignore[union-attr]
-    payload["reading"] = reading(payload)
+    payload["reading"] = readings.tp_reading(payload)
     print(payload["reading"])
     print(write_result("tp", payload))
-
-
-def reading(p: dict) -> str:
-    m = p["minilm"]["latency"]
-    b1 = {(r["tp"], r["threads_per_rank"]): r for r in m["batch1"]}
-    b8 = {(r["tp"], r["threads_per_rank"]): r for r in m["batch8"]}
-    cores = p["machine"]["cores"]
-    one = (1, 1)
-    return (
-        f"On {cores} CPU cores TP does not pay for latency: MiniLM at batch 8 takes "
-        f"{b8[(1, cores)]['total_ms']} ms in one process with {cores} threads, "
-        f"{b8[(2, 1)]['total_ms']} ms at TP2 and {b8[(3, 1)]['total_ms']} ms at TP3 "
-        f"(batch 1: {b1[(1, cores)]['total_ms']} / {b1[(2, 1)]['total_ms']} / "
-        f"{b1[(3, 1)]['total_ms']} ms). Compute on rank 0 does split: one thread "
-        f"{b8[one]['compute_ms']} ms at TP1 -> {b8[(2, 1)]['compute_ms']} ms at TP2 -> "
-        f"{b8[(3, 1)]['compute_ms']} ms at TP3 (batch 8), but every layer adds two gloo "
-        f"all-reduces through the kernel's loopback ({b8[(2, 1)]['comm_ms']} ms at TP2, "
-        f"{b8[(3, 1)]['comm_ms']} ms at TP3, which also counts waiting for the slowest rank; "
-        "TP3 runs 3 processes on 2 cores). Where TP pays instead: capacity — per-rank weight "
-        "bytes fall to about replicated + sharded/N, so a model over one device's memory "
-        "budget loads at TP N — and GPUs joined by NVLink/NCCL, where an all-reduce of a "
-        "few hundred KB costs microseconds against milliseconds of compute." + decoder_reading(p)
-    )
-
-
-def decoder_reading(p: dict) -> str:
-    if "smollm2" not in p:
-        return ""
-    d = p["smollm2"]
-    rows = {b: {(r["tp"], r["threads_per_rank"]): r for r in v} for b, v in d["latency"].items()}
-    b8 = rows["batch8"]
-    cores = p["machine"]["cores"]
-    calls = 8 * (2 * d["config_layers"] + 1) if "config_layers" in d else None
-    per = f" (~{b8[(3, 1)]['comm_ms'] / calls:.1f} ms per collective)" if calls else ""
-    mb = {k: max(v) / 1e6 for k, v in d["weight_bytes_per_rank"].items()}
-    return (
-        f" SmolLM2 (8 new tokens, batch 8): {b8[(1, cores)]['total_ms']} ms at TP1, "
-        f"{b8[(3, 1)]['total_ms']} ms at TP3, whose compute is {b8[(3, 1)]['compute_ms']} ms "
-        f"(vs {b8[(1, 1)]['compute_ms']} ms on one thread) and whose communication is "
-        f"{b8[(3, 1)]['comm_ms']} ms{per}: 3 ranks on 2 cores wait on each other at every one "
-        f"of the 61 all-reduces per step. Its weights per rank fall from {mb['tp1']:.0f} MB to "
-        f"{mb['tp3']:.0f} MB (the tied embedding / LM head is stored twice unsharded)."
-    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:worker:{id} (STRING, worker -> router): WorkerInfo as JSON; expires after the
   registry TTL unless the heartbeat renews it.
 - meshserve:depth:{id} (STRING, worker -> router): "depth:unix_ms", the worker's requests
-  waiting + running and when that was sampled; expires with the registry TTL.
+  waiting + running and when that was sampled; a worker serving an LLM engine appends
+  ":kv_used:kv_total", the KV cache tokens its running sequences hold and its budget.
+  Expires with the registry TTL.
 - meshserve:usage:{router} (HASH, router -> ledger, tests): "{model}|{version}|{field}" ->
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
@@ -110,13 +112,18 @@ class WorkerInfo:
 class DepthSample:
     depth: int
     at_ms: int
+    kv_used: int = 0  # KV cache tokens held (LLM engines only; 0 and 0 otherwise)
+    kv_total: int = 0
 
     def encode(self) -> str:
-        return f"{self.depth}:{self.at_ms}"
+        kv = f":{self.kv_used}:{self.kv_total}" if self.kv_total else ""
+        return f"{self.depth}:{self.at_ms}{kv}"
 
     @classmethod
     def decode(cls, text: str | bytes) -> DepthSample:
         if isinstance(text, bytes):
             text = text.decode()
-        depth, at_ms = text.split(":")
-        return cls(int(depth), int(at_ms))
+        parts = [int(p) for p in text.split(":")]
+        if len(parts) not in (2, 4):
+            raise ValueError(f"depth sample {text[:64]!r}: expected depth:at_ms[:kv_used:kv_total]")
+        return cls(*parts)

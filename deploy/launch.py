@@ -73,6 +73,14 @@ def build_minilm(repository: Path) -> None:
         print("MiniLM was not built (see above); serving the toy models only", flush=True)
 
 
+def build_smollm2(repository: Path) -> None:
+    """SmolLM2-135M int8 for the LLM engine (behind the accuracy gate), once: ~2 minutes."""
+    print(f"building SmolLM2 int8 for the LLM engine into {repository}/smollm2 (once, ~2 min)")
+    command = [sys.executable, "-m", "quantize", "build-llm", "--output", str(repository)]
+    if subprocess.run(command, cwd=ROOT).returncode != 0:
+        print("SmolLM2 was not built (see above); serving without an LLM", flush=True)
+
+
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -91,6 +99,8 @@ class Launcher:
             toy_models.build(args.model_repository)
         if not (args.model_repository / "minilm" / "config.pbtxt").exists():
             build_minilm(args.model_repository)
+        if not (args.model_repository / "smollm2" / "config.pbtxt").exists():
+            build_smollm2(args.model_repository)
         if not args.redis_url:
             self.mesh.start_redis()
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]

@@ -43,6 +43,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="for a -1 first dimension")
     parser.add_argument("--shape", action="append", default=[], help="NAME=D1,D2,...")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-send-lag-ms",
+        type=float,
+        default=50.0,
+        help="open loop: a send-lag p99 above this flags the run client-limited",
+    )
+    parser.add_argument(
+        "--min-send-fraction",
+        type=float,
+        default=0.95,
+        help="open loop: reaching under this fraction of the schedule flags it client-limited",
+    )
     parser.add_argument("--output", type=Path, help="JSON results")
     parser.add_argument("--plot-dir", type=Path, help="latency_cdf.png, latency_vs_load.png")
     parser.add_argument("--label", default="", help="names the series in plots and JSON")
@@ -50,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.timeout <= 0:
         parser.error("--duration and --timeout must be > 0, --warmup >= 0")
+    if not 0 < args.min_send_fraction <= 1 or args.max_send_lag_ms <= 0:
+        parser.error("--min-send-fraction must be in (0, 1], --max-send-lag-ms > 0")
     if args.rate and min(args.rate) <= 0:
         parser.error("--rate must be > 0")
     return args
@@ -79,7 +93,16 @@ def progress_printer(stream=sys.stderr):  # type: ignore[no-untyped-def]
 
 
 async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]:
-    load = Load(args.address, requests, args.duration, args.warmup, args.timeout, args.max_requests)
+    load = Load(
+        args.address,
+        requests,
+        args.duration,
+        args.warmup,
+        args.timeout,
+        args.max_requests,
+        min_send_fraction=args.min_send_fraction,
+        max_send_lag_ms=args.max_send_lag_ms,
+    )
     progress = None if args.quiet else progress_printer()
     runs = []
     if args.rate:
@@ -97,8 +120,15 @@ def table(runs: list[dict]) -> str:
         lines.append(
             f"{plots.label(r):15s} {r['throughput_rps']:8.1f} {r['p50_ms'] or 0:9.3f} "
             f"{r['p90_ms'] or 0:8.3f} {r['p99_ms'] or 0:8.3f} {r['p999_ms'] or 0:9.3f}  "
-            f"{r['errors'] or '-'}"
+            f"{r['errors'] or '-'}" + ("  CLIENT-LIMITED" if r.get("client_limited") else "")
         )
+    for r in runs:
+        if r.get("client_limited"):
+            lines.append(
+                f"{plots.label(r)}: client-limited, the client fell behind its schedule "
+                f"({r['client']['reason']}): its req/s and latency measure this client, "
+                "not the server; use a lower rate or more client processes"
+            )
     return "\n".join(lines)
 
 
@@ -118,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_s": args.warmup,
             "duration_s": args.duration,
             "client_python": platform.python_version(),
+            "client_limited": any(r.get("client_limited") for r in runs),
             "runs": runs,
         }
         args.output.write_text(json.dumps(payload, indent=2) + "\n")

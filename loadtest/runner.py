@@ -5,7 +5,11 @@
 - open loop: Poisson arrivals at `rate` per second, each sent whether or not earlier ones
   returned. Latency counts from the arrival's scheduled time, not from when the client got
   round to sending it, so a stalled client or server cannot hide queueing (no coordinated
-  omission).
+  omission). The client itself can fall behind that schedule (a rate beyond what this
+  machine can send): then the run is flagged `client_limited` — its throughput and latency
+  describe the client, not the server — with the send lag and the fraction of the measured
+  window's arrivals the client reached. Arrivals still unreached once the window (plus the
+  lag allowance) has passed are never sent, so such a run ends on time.
 
 Both warm up first (not measured), stop starting requests after `duration` (or at
 `max_requests`), wait for those in flight (each has a deadline), and count what started in
@@ -37,6 +41,11 @@ class Load:
     timeout: float = 30.0
     max_requests: int = 10_000_000
     progress_seconds: float = 1.0
+    # Open loop: the client is "limited" when it reached under this fraction of the measured
+    # window's scheduled arrivals, or when its send lag (actual send time - scheduled time)
+    # has a p99 above max_send_lag_ms.
+    min_send_fraction: float = 0.95
+    max_send_lag_ms: float = 50.0
 
 
 class _Run:
@@ -127,18 +136,32 @@ async def open_loop(
     progress: Progress | None = None,
 ) -> dict:
     """Arrivals beyond `max_in_flight` outstanding are not sent; they count as the error
-    CLIENT_BACKLOG (the offered load is far past what the server answers)."""
+    CLIENT_BACKLOG (the offered load is far past what the server answers). The result's
+    `client` entry says whether the client kept to its schedule (see `client_report`)."""
     run = _Run(load, f"[rate={rate:g}/s]", progress)
     rng = np.random.default_rng(seed)
     in_flight: set[asyncio.Task] = set()
+    lag = Recorder()  # actual - scheduled send time of the measured window's arrivals
+    unsent = 0  # measured-window arrivals never sent: the client was too far behind
+    give_up_at = run.stop_at + load.max_send_lag_ms / 1000
 
     async def arrivals() -> None:
+        nonlocal unsent
         t = run.start
         while run.sent < load.max_requests:
             t += float(rng.exponential(1.0 / rate))
             if t >= run.stop_at:
                 break
-            await asyncio.sleep(max(0.0, t - run.loop.time()))
+            now = run.loop.time()
+            if now >= give_up_at:  # far behind: what is left of the window stays unsent
+                left_from = max(t, run.measure_from)
+                unsent = int(t >= run.measure_from) + int(
+                    rng.poisson(rate * (run.stop_at - left_from))
+                )
+                break
+            await asyncio.sleep(max(0.0, t - now))
+            if t >= run.measure_from:
+                lag.ok(run.loop.time() - t)
             if len(in_flight) >= max_in_flight:
                 if t >= run.measure_from:
                     run.recorder.error("CLIENT_BACKLOG")
@@ -150,7 +173,38 @@ async def open_loop(
             await asyncio.gather(*in_flight)
 
     result = await run.finish([asyncio.ensure_future(arrivals())])
-    return {"offered_rps": rate, **result}
+    client = client_report(lag, unsent, load)
+    result["client_limited"] = client["limited"]
+    return {"offered_rps": rate, **result, "client": client}
+
+
+def client_report(lag: Recorder, unsent: int, load: Load) -> dict:
+    """Did the client keep to its schedule in the measured window? `reached` arrivals are
+    the ones it got round to before the window closed (sent, or refused as CLIENT_BACKLOG,
+    which is the server falling behind), each with its lag; `unsent` ones it never reached."""
+    handled = lag.count
+    scheduled = handled + unsent
+    fraction = handled / scheduled if scheduled else 1.0
+    lag_p99 = lag.percentile_ms(99) or 0.0
+    reasons = []
+    if fraction < load.min_send_fraction:
+        reasons.append(
+            f"reached {fraction:.1%} of the {scheduled:,} scheduled arrivals "
+            f"(below {load.min_send_fraction:.0%})"
+        )
+    if lag_p99 > load.max_send_lag_ms:
+        reasons.append(f"send lag p99 {lag_p99:g} ms (above {load.max_send_lag_ms:g} ms)")
+    return {
+        "limited": bool(reasons),
+        "reason": "; ".join(reasons),
+        "scheduled": scheduled,
+        "reached": handled,
+        "unsent": unsent,
+        "reached_fraction": round(fraction, 4),
+        "send_lag_p50_ms": lag.percentile_ms(50) or 0.0,
+        "send_lag_p99_ms": lag_p99,
+        "send_lag_max_ms": lag.summary(1)["max_ms"] or 0.0,
+    }
 
 
 def measured(result: dict) -> dict:
@@ -163,4 +217,4 @@ def elapsed_bound(load: Load) -> float:
     return load.warmup + load.duration + load.timeout
 
 
-__all__ = ["Load", "closed_loop", "elapsed_bound", "measured", "open_loop"]
+__all__ = ["Load", "client_report", "closed_loop", "elapsed_bound", "measured", "open_loop"]

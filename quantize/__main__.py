@@ -51,6 +51,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
     p.add_argument("--layers", type=int, help="keep only the first N layers (quick checks)")
     p.add_argument("--name", help="the served model name (default: --model)")
+    p = sub.add_parser(
+        "build-llm", help="SmolLM2 as the LLM engine's step graph, gated, into a repository"
+    )
+    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--recipe", default="decoder-int8-weight-only", help="a decoder recipe or fp32")
+    p.add_argument("--name", default="smollm2", help="the served model name")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p = sub.add_parser("build-repository")
     p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
     p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
@@ -132,6 +139,32 @@ def run(args: argparse.Namespace) -> int:
         except ShardError as e:
             console.print(f"[red]error:[/red] {e}")
             return 2
+        return 0
+    if args.command == "build-llm":
+        from quantize import llm
+
+        with progress() as bar:
+            step(bar, "export the engine graph", llm.export_step_graph, args.cache)
+            if args.recipe != pipeline.FP32:
+                step(
+                    bar, f"quantize {args.recipe}", llm.quantize_step_graph, args.recipe, args.cache
+                )
+                metrics, failures = step(bar, "gate", llm.gate, args.recipe, args.cache)
+                console.print(f"{args.recipe}: {metrics}")
+                if failures:
+                    console.print(f"[red]refused[/red] {args.recipe}: " + "; ".join(failures))
+                    return 1
+            path = step(
+                bar,
+                f"install into {args.output}",
+                llm.install,
+                args.output,
+                args.recipe,
+                args.cache,
+                args.name,
+                args.max_model_len,
+            )
+        console.print(f"{args.name}: {path}")
         return 0
     if args.command == "evaluate":
         with progress() as bar:

@@ -13,7 +13,7 @@ import numpy as np
 from common import dtypes
 from common.errors import InvalidArgument
 from protos import grpc_service_pb2 as pb
-from worker.config import ModelSpec, TensorSpec
+from worker.config import LLM_OUTPUT, ModelSpec, TensorSpec
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
@@ -182,4 +182,40 @@ def encode_response(
             response.raw_output_contents.append(serialize_bytes(array))
         else:
             response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+    return response
+
+
+def request_parameters(request: pb.ModelInferRequest) -> dict[str, object]:
+    """The request's `parameters` map as plain values."""
+    values: dict[str, object] = {}
+    for key, p in request.parameters.items():
+        kind = p.WhichOneof("parameter_choice")
+        if kind is not None:
+            values[key] = getattr(p, kind)
+    return values
+
+
+def encode_text_piece(
+    request: pb.ModelInferRequest,
+    spec: ModelSpec,
+    text: str | None,
+    final: bool,
+    usage: tuple[int, int, str] | None = None,
+) -> pb.ModelInferResponse:
+    """One response of a decoupled text model: `text_output` (none for an empty final
+    response), the `triton_final_response` flag, and on the final one the usage:
+    prompt_tokens, completion_tokens and finish_reason."""
+    response = pb.ModelInferResponse(
+        model_name=spec.name, model_version=spec.version, id=request.id
+    )
+    if text is not None:
+        data = text.encode()
+        response.outputs.add(name=LLM_OUTPUT, datatype="BYTES", shape=[1])
+        response.raw_output_contents.append(struct.pack("<I", len(data)) + data)
+    response.parameters["triton_final_response"].bool_param = final
+    if usage is not None:
+        prompt_tokens, completion_tokens, finish_reason = usage
+        response.parameters["prompt_tokens"].int64_param = prompt_tokens
+        response.parameters["completion_tokens"].int64_param = completion_tokens
+        response.parameters["finish_reason"].string_param = finish_reason
     return response

@@ -32,6 +32,17 @@ MAX_NEW_TOKENS = "meshserve.max_new_tokens"
 TEXT_TASKS = ("embed", "generate")
 TEXT_INPUT = "TEXT"
 TEXT_OUTPUT = "TEXT_OUTPUT"
+# An LLM served by the generation engine (worker/llm/): the model folder holds the engine's
+# step graph and a tokenizer; clients speak Triton's vLLM-backend tensors (decoupled).
+ENGINE = "meshserve.engine"
+LLM_ENGINE = "llm"
+LLM_INPUTS = (
+    ("text_input", mc.TYPE_STRING, False),
+    ("stream", mc.TYPE_BOOL, True),
+    ("sampling_parameters", mc.TYPE_STRING, True),
+    ("exclude_input_in_output", mc.TYPE_BOOL, True),
+)
+LLM_OUTPUT = "text_output"
 
 
 class ConfigError(Exception):
@@ -210,6 +221,43 @@ def add_text_tensors(config: mc.ModelConfig) -> None:
     config.input.add(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=dims, optional=True)
     if task == "generate":
         config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=dims)
+
+
+def is_llm(config: mc.ModelConfig) -> bool:
+    return ENGINE in config.parameters and config.parameters[ENGINE].string_value == LLM_ENGINE
+
+
+def complete_llm(config: mc.ModelConfig, default_max_queue_size: int) -> mc.ModelConfig:
+    """An LLM's config as Triton's vLLM backend declares it: decoupled, no batch dimension
+    (the engine batches sequences itself), the four inputs and text_output."""
+    config = mc.ModelConfig.FromString(config.SerializeToString())
+    config.platform = config.platform or "onnxruntime_onnx"
+    config.backend = config.backend or "onnxruntime"
+    if config.max_batch_size != 0:
+        raise ConfigError(
+            f"model {config.name!r}: an LLM engine model has max_batch_size 0 (the engine "
+            f"batches sequences itself), got {config.max_batch_size}"
+        )
+    config.model_transaction_policy.decoupled = True
+    if not config.input:
+        for name, data_type, optional in LLM_INPUTS:
+            config.input.add(name=name, data_type=data_type, dims=[1], optional=optional)
+    if not config.output:
+        config.output.add(name=LLM_OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
+    declared = {t.name: t.data_type for t in config.input}
+    expected = {name: data_type for name, data_type, _ in LLM_INPUTS}
+    if declared != expected or [t.name for t in config.output] != [LLM_OUTPUT]:
+        raise ConfigError(
+            f"model {config.name!r}: an LLM engine model takes inputs "
+            f"{sorted(expected)} and returns [{LLM_OUTPUT!r}]; the config declares inputs "
+            f"{sorted(declared)} and outputs {[t.name for t in config.output]}"
+        )
+    if not config.instance_group:
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    if config.dynamic_batching.default_queue_policy.max_queue_size == 0:
+        config.dynamic_batching.default_queue_policy.max_queue_size = default_max_queue_size
+    _check_parameters(config)
+    return config
 
 
 def spec(config: mc.ModelConfig, version: str) -> ModelSpec:

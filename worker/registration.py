@@ -28,6 +28,7 @@ class Registration:
         redis_url: str,
         info: WorkerInfo,
         depth: Callable[[], int],
+        kv: Callable[[], tuple[int, ...]] = lambda: (0, 0),
         heartbeat_s: float = 1.0,
         ttl_s: float = 5.0,
         depth_interval_s: float = 0.1,
@@ -37,6 +38,7 @@ class Registration:
         )
         self.info = info
         self.depth = depth
+        self.kv = kv  # (used, total) KV cache tokens, published with the depth
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = int(ttl_s * 1000)
         self.depth_interval_s = depth_interval_s
@@ -53,13 +55,18 @@ class Registration:
         while True:
             now = time.monotonic()
             depth = self.depth()
+            kv_used, kv_total = self.kv()
             due = last_depth is None or now_ms() - last_depth.at_ms >= self.depth_interval_s * 1000
             try:
                 if now - last_beat >= self.heartbeat_s:
                     await self._heartbeat()
                     last_beat = now
-                if due or depth != last_depth.depth:  # type: ignore[union-attr]
-                    sample = DepthSample(depth, now_ms())
+                changed = last_depth is None or (depth, kv_used) != (
+                    last_depth.depth,
+                    last_depth.kv_used,
+                )
+                if due or changed:
+                    sample = DepthSample(depth, now_ms(), kv_used, kv_total)
                     await self.redis.set(
                         mesh_state.depth_key(self.info.id), sample.encode(), px=self.ttl_ms
                     )

@@ -15,6 +15,8 @@ from common.errors import NotFound
 from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
+from worker.llm.model import StepModel, is_step_graph
+from worker.llm.serving import LLMServing
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
@@ -27,16 +29,45 @@ class LoadedModel:
     spec: cfg.ModelSpec
     config: mc.ModelConfig  # completed, as ModelConfig answers it
     session: OnnxSession
-    batcher: Batcher
     stats: ModelStats
+    batcher: Batcher | None = None  # every model but an LLM
     text: TextModel | None = None  # set when the config names a tokenizer
+    llm: LLMServing | None = None  # an LLM served by the generation engine (decoupled)
 
     async def infer(
         self, inputs: dict[str, np.ndarray], outputs: list[str]
     ) -> dict[str, np.ndarray]:
         if self.text is not None:
             return await self.text.infer(inputs, outputs)
+        assert self.batcher is not None, "an LLM model is served through its engine"
         return await self.batcher.submit(inputs, outputs)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting or running, as published to the routers."""
+        if self.llm is not None:
+            return self.llm.engine.depth
+        return self.batcher.depth if self.batcher is not None else 0
+
+    @property
+    def max_queue_size(self) -> int:
+        if self.llm is not None:
+            return self.llm.config.max_waiting + self.llm.config.max_num_seqs
+        return self.batcher.max_queue_size if self.batcher is not None else 0
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        """(used, total) KV cache tokens; (0, 0) for models without a KV cache."""
+        if self.llm is None:
+            return 0, 0
+        cache = self.llm.engine.cache
+        return cache.reserved_tokens, cache.budget_tokens
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
+        if self.llm is not None:
+            await self.llm.engine.close()
 
 
 def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
@@ -88,6 +119,8 @@ class Repository:
         session = OnnxSession(path, self.options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
+        if cfg.is_llm(config):
+            return self._load_llm(model_dir, version, config, session)
         completed = cfg.complete(
             config,
             session.inputs,
@@ -119,7 +152,38 @@ class Repository:
             instances=spec.instance_count,
             text_task=text.task if text else None,
         )
-        return LoadedModel(spec, completed, session, batcher, stats, text)
+        return LoadedModel(spec, completed, session, stats, batcher, text)
+
+    def _load_llm(
+        self, model_dir: Path, version: str, config: mc.ModelConfig, session: OnnxSession
+    ) -> LoadedModel:
+        if not is_step_graph(session):
+            raise cfg.ConfigError(
+                f"model {config.name!r}: {cfg.ENGINE} is 'llm' but {session.path} is not an "
+                "engine step graph (no seqlens_k input); build it with `python -m quantize "
+                "build-repository`"
+            )
+        completed = cfg.complete_llm(config, self.default_max_queue_size)
+        completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        spec = cfg.spec(completed, version)
+        llm = LLMServing(spec, StepModel(session), model_dir)
+        stats = ModelStats()
+        llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
+            rows, rows, 0, ns, 0
+        )
+        llm.engine.start()
+        log.info(
+            "model_loaded",
+            model=spec.name,
+            version=version,
+            provider=session.provider,
+            engine="llm",
+            max_model_len=llm.config.max_model_len,
+            max_num_seqs=llm.config.max_num_seqs,
+            kv_cache_tokens=llm.config.kv_cache_tokens,
+            kv_cache_bytes=llm.config.kv_cache_tokens * llm.engine.cache.shape.bytes_per_token,
+        )
+        return LoadedModel(spec, completed, session, stats, llm=llm)
 
     def get(self, name: str, version: str = "") -> LoadedModel:
         versions = self.models.get(name)
@@ -144,4 +208,4 @@ class Repository:
 
     async def close(self) -> None:
         for model in self.all():
-            await model.batcher.close()
+            await model.close()

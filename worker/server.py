@@ -60,7 +60,8 @@ async def serve(settings: WorkerSettings) -> None:
         registration = Registration(
             settings.redis_url,
             worker_info(settings, repository, port),
-            depth=lambda: sum(m.batcher.depth for m in repository.all()),
+            depth=lambda: sum(m.depth for m in repository.all()),
+            kv=lambda: kv_tokens(repository),
             heartbeat_s=settings.heartbeat_seconds,
             ttl_s=settings.registry_ttl_seconds,
             depth_interval_s=settings.depth_interval_seconds,
@@ -101,13 +102,19 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("worker_stopped")
 
 
+def kv_tokens(repository: Repository) -> tuple[int, int]:
+    """(used, total) KV cache tokens over the worker's LLM models."""
+    pairs = [m.kv_tokens for m in repository.all()]
+    return sum(u for u, _ in pairs), sum(t for _, t in pairs)
+
+
 def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> WorkerInfo:
     models = {}
     for name, versions in repository.models.items():
         latest = repository.get(name)
         models[name] = ModelEntry(
             versions=sorted(versions, key=int),
-            max_queue=latest.batcher.max_queue_size,
+            max_queue=latest.max_queue_size,
             price_micro_usd=int(latest.spec.parameters.get(PRICE_PER_CALL, "0")),
             training_cost_micro_usd=int(latest.spec.parameters.get(TRAINING_COST, "0")),
         )

@@ -15,6 +15,9 @@ from common.errors import MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker import codec
+from worker.config import ModelSpec
+from worker.llm.engine import Output
+from worker.llm.serving import LLMServing
 from worker.repository import LoadedModel, Repository
 from worker.stats import Duration
 
@@ -84,19 +87,66 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter_ns()
         ok = False
         try:
-            inputs, outputs = codec.decode_request(request, model.spec)
-            results = await model.infer(inputs, outputs)
-            response = codec.encode_response(request, model.spec, results)
+            if model.llm is not None:
+                # A decoupled model over ModelInfer: the whole text in one response (Triton
+                # refuses the call instead; answering is what a unary client wants).
+                response = await self._complete(request, model.llm, model.spec)
+            else:
+                inputs, outputs = codec.decode_request(request, model.spec)
+                results = await model.infer(inputs, outputs)
+                response = codec.encode_response(request, model.spec, results)
             ok = True
             return response
+        finally:
+            model.stats.record_request(ok, time.perf_counter_ns() - start)
+
+    async def _complete(
+        self, request: pb.ModelInferRequest, llm: LLMServing, spec: ModelSpec
+    ) -> pb.ModelInferResponse:
+        inputs, _ = codec.decode_request(request, spec)
+        out = await llm.complete(llm.parse(inputs, codec.request_parameters(request)))
+        _raise_failed(out)
+        return codec.encode_text_piece(request, spec, out.text, True, _usage(out))
+
+    async def _stream(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response of one request on a stream: one for a plain model; for an LLM
+        with stream=true, one per new piece of text, the last flagged final."""
+        model = self.repository.get(request.model_name, request.model_version)
+        if model.llm is None:
+            yield await self._infer(request)
+            return
+        structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
+        llm, spec = model.llm, model.spec
+        start = time.perf_counter_ns()
+        ok = False
+        try:
+            inputs, _ = codec.decode_request(request, spec)
+            parameters = codec.request_parameters(request)
+            parsed = llm.parse(inputs, parameters)
+            if not parsed.stream:
+                yield await self._complete(request, llm, spec)
+                ok = True
+                return
+            empty_final = parameters.get(EMPTY_FINAL) is True
+            async for out in llm.generate(parsed):
+                _raise_failed(out)
+                if not out.finished:
+                    yield codec.encode_text_piece(request, spec, out.text, False)
+                elif empty_final:
+                    if out.text:
+                        yield codec.encode_text_piece(request, spec, out.text, False)
+                    yield codec.encode_text_piece(request, spec, None, True, _usage(out))
+                else:
+                    yield codec.encode_text_piece(request, spec, out.text, True, _usage(out))
+            ok = True
         finally:
             model.stats.record_request(ok, time.perf_counter_ns() - start)
 
     async def ModelStreamInfer(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests on one stream run concurrently; responses go back as they finish."""
-        async for reply in streaming.serve(request_iterator, self._infer):
+        """Requests on one stream run concurrently; responses go back as they come."""
+        async for reply in streaming.serve(request_iterator, self._stream, streams=True):
             yield reply
 
     @grpc_errors
@@ -117,6 +167,18 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         for model in self.repository.all():
             response.models.add(name=model.spec.name, version=model.spec.version, state="READY")
         return response
+
+
+EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+def _usage(out: Output) -> tuple[int, int, str]:
+    return out.prompt_tokens, out.completion_tokens, out.finish_reason or ""
+
+
+def _raise_failed(out: Output) -> None:
+    if out.error is not None:
+        raise MeshError(f"generation failed after {out.completion_tokens} tokens: {out.error}")
 
 
 def _duration(d: Duration) -> pb.StatisticDuration:

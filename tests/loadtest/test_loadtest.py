@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,8 @@ def test_closed_and_open_loop_against_a_worker(worker) -> None:  # type: ignore[
     opened = asyncio.run(open_loop(load, rate=100.0))
     assert opened["offered_rps"] == 100.0 and not opened["errors"]
     assert 50 <= opened["requests"] <= 200  # Poisson around 100 in one second
+    assert opened["client_limited"] is False, opened["client"]  # 100 req/s: easily on time
+    assert opened["client"]["unsent"] == 0 and opened["client"]["reached_fraction"] == 1.0
     bad = Load(worker.address, mlp_requests("nope"), duration=0.3, warmup=0.0, timeout=5.0)
     result = asyncio.run(closed_loop(bad, concurrency=2))
     assert result["requests"] == 0 and result["errors"]["NOT_FOUND"] > 0
@@ -180,3 +183,53 @@ def test_cli_text_model_open_loop(worker) -> None:  # type: ignore[no-untyped-de
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "50 rps offered" in proc.stdout
+
+
+def test_open_loop_beyond_the_client_is_flagged_client_limited(worker) -> None:  # type: ignore[no-untyped-def]
+    # A million req/s is far past what one Python client sends: it falls behind its
+    # schedule at once. The run must still end on time and say it measured the client.
+    load = Load(worker.address, mlp_requests(), duration=1.0, warmup=0.0, timeout=2.0)
+    started = time.monotonic()
+    result = asyncio.run(open_loop(load, rate=1_000_000.0, max_in_flight=200))
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0 + 0.05 + 2.0 + 1.0, elapsed  # window + lag allowance + deadline
+    client = result["client"]
+    assert result["client_limited"] is True and client["limited"] is True
+    assert client["reached_fraction"] < 0.5 and client["unsent"] > 0, client
+    assert client["scheduled"] > 500_000  # the schedule's arrivals, sent or not
+    assert "scheduled arrivals" in client["reason"]
+
+
+def test_table_marks_a_client_limited_run() -> None:
+    from loadtest.__main__ import table
+
+    base = {"offered_rps": 5000.0, "throughput_rps": 900.0, "errors": {}}
+    base.update(p50_ms=1.0, p90_ms=2.0, p99_ms=3.0, p999_ms=4.0)
+    client = {"reason": "reached 18.0% of the 5,000 scheduled arrivals (below 95%)"}
+    limited = {**base, "client_limited": True, "client": client}
+    fine = {**base, "offered_rps": 100.0, "client_limited": False}
+    text = table([limited, fine])
+    assert "CLIENT-LIMITED" in text.splitlines()[1]
+    assert "CLIENT-LIMITED" not in text.splitlines()[2]
+    assert "5000 rps offered: client-limited" in text and "reached 18.0%" in text
+
+
+def test_cli_flags_a_client_limited_rate(worker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out.json"
+    args = ["--address", worker.address, "--model", "mlp", "--rate", "1000000", "50"]
+    args += ["--duration", "0.5", "--warmup", "0", "--timeout", "1", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", *args, "--output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    limited, normal = result["runs"]
+    assert result["client_limited"] is True
+    assert limited["client_limited"] is True and normal["client_limited"] is False
+    lines = proc.stdout.splitlines()
+    assert lines[1].endswith("CLIENT-LIMITED") and not lines[2].endswith("CLIENT-LIMITED")
+    assert "1e+06 rps offered: client-limited" in proc.stdout

@@ -1,0 +1,1 @@
+"""LLM serving: continuous batching over a server-owned KV cache (see engine.py)."""

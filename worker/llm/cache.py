@@ -1,0 +1,99 @@
+"""The KV cache: allocated once, written in place by the step graph, freed per sequence.
+
+One anonymous mapping holds keys and values for every layer as [2, layers, slots, kv_heads,
+max_len, head_dim] float32. A sequence owns one slot for its lifetime; the attention op
+writes each new token's keys at the sequence's own length, so nothing is ever copied or
+concatenated between steps. Slot rows are contiguous per layer, so the rows of a decode
+batch (slots lo..hi) bind to onnxruntime as views of this memory, without a copy.
+
+Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
+when written, and a freed slot's pages are returned to the OS (madvise DONTNEED), so the
+memory held is at most the tokens reserved by running sequences (each reserves its prompt
+plus max_tokens when admitted), rounded up to pages.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    slots: int
+    max_len: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * FLOAT_BYTES
+
+
+class KVCache:
+    def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
+        self.shape = shape
+        self.budget_tokens = budget_tokens
+        self.reserved_tokens = 0
+        s = shape
+        dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES)
+        self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
+        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
+        self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+        self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.budget_tokens - self.reserved_tokens
+
+    def fits(self, tokens: int) -> bool:
+        return bool(self._free) and tokens <= self.free_tokens
+
+    def allocate(self, tokens: int) -> int:
+        """A slot for a sequence that may grow to `tokens`; the caller checked `fits`."""
+        self._free.sort(reverse=True)
+        self.reserved_tokens += tokens
+        return self._free.pop()
+
+    def release(self, slot: int, tokens: int) -> None:
+        """Give the slot back and its written pages to the OS."""
+        self.reserved_tokens -= tokens
+        layer_bytes = self.shape.slots * self._slot_bytes
+        for kv in range(2):
+            for layer in range(self.shape.layers):
+                start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
+                # page-aligned by construction when max_len * head_dim * 4 is a page multiple
+                self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
+        self._free.append(slot)
+
+    def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
+        """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
+        views = self._views.get((lo, hi))
+        if views is None:
+            views = [
+                (
+                    ort.OrtValue.ortvalue_from_numpy(self.data[0, layer, lo:hi]),
+                    ort.OrtValue.ortvalue_from_numpy(self.data[1, layer, lo:hi]),
+                )
+                for layer in range(self.shape.layers)
+            ]
+            self._views[(lo, hi)] = views
+        return views
+
+    def close(self) -> None:
+        self.bindings.clear()
+        self._views.clear()
+        del self.data
+        self._map.close()

@@ -1,0 +1,370 @@
+"""The generation engine: iteration-level scheduling over a server-owned KV cache.
+
+One loop owns the model, the cache and every sequence. Each iteration:
+
+1. drops cancelled sequences (their slot and pages are freed before anything runs);
+2. admits waiting requests in arrival order while a slot is free and the KV budget holds
+   their prompt + max_tokens (so a running sequence never runs out of cache and nothing
+   needs preempting; a request that cannot fit even an empty cache is refused up front);
+3. runs one prefill chunk of the oldest sequence still reading its prompt (at most
+   `prefill_chunk` tokens, so a long prompt delays running streams by one chunk per step,
+   never by the whole prompt);
+4. runs one decode step for every sequence that is generating, the newly prefilled one
+   included: rows of different lengths share one run, each attending to its own cache;
+5. samples, detokenizes and hands each sequence its new text; a finished sequence leaves at
+   once and frees its cache.
+
+Model runs go to one thread (onnxruntime releases the GIL), so gRPC keeps being served while
+a step computes; sampling and detokenizing run on the event loop between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+from tokenizers import Tokenizer
+
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from worker.llm.cache import CacheShape, KVCache
+from worker.llm.detokenize import Detokenizer
+from worker.llm.model import StepModel
+from worker.llm.sampling import Sampler, SamplingParams
+
+log = structlog.get_logger()
+
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>", "</s>")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    max_num_seqs: int = 16  # sequences generating at once (cache slots)
+    kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
+    prefill_chunk: int = 512  # prompt tokens per step
+    max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
+
+
+@dataclass
+class Output:
+    text: str  # new text since the previous output
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None  # the run failed: the sequence ends without more text
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    detok: Detokenizer
+    reserve: int  # tokens of KV budget held while running
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    slot: int = -1
+    computed: int = 0  # tokens whose keys and values are in the cache
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrived_ns: int = field(default_factory=time.perf_counter_ns)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_runs: int = 0
+    prefill_tokens: int = 0
+    decode_runs: int = 0
+    decode_tokens: int = 0
+    decode_batches: Counter[int] = field(default_factory=Counter)  # rows -> decode runs
+    joined_running: int = 0  # sequences that began decoding while others were decoding
+    finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
+    rejected: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: StepModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        on_execution=None,  # type: ignore[no-untyped-def]
+    ) -> None:
+        facts = model.facts
+        if config.max_model_len > facts.max_positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the graph's RoPE table of "
+                f"{facts.max_positions} positions"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos = {i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
+        budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
+        self.cache = KVCache(
+            CacheShape(
+                facts.layers,
+                facts.kv_heads,
+                facts.head_dim,
+                config.max_num_seqs,
+                _page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+            ),
+            budget,
+        )
+        self.stats = EngineStats()
+        self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
+        self._closed = False
+        self._task: asyncio.Task | None = None
+
+    # ---- the API the servicer uses -------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids  # type: ignore[no-any-return]
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request, or refuse it at once with the numbers that did not fit."""
+        if self._closed:
+            raise Unavailable("the engine is shutting down")
+        limit = self.config.max_model_len
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: text_input must hold at least one token")
+        if len(prompt) >= limit:
+            raise InvalidArgument(
+                f"the prompt is {len(prompt)} tokens; max_model_len is {limit} (prompt + "
+                "generated tokens), so a prompt may have at most "
+                f"{limit - 1} tokens"
+            )
+        bad = next((t for t in prompt if not 0 <= t < self.model.facts.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"token id {bad} is outside the vocabulary [0, {self.model.facts.vocab_size})"
+            )
+        reserve = min(len(prompt) + params.max_tokens, limit)
+        if reserve > self.cache.budget_tokens:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt) + params.max_tokens} exceeds the KV cache budget of "
+                f"{self.cache.budget_tokens} tokens; lower max_tokens"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            self.stats.rejected += 1
+            raise ResourceExhausted(
+                f"{len(self.waiting)} requests are already waiting for KV cache "
+                f"(max {self.config.max_waiting}); retry later"
+            )
+        seq = Sequence(
+            id=next(self._ids),
+            prompt=prompt,
+            params=params,
+            sampler=Sampler(params, prompt, self.model.facts.vocab_size),
+            detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+            reserve=reserve,
+        )
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[Output]:
+        """The sequence's outputs as they come; leaving early cancels it."""
+        try:
+            while True:
+                out = await seq.outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                self.cancel(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self._wake.set()
+
+    @property
+    def depth(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.cache.reserved_tokens
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, CANCELLED)
+        self._pool.shutdown(wait=True)
+        self.cache.close()
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            self._drop_cancelled()
+            self._admit()
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step(loop)
+            except Exception as e:  # a failed run fails the sequences in it, not the worker
+                log.exception("llm_step_failed")
+                for seq in list(self.running):
+                    self._fail(seq, e)
+        log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._finish(seq, CANCELLED)
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, CANCELLED)
+
+    def _admit(self) -> None:
+        while self.waiting and self.cache.fits(self.waiting[0].reserve):
+            seq = self.waiting.popleft()
+            seq.slot = self.cache.allocate(seq.reserve)
+            self.running.append(seq)
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stats.steps += 1
+        decoding = [s for s in self.running if not s.prefilling]
+        prefill = next((s for s in self.running if s.prefilling), None)
+        if prefill is not None:
+            n = min(self.config.prefill_chunk, len(prefill.prompt) - prefill.computed)
+            ids = np.asarray([prefill.prompt[prefill.computed : prefill.computed + n]])
+            lengths = np.asarray([prefill.computed + n])
+            start = time.perf_counter_ns()
+            logits = await loop.run_in_executor(
+                self._pool, self.model.run, self.cache, ids, lengths, prefill.slot, prefill.slot + 1
+            )
+            self._executed("prefill", 1, n, time.perf_counter_ns() - start)
+            prefill.computed += n
+            self.stats.prefill_runs += 1
+            self.stats.prefill_tokens += n
+            if not prefill.prefilling:
+                if decoding:
+                    self.stats.joined_running += 1
+                self._accept(prefill, logits[0])
+        decoding = [s for s in self.running if not s.prefilling and s.finish_reason is None]
+        if not decoding:
+            return
+        lo = min(s.slot for s in decoding)
+        hi = max(s.slot for s in decoding) + 1
+        ids = np.zeros((hi - lo, 1), np.int64)
+        lengths = np.ones(hi - lo, np.int64)
+        # Rows between the decoding ones (free slots, prompts mid-prefill) run a dummy token
+        # written just past their own data, where their next real token will overwrite it.
+        for seq in self.running:
+            if lo <= seq.slot < hi:
+                lengths[seq.slot - lo] = seq.computed + 1
+        for seq in decoding:
+            ids[seq.slot - lo, 0] = seq.tokens[-1]
+        start = time.perf_counter_ns()
+        logits = await loop.run_in_executor(
+            self._pool, self.model.run, self.cache, ids, lengths, lo, hi
+        )
+        self._executed("decode", len(decoding), len(decoding), time.perf_counter_ns() - start)
+        self.stats.decode_runs += 1
+        self.stats.decode_tokens += len(decoding)
+        self.stats.decode_batches[len(decoding)] += 1
+        for seq in decoding:
+            seq.computed += 1
+            if not seq.cancelled:
+                self._accept(seq, logits[seq.slot - lo])
+
+    def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
+        if self.on_execution is not None:
+            self.on_execution(kind, rows, tokens, ns)
+
+    def _accept(self, seq: Sequence, logits: np.ndarray) -> None:
+        """Sample the sequence's next token and hand it its new text."""
+        p = seq.params
+        banned = None
+        if len(seq.tokens) < p.min_tokens and not p.ignore_eos:
+            banned = sorted(self.eos)
+        token = seq.sampler.sample(logits, banned)  # a row of this step's own logits
+        seq.sampler.observe(token)
+        seq.tokens.append(token)
+        reason = None
+        if token in self.eos and not p.ignore_eos:
+            reason = STOP
+            piece = ""
+        else:
+            piece = seq.detok.add(token)
+            if seq.detok.stopped:
+                reason = STOP
+        if reason is None and (
+            len(seq.tokens) >= p.max_tokens or seq.length >= self.config.max_model_len
+        ):
+            reason = LENGTH
+        if reason is None:
+            if piece:
+                seq.outputs.put_nowait(Output(piece))
+            return
+        self._finish(seq, reason, piece)
+
+    def _finish(self, seq: Sequence, reason: str, piece: str = "") -> None:
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        if reason != CANCELLED:
+            piece += seq.detok.finish()
+        seq.outputs.put_nowait(
+            Output(piece, True, reason, len(seq.prompt), completion_tokens=len(seq.tokens))
+        )
+        self.stats.finished[reason] += 1
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.release(seq.slot, seq.reserve)
+            seq.slot = -1
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """A run that raised: the sequence ends with the error instead of text."""
+        seq.finish_reason = "error"
+        self.stats.finished["error"] += 1
+        seq.outputs.put_nowait(
+            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}")
+        )
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.release(seq.slot, seq.reserve)
+
+
+def _page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
+    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
+    unit = 1
+    while (unit * row_floats * 4) % page:
+        unit += 1
+    return -(-max_len // unit) * unit

@@ -1,0 +1,228 @@
+"""Sampling parameters (parsed and checked) and the sampler that applies them to logits.
+
+Keys and defaults follow vLLM's SamplingParams, which Triton's vLLM backend passes through, so
+a client written for that backend means the same thing here. Values may come as JSON numbers
+or as strings (genai-perf sends `{"max_tokens": "32"}`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _number(key: str, value: Any, kind: type) -> Any:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"sampling parameter {key!r}: expected a number, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise InvalidArgument(
+                f"sampling parameter {key!r}: expected a number, got {value[:64]!r}"
+            ) from None
+        return _number(key, value, kind)
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise InvalidArgument(f"sampling parameter {key!r}: expected an integer, got {value!r}")
+        return value
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidArgument(f"sampling parameter {key!r}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidArgument(f"sampling parameter {key!r}: expected true or false, got {value!r}")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        value = parsed if isinstance(parsed, list) else value
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise InvalidArgument(
+            f"sampling parameter 'stop': expected a non-empty string or a list of them, got "
+            f"{value!r}"
+        )
+    if len(items) > 16:
+        raise InvalidArgument(f"sampling parameter 'stop': at most 16 strings, got {len(items)}")
+    return tuple(items)
+
+
+# key -> (parser, allowed range for the message)
+_RANGES = {
+    "max_tokens": ">= 1 and <= the model's limit",
+    "min_tokens": ">= 0 and <= max_tokens",
+    "temperature": ">= 0",
+    "top_p": "in (0, 1]",
+    "top_k": "-1, 0 (off) or >= 1",
+    "seed": "an integer",
+    "repetition_penalty": "> 0 (1 = off)",
+    "presence_penalty": "in [-2, 2]",
+    "frequency_penalty": "in [-2, 2]",
+    "stop": "a string or a list of strings",
+    "ignore_eos": "true or false",
+    "skip_special_tokens": "true or false",
+    "n": "1",
+}
+INT_KEYS = {"max_tokens", "min_tokens", "top_k", "seed", "n"}
+FLOAT_KEYS = {
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+}
+BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
+KEYS = frozenset(_RANGES)
+
+
+def parse_json(text: str) -> dict[str, Any]:
+    """The `sampling_parameters` input: a JSON object."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(
+            f"sampling_parameters is not valid JSON ({e.msg} at position {e.pos}); expected an "
+            'object such as {"max_tokens": 64, "temperature": 0}'
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(
+            f"sampling_parameters must be a JSON object, got {type(value).__name__}"
+        )
+    unknown = sorted(set(value) - KEYS)
+    if unknown:
+        raise InvalidArgument(
+            f"unknown sampling parameter(s) {[k[:64] for k in unknown]}; allowed: {sorted(KEYS)}"
+        )
+    return value
+
+
+def build(values: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
+    """Checked SamplingParams from raw values (from JSON or the request's parameters)."""
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in INT_KEYS:
+            kwargs[key] = _number(key, value, int)
+        elif key in FLOAT_KEYS:
+            kwargs[key] = _number(key, value, float)
+        elif key in BOOL_KEYS:
+            kwargs[key] = _bool(key, value)
+        elif key == "stop":
+            kwargs[key] = _stop(value)
+    if kwargs.pop("n", 1) != 1:
+        raise InvalidArgument("sampling parameter 'n': only n = 1 is served")
+    if kwargs.get("top_k") == -1:
+        kwargs["top_k"] = 0
+    p = SamplingParams(**kwargs)
+    checks = [
+        ("max_tokens", 1 <= p.max_tokens <= max_tokens_limit, p.max_tokens),
+        ("min_tokens", 0 <= p.min_tokens <= p.max_tokens, p.min_tokens),
+        ("temperature", p.temperature >= 0.0, p.temperature),
+        ("top_p", 0.0 < p.top_p <= 1.0, p.top_p),
+        ("top_k", p.top_k >= 0, p.top_k),
+        ("repetition_penalty", p.repetition_penalty > 0.0, p.repetition_penalty),
+        ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, p.presence_penalty),
+        ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, p.frequency_penalty),
+    ]
+    for key, ok, value in checks:
+        if not ok:
+            allowed = _RANGES[key].replace("the model's limit", str(max_tokens_limit))
+            raise InvalidArgument(f"sampling parameter {key!r} = {value}: must be {allowed}")
+    return p
+
+
+class Sampler:
+    """Per-sequence sampling state: its random generator and token counts for penalties."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self._seen: np.ndarray | None = None  # prompt + output tokens, for repetition
+        self._counts: np.ndarray | None = None  # output tokens, for presence / frequency
+        if params.penalized:
+            self._seen = np.zeros(vocab_size, bool)
+            self._seen[np.asarray(prompt, dtype=np.int64)] = True
+            self._counts = np.zeros(vocab_size, np.int32)
+
+    def observe(self, token: int) -> None:
+        if self._seen is not None and self._counts is not None:
+            self._seen[token] = True
+            self._counts[token] += 1
+
+    def sample(self, logits: np.ndarray, banned: list[int] | None = None) -> int:
+        """One token from logits [vocab] (float32, modified in place)."""
+        p = self.params
+        if self._seen is not None and self._counts is not None:
+            if p.repetition_penalty != 1.0:
+                seen = logits[self._seen]
+                logits[self._seen] = np.where(
+                    seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
+                )
+            if p.presence_penalty or p.frequency_penalty:
+                logits -= p.presence_penalty * (self._counts > 0)
+                logits -= p.frequency_penalty * self._counts
+        if banned:
+            logits[banned] = -np.inf
+        if p.greedy:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.shape[0]:
+            candidates = np.argpartition(logits, -p.top_k)[-p.top_k :]
+        else:
+            candidates = np.arange(logits.shape[0])
+        values = logits[candidates]
+        order = np.argsort(-values, kind="stable")
+        candidates, values = candidates[order], values[order]
+        probs = np.exp(values - values[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
+        return int(candidates[self.rng.choice(len(candidates), p=probs)])

@@ -1,0 +1,144 @@
+"""Triton's LLM tensor interface (the one its vLLM backend serves) over the engine.
+
+Inputs: `text_input` (BYTES [1]), `stream` (BOOL [1], optional), `sampling_parameters`
+(BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional); the
+sampling keys are also read from the request's `parameters` map, where the JSON wins.
+Output: `text_output` (BYTES). Streaming sends each new piece of text; otherwise one
+response holds the prompt (unless excluded) and the whole completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+from tokenizers import Tokenizer
+
+from common.errors import InvalidArgument
+from worker.config import ConfigError, ModelSpec
+from worker.llm import sampling
+from worker.llm.engine import Engine, EngineConfig, Output
+from worker.llm.model import StepModel
+
+log = structlog.get_logger()
+
+TEXT_INPUT, STREAM, SAMPLING, EXCLUDE_INPUT = (
+    "text_input",
+    "stream",
+    "sampling_parameters",
+    "exclude_input_in_output",
+)
+TEXT_OUTPUT = "text_output"
+
+# meshserve parameters of an LLM model's config.pbtxt
+ENGINE = "meshserve.engine"  # "llm"
+TOKENIZER = "meshserve.tokenizer"
+MAX_MODEL_LEN = "meshserve.max_model_len"
+MAX_NUM_SEQS = "meshserve.max_num_seqs"
+KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
+PREFILL_CHUNK = "meshserve.prefill_chunk"
+MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+INT_PARAMETERS = (MAX_MODEL_LEN, MAX_NUM_SEQS, KV_CACHE_BYTES, PREFILL_CHUNK, MAX_TOKENS_LIMIT)
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    prompt_text: str
+    prompt: list[int]
+    params: sampling.SamplingParams
+    stream: bool
+    exclude_input: bool
+
+
+def engine_config(spec: ModelSpec, model: StepModel) -> EngineConfig:
+    p = spec.parameters
+    for key in INT_PARAMETERS:
+        if key in p and not p[key].isdigit():
+            raise ConfigError(
+                f"model {spec.name!r}: parameter {key} must be a positive integer, got {p[key]!r}"
+            )
+    default = EngineConfig()
+    max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
+    seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
+    per_token = 2 * model.facts.layers * model.facts.kv_heads * model.facts.head_dim * 4
+    budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
+    if budget < 2:
+        raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
+    return EngineConfig(
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        kv_cache_tokens=budget,
+        prefill_chunk=int(p.get(PREFILL_CHUNK, default.prefill_chunk)),
+        max_waiting=spec.max_queue_size or default.max_waiting,
+    )
+
+
+class LLMServing:
+    def __init__(self, spec: ModelSpec, model: StepModel, model_dir: Path) -> None:
+        path = model_dir / spec.parameters.get(TOKENIZER, "tokenizer.json")
+        if not path.is_file():
+            raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
+        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.spec = spec
+        self.config = engine_config(spec, model)
+        self.engine = Engine(model, tokenizer, self.config)
+        self.max_tokens_limit = int(
+            spec.parameters.get(MAX_TOKENS_LIMIT, self.config.max_model_len - 1)
+        )
+
+    def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
+        text = _text(inputs[TEXT_INPUT])
+        values = {k: v for k, v in parameters.items() if k in sampling.KEYS}
+        if SAMPLING in inputs:
+            values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
+        params = sampling.build(values, self.max_tokens_limit)
+        prompt = self.engine.encode(text)
+        return LLMRequest(
+            prompt_text=text,
+            prompt=prompt,
+            params=params,
+            stream=_flag(inputs, STREAM),
+            exclude_input=_flag(inputs, EXCLUDE_INPUT),
+        )
+
+    async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
+        seq = self.engine.add(request.prompt, request.params)
+        async for out in self.engine.stream(seq):
+            yield out
+
+    async def complete(self, request: LLMRequest) -> Output:
+        """The whole completion as one Output (prompt first unless excluded)."""
+        pieces = [] if request.exclude_input else [request.prompt_text]
+        last = Output("")
+        async for out in self.generate(request):
+            pieces.append(out.text)
+            last = out
+        last.text = "".join(pieces)
+        return last
+
+
+def _text(array: np.ndarray, name: str = TEXT_INPUT) -> str:
+    if array.size != 1:
+        raise InvalidArgument(f"input {name!r}: one string expected, got {array.size} elements")
+    item = array.reshape(-1)[0]
+    if isinstance(item, bytes):
+        try:
+            return item.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"input {name!r} is not valid UTF-8: {e}") from None
+    return str(item)
+
+
+def _flag(inputs: dict[str, np.ndarray], name: str) -> bool:
+    array = inputs.get(name)
+    if array is None:
+        return False
+    if array.size != 1:
+        raise InvalidArgument(f"input {name!r}: one BOOL expected, got {array.size} elements")
+    return bool(array.reshape(-1)[0])
