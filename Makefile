@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test run lint bench compose-check clean
+.PHONY: venv proto test run lint bench compose-check clean llamacpp-venv
 
 venv: $(STAMP)
 
@@ -46,7 +46,16 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.mlserver
 	$(BIN)/python -m benchmarks.quantize
 	$(BIN)/python -m benchmarks.tp
+	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.summary
+
+# llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).
+LLAMACPP_VENV := build/llamacpp-venv
+llamacpp-venv: $(LLAMACPP_VENV)/bin/llama-cpp-stamp
+$(LLAMACPP_VENV)/bin/llama-cpp-stamp:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	touch $@
 
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
 # (tests/deploy runs the same check under `make test`).

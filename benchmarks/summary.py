@@ -345,6 +345,136 @@ def kv_balance_section(r: dict) -> str:
     )
 
 
+def llm_section(r: dict) -> str:
+    systems = {k: v for k, v in r["systems"].items() if v.get("single")}
+    single_rows = [
+        [
+            name,
+            s["single"]["decode_tokens_per_s"],
+            s["single"]["itl_ms"],
+            s["single"]["prompt_tokens_per_s_500"],
+            s["single"]["prompt_tokens_per_s_1500"],
+            _rss(s.get("rss_mb", {})),
+            s.get("load", {}).get("before", {}).get("load_avg", ["?"])[0],
+        ]
+        for name, s in systems.items()
+    ]
+    level_rows = [
+        [
+            name,
+            p["streams"],
+            p["requests"],
+            p["output_tokens_per_s"],
+            p["ttft_p50_ms"],
+            p["ttft_p99_ms"],
+            p["itl_p50_ms"],
+            p["errors"],
+        ]
+        for name, s in systems.items()
+        for p in s.get("concurrency", [])
+    ]
+    skipped = [
+        f"{k}: {v.get('skipped') or v.get('error')}"
+        for k, v in r["systems"].items()
+        if not v.get("single")
+    ]
+    parts = [
+        "## LLM serving: llama.cpp vs meshserve (SmolLM2-135M, the shipped Q4_1 GGUF)",
+        f"`python -m benchmarks.llm` — {r['note']} Settings: {r['settings']}.",
+        table(
+            [
+                "system",
+                "decode tok/s",
+                "ITL ms",
+                "prompt tok/s (500)",
+                "prompt tok/s (1,500)",
+                "RSS MB",
+                "load before",
+            ],
+            single_rows,
+        ),
+        table(
+            [
+                "system",
+                "streams",
+                "requests",
+                "output tok/s",
+                "TTFT p50",
+                "TTFT p99",
+                "ITL p50",
+                "errors",
+            ],
+            level_rows,
+        ),
+    ]
+    if skipped:
+        parts.append("Not measured: " + "; ".join(skipped) + ".")
+    if "genai_perf" in r:
+        g = r["genai_perf"]
+        parts.append("genai-perf: " + (g.get("error") or json.dumps(g)[:400]))
+    parts.append("\n".join(f"- {line}" for line in r["reading"]))
+    return "\n\n".join(parts)
+
+
+def llm_int4_section(r: dict) -> str:
+    rows = [
+        [
+            name,
+            g["verdict"],
+            g["metrics"]["top1_agreement"],
+            g["metrics"]["kl_divergence"],
+            g["metrics"]["greedy_match"],
+            f"{g['bytes'] / 1e6:.0f}",
+        ]
+        for name, g in r["gate"].items()
+    ]
+    w = r["weights"]
+    return "\n\n".join(
+        [
+            "## SmolLM2 int4: the GGUF's own Q4_1 blocks vs re-quantizing them",
+            f"`python -m benchmarks.llm_int4` — {r['note']}. MatMul weights as the recipe "
+            f"writes them: {w['codecs']}, max |dW| per kind {w['max_abs_error']}; MatMul "
+            f"bytes {w['matmul_bytes_fp32'] / 1e6:.0f} MB fp32 -> "
+            f"{w['matmul_bytes_after'] / 1e6:.0f} MB.",
+            table(["variant", "gate", "top-1", "KL", "greedy match", "file MB"], rows),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
+
+
+def llm_genai_perf_section(r: dict) -> str:
+    g = r.get("genai_perf", {})
+    if "error" in g:
+        return f"## genai-perf against meshserve\n\nnot measured: {g['error']}"
+    rows = [
+        [k, g[k]["unit"], *(round(g[k][q], 1) if q in g[k] else "-" for q in ("avg", "p50", "p99"))]
+        for k in (
+            "time_to_first_token",
+            "inter_token_latency",
+            "output_token_throughput",
+            "request_throughput",
+            "input_sequence_length",
+            "output_sequence_length",
+        )
+        if k in g
+    ]
+    return "\n\n".join(
+        [
+            "## genai-perf against meshserve (its own report)",
+            "`python -m benchmarks.llm --systems --genai-perf ...` ran "
+            f"`genai-perf {g['command']}`",
+            table(["metric", "unit", "avg", "p50", "p99"], rows),
+        ]
+    )
+
+
+def _rss(rss: dict) -> str:
+    if "peak" in rss:
+        return f"{rss['start']} -> peak {rss['peak']}"
+    end = rss.get("end", {})
+    return str(end.get("VmHWM", "?")) if isinstance(end, dict) else "?"
+
+
 SECTIONS = {
     "worker": worker_section,
     "router": router_section,
@@ -353,6 +483,9 @@ SECTIONS = {
     "quantize": quantize_section,
     "tp": tp_section,
     "kv_balance": kv_balance_section,
+    "llm": llm_section,
+    "llm_int4": llm_int4_section,
+    "llm_genai_perf": llm_genai_perf_section,
 }
 
 

