@@ -59,7 +59,23 @@ def sqlite_mesh(llm_repository: Path, tmp_path: Path) -> Iterator[tuple[Mesh, st
         store.close()
 
 
-def request(prompt: str, max_tokens: int, rid: str = "") -> pb.ModelInferRequest:
+@pytest.fixture
+def postgres_mesh(llm_repository: Path, tmp_path: Path) -> Iterator[tuple[Mesh, str, Store]]:
+    """As `sqlite_mesh`, the ledger on PostgreSQL (a schema of its own; skipped without a
+    server, as the ledger's tests are)."""
+    from tests.conftest import _postgres_store
+
+    stores = _postgres_store()
+    store = next(stores)
+    mesh = Mesh(tmp_path / "logs")
+    try:
+        yield mesh, start(mesh, llm_repository, store.url), store
+    finally:
+        mesh.stop(kill=True)
+        next(stores, None)  # drops the schema
+
+
+def llm_request(prompt: str, max_tokens: int, rid: str = "") -> pb.ModelInferRequest:
     r = pb.ModelInferRequest(model_name=MODEL, id=rid)
     for name, dtype, value in (
         ("text_input", "BYTES", prompt.encode()),
@@ -126,7 +142,7 @@ async def stream(
     got = got or Received()
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=timeout)
-        await call.write(request(prompt, max_tokens, "r1"))
+        await call.write(llm_request(prompt, max_tokens, "r1"))
         try:
             async for response in call:
                 got.responses.append(response)
@@ -258,7 +274,7 @@ async def _many(address: str, n: int, per_stream: int) -> list[Received]:
             call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=240)
             for i in range(per_stream):
                 k = s * per_stream + i
-                await call.write(request(prompts[k % 4], 1 + k % 9, str(i)))
+                await call.write(llm_request(prompts[k % 4], 1 + k % 9, str(i)))
             await call.done_writing()
             async for response in call:
                 r = got[response.infer_response.id]
@@ -274,10 +290,11 @@ async def _many(address: str, n: int, per_stream: int) -> list[Received]:
     return [r for rs in results for r in rs]
 
 
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
 def test_per_token_revenue_is_exact_for_many_concurrent_streams(
-    sqlite_mesh: tuple[Mesh, str, Store],
+    db: str, request: pytest.FixtureRequest
 ) -> None:
-    _, router, store = sqlite_mesh
+    _, router, store = request.getfixturevalue(f"{db}_mesh")
     t0 = time.monotonic()
     got = asyncio.run(_many(router, 200, 10))
     elapsed = time.monotonic() - t0
