@@ -123,7 +123,12 @@ class StreamForwarder:
                         break
                     item = self.out.get_nowait()
                 done = item is None
-                await self._bill(batch)
+                try:
+                    await self._bill(batch)
+                except BaseException:  # the client went away while the records were written
+                    for unsent in batch:
+                        self._take_back(unsent)
+                    raise
                 for i, item in enumerate(batch):
                     try:
                         if item.raw is not None:
@@ -295,10 +300,13 @@ class StreamForwarder:
                 piece = billing.stream_piece(response)
                 ends = piece.final or bool(piece.error)
                 code = grpc.StatusCode.UNKNOWN if piece.error else OK
+                if ends and not ended:  # its time upstream is counted with its end
+                    t0 = _add_upstream(call, t0)
                 await self.out.put(_Item(call, response, piece, ends and not ended, code))
                 forwarded = True
                 ended = ended or ends
             if not ended:  # the worker's stream closed OK without a final response
+                t0 = _add_upstream(call, t0)
                 await self.out.put(_Item(call, None, None, True, OK))
             return OK, "", forwarded
         except asyncio.CancelledError:
@@ -319,7 +327,7 @@ class StreamForwarder:
             stream.cancel()  # no-op once it ended; else the worker aborts the request
             replica.calls.discard(stream)
             replica.abandoned.discard(stream)
-            call.upstream_s += time.perf_counter() - t0
+            _add_upstream(call, t0)
             self.registry.end(replica, token)
             metrics.INFLIGHT.labels(replica.id).dec()
 
@@ -330,3 +338,9 @@ class StreamForwarder:
             infer_response=pb.ModelInferResponse(id=call.id, model_name=call.model),
         )
         await self.out.put(_Item(call, response.SerializeToString(), None, True, code))
+
+
+def _add_upstream(call: _Call, since: float) -> float:
+    now = time.perf_counter()
+    call.upstream_s += now - since
+    return now

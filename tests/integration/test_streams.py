@@ -199,8 +199,9 @@ def test_a_stream_through_the_router_is_the_stream_from_the_worker(
     # one call billed: its tokens and revenue exact, per-token price and per-call price
     expected = (routed.prompt, routed.completion, routed.revenue, 1, 0)
     assert settle(store, expected) == expected
-    finish = {k: v for k, v in next(iter(store.usage().values())).items() if "finished" in k}
-    assert finish["finished_length"] == 1
+    usage = next(iter(store.usage().values()))
+    assert usage["finished_length"] == 1 and usage["revenue_micro_usd"] == PRICE_CALL
+    assert usage["upstream_ns"] > 0  # the stream's time upstream: its share of serving cost
 
 
 def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
