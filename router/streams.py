@@ -137,6 +137,8 @@ class StreamForwarder:
                         for unsent in batch[i:]:  # this one and the rest did not go out
                             self._take_back(unsent)
                         raise
+                    if item.ends:  # a long-lived stream keeps no state of finished requests
+                        self.calls.discard(item.call)
         finally:
             reader.cancel()
             for task in list(tasks):
