@@ -211,7 +211,14 @@ def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
     got = asyncio.run(stream(router, "Once upon a time", 300, stop_after=6))
     assert len(got.responses) == 6 and not got.finished
     expected = (got.prompt, got.completion, got.revenue, 0, 1)
-    assert settle(store, expected) == expected
+    prompt, completion, revenue, success, errors = settle(store, expected)
+    # Exact, but for one race no server can close: a piece the router handed to the
+    # transport just before the client's cancel reached it is billed, though the client
+    # dropped it unread (HTTP/2 has no per-message ack): a client slower than the ~13 ms
+    # between tokens (a loaded 2-core box) can see it.
+    assert (prompt, success, errors) == (got.prompt, 0, 1)
+    assert got.completion <= completion <= got.completion + 1, (completion, got.completion)
+    assert revenue == token_revenue(prompt, completion, PRICE_IN, PRICE_OUT)
 
 
 async def _killed_mid_stream(mesh: Mesh, target: str, how: int) -> tuple[Received, float]:
