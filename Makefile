@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 proto: $(STUBS)
 
-$(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/compile.py $(STAMP)
+$(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/usage.proto protos/compile.py $(STAMP)
 	$(BIN)/python protos/compile.py
 
 test: $(STUBS)

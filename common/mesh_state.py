@@ -15,8 +15,10 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:calls:{router} (STREAM, router -> ledger): one entry per accounting batch, id
   "{epoch}-{seq}": epoch is the router process's start (unix ms, above any id already
   there), seq counts 1, 2, 3... within the process; field "usage" is JSON
-  {"model|version": [calls, success, errors, revenue_micro_usd, upstream_ns]} (success and
-  revenue negative for a refund), field "at_ms" when the batch closed. The ledger applies
+  {"model|version": [USAGE_FIELDS in order]} (success and revenue negative for a refund;
+  the token fields negative for a streamed piece whose delivery failed after it was
+  recorded), field "at_ms" when the batch closed. A batch of a router that predates token
+  pricing has the first five fields only. The ledger applies
   entries in id order, exactly once, and quarantines what fails its checks.
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
@@ -26,7 +28,7 @@ Everything read from Redis is checked before use (`WorkerInfo.from_json`,
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
-router's next flush. Fields: calls, success, errors, revenue_micro_usd.
+router's next flush. Fields: USAGE_FIELDS.
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ PREFIX = "meshserve"
 WORKERS = f"{PREFIX}:workers"
 ROUTERS = f"{PREFIX}:routers"
 # The counts of one model version, in this order wherever they travel as a list (batches).
-USAGE_FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+# Calls: calls, success, errors, revenue_micro_usd (per-call price), upstream_ns. Tokens (LLM
+# models): prompt and completion tokens billed, their revenue at the per-1k-token prices, and
+# how the successful calls finished (the worker's finish_reason: stop, length, else other).
+CALL_FIELDS = ("calls", "success", "errors", "revenue_micro_usd", "upstream_ns")
+TOKEN_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "token_revenue_micro_usd",
+    "finished_stop",
+    "finished_length",
+    "finished_other",
+)
+USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS
 
 
 def now_ms() -> int:
@@ -91,6 +105,18 @@ class ModelEntry:
     max_queue: int
     price_micro_usd: int = 0
     training_cost_micro_usd: int = 0
+    # LLM models: micro-USD per 1,000 prompt (input) and completion (output) tokens.
+    price_per_1k_input_tokens_micro_usd: int = 0
+    price_per_1k_output_tokens_micro_usd: int = 0
+
+    @property
+    def prices(self) -> tuple[int, int, int]:
+        """(per call, per 1k input tokens, per 1k output tokens): equal on every replica."""
+        return (
+            self.price_micro_usd,
+            self.price_per_1k_input_tokens_micro_usd,
+            self.price_per_1k_output_tokens_micro_usd,
+        )
 
 
 @dataclass(frozen=True)
@@ -134,6 +160,12 @@ class WorkerInfo:
                 max_queue=_count(m, "max_queue", name),
                 price_micro_usd=_count(m, "price_micro_usd", name, 0),
                 training_cost_micro_usd=_count(m, "training_cost_micro_usd", name, 0),
+                price_per_1k_input_tokens_micro_usd=_count(
+                    m, "price_per_1k_input_tokens_micro_usd", name, 0
+                ),
+                price_per_1k_output_tokens_micro_usd=_count(
+                    m, "price_per_1k_output_tokens_micro_usd", name, 0
+                ),
             )
         address = raw.get("address")
         host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")

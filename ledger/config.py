@@ -11,6 +11,12 @@ parameters, as the workers publish them in the registry):
     [models.mlp]
     price_per_call_micro_usd = 100
     training_cost_micro_usd = 5_000_000_000
+
+    [models.smollm2]      # an LLM: per-token prices as well (optional, default 0)
+    price_per_call_micro_usd = 0
+    training_cost_micro_usd = 50_000_000
+    price_per_1k_input_tokens_micro_usd = 50
+    price_per_1k_output_tokens_micro_usd = 200
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MACHINE_PRICES = {"cpu": 100_000, "gpu": 2_500_000}
+TOKEN_PRICES = ("price_per_1k_input_tokens_micro_usd", "price_per_1k_output_tokens_micro_usd")
 
 
 class LedgerConfigError(Exception):
@@ -30,6 +37,8 @@ class LedgerConfigError(Exception):
 class ModelTerms:
     price_micro_usd: int
     training_cost_micro_usd: int
+    price_per_1k_input_tokens_micro_usd: int = 0
+    price_per_1k_output_tokens_micro_usd: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ def load(path: Path | None) -> LedgerConfig:
             _money(
                 terms["training_cost_micro_usd"], f"{path}: models.{name}.training_cost_micro_usd"
             ),
+            *(_money(terms.get(key, 0), f"{path}: models.{name}.{key}") for key in TOKEN_PRICES),
         )
     unknown = set(raw) - {"machines", "models"}
     if unknown:

@@ -8,12 +8,14 @@ model's price and training cost as the workers publish them.
 
 Nothing read from Redis is trusted as it stands. A stream entry is counted only if it has
 exactly the router's fields, a usage object keyed "model|version" for a model the ledger
-knows (from a registration, its store or its config), and five integer counts that add up
-(success + errors = calls; calls, errors and upstream time >= 0; revenue of the sign of
-success: a negative success is a refund). Anything else is quarantined in the store with
-the reason, and the cursor moves past it: one bad entry never stops the ledger. A
-registration that does not parse is skipped with a log line. What this cannot catch is a
-well-formed forgery: that needs credentials on Redis (a separate issue).
+knows (from a registration, its store or its config), and integer counts (the five call
+counts of a router that predates token pricing, or all of USAGE_FIELDS) whose call counts
+add up (success + errors = calls; calls, errors and upstream time >= 0; revenue of the sign
+of success: a negative success is a refund). The token counts may be negative in a batch (a
+streamed piece recorded, then refunded when it could not be delivered). Anything else is
+quarantined in the store with the reason, and the cursor moves past it: one bad entry never
+stops the ledger. A registration that does not parse is skipped with a log line. What this
+cannot catch is a well-formed forgery: that needs credentials on Redis (a separate issue).
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def parse_entry(entry_id: str, fields: dict[str, str], known: set[str] | None = 
             raise ValueError(f"usage key {key[:64]!r} is not 'model|version'")
         if known is not None and parts[0] not in known:
             raise ValueError(f"model {parts[0][:64]!r} is not one the mesh serves")
+        lengths = (len(mesh_state.CALL_FIELDS), len(mesh_state.USAGE_FIELDS))
         if (
             not isinstance(counts, list)
-            or len(counts) != len(mesh_state.USAGE_FIELDS)
+            or len(counts) not in lengths
             or not all(type(c) is int and abs(c) < MAX_COUNT for c in counts)
         ):
-            raise ValueError(f"{key[:64]!r}: counts must be {len(mesh_state.USAGE_FIELDS)} ints")
-        calls, success, errors, revenue, upstream_ns = counts
+            raise ValueError(f"{key[:64]!r}: counts must be {lengths[0]} or {lengths[1]} ints")
+        counts = counts + [0] * (lengths[1] - len(counts))
+        calls, success, errors, revenue, upstream_ns = counts[: lengths[0]]
         if calls < 0 or errors < 0 or upstream_ns < 0 or success + errors != calls:
             raise ValueError(f"{key[:64]!r}: counts do not add up: {counts}")
         if revenue * success < 0 or (success == 0 and revenue != 0):
@@ -92,7 +96,7 @@ class Consumer:
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)
         self._cursors: dict[str, tuple[int, int]] = {}
-        self._terms: dict[str, tuple[int, int]] = {}  # model -> (p, T) as last recorded
+        self._terms: dict[str, tuple[int, ...]] = {}  # model -> (p, T, prices) last recorded
         self._known: set[str] = set(config.models) | set(store.models())  # served models
         self._refused: set[str] = set()  # registration texts already logged as refused
 
@@ -153,7 +157,12 @@ class Consumer:
             self._known.update(info.models)
             spans.append(WorkerSpan(info.id, info.started_ms, worker_kind(info.provider), now))
             for name, entry in info.models.items():
-                terms = (entry.price_micro_usd, entry.training_cost_micro_usd)
+                terms = (
+                    entry.price_micro_usd,
+                    entry.training_cost_micro_usd,
+                    entry.price_per_1k_input_tokens_micro_usd,
+                    entry.price_per_1k_output_tokens_micro_usd,
+                )
                 if name not in self.config.models and self._terms.get(name) != terms:
                     self.store.record_model(name, *terms)  # only when they change
                     self._terms[name] = terms

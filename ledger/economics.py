@@ -47,6 +47,7 @@ class Economics:
     calls_per_day: float
     projected_break_even: str | None  # ISO date at the current call rate
     statement: str
+    tokens: TokenEconomics | None = None  # a model priced per token, or that counted some
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -109,5 +110,86 @@ def economics(
         never_breaks_even=never,
         calls_per_day=round(calls_per_day, 3),
         projected_break_even=projected,
+        statement=statement,
+    )
+
+
+@dataclass(frozen=True)
+class TokenEconomics:
+    """An LLM priced per token: N counts output (completion) tokens. Revenue R is everything
+    the model earned (per call and per token, exact sums of per-call charges), so the
+    break-even N* = T N / (R - S) output tokens, S the serving cost: the input tokens earn
+    their share at the ratio of input to output tokens seen so far."""
+
+    prompt_tokens: int  # tokens in
+    completion_tokens: int  # tokens out: N
+    price_per_1k_input_tokens_micro_usd: int
+    price_per_1k_output_tokens_micro_usd: int
+    token_revenue_micro_usd: int  # the per-token part of R
+    revenue_micro_usd: int  # R: per call + per token
+    revenue_per_1k_output_tokens_micro_usd: float | None  # 1000 R / N
+    serving_cost_per_1k_output_tokens_micro_usd: float | None  # 1000 S / N
+    break_even_output_tokens: int | None  # N*, None when never or unknown
+    never_breaks_even: bool
+    output_tokens_per_day: float
+    projected_break_even: str | None  # ISO date at the current token rate
+    finished: dict[str, int]  # successful calls by finish reason: stop, length, other
+    statement: str
+
+
+def token_economics(
+    prompt_tokens: int,
+    completion_tokens: int,
+    prices: tuple[int, int],
+    token_revenue: int,
+    revenue: int,
+    training_cost: int,
+    serving: int,
+    output_tokens_per_day: float,
+    finished: dict[str, int],
+    now: dt.datetime,
+) -> TokenEconomics:
+    n = completion_tokens
+    break_even: int | None = None
+    never = False
+    projected = None
+    if n <= 0:
+        statement = "no output tokens yet: cost per token and break-even are unknown"
+    elif revenue <= serving:
+        never = True
+        statement = (
+            f"never breaks even at this volume: serving costs {1000 * serving / n:.1f} "
+            f"micro-USD per 1k output tokens, at or above the {1000 * revenue / n:.1f} earned"
+        )
+    else:
+        break_even = -(-training_cost * n // (revenue - serving))
+        remaining = break_even - n
+        if training_cost == 0:
+            statement = "no training cost set: every token's margin is profit"
+        elif remaining <= 0:
+            statement = "break-even reached: R - S >= T"
+        elif output_tokens_per_day > 0:
+            days = remaining / output_tokens_per_day
+            projected = (now + dt.timedelta(days=min(days, 3_000_000))).date().isoformat()
+            statement = (
+                f"break-even after {break_even:,} output tokens, around {projected} "
+                "at the current rate"
+            )
+        else:
+            statement = f"break-even after {break_even:,} output tokens; no current rate to project"
+    return TokenEconomics(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=n,
+        price_per_1k_input_tokens_micro_usd=prices[0],
+        price_per_1k_output_tokens_micro_usd=prices[1],
+        token_revenue_micro_usd=token_revenue,
+        revenue_micro_usd=revenue,
+        revenue_per_1k_output_tokens_micro_usd=round(1000 * revenue / n, 3) if n > 0 else None,
+        serving_cost_per_1k_output_tokens_micro_usd=round(1000 * serving / n, 3) if n > 0 else None,
+        break_even_output_tokens=break_even,
+        never_breaks_even=never,
+        output_tokens_per_day=round(output_tokens_per_day, 3),
+        projected_break_even=projected,
+        finished=finished,
         statement=statement,
     )

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from pathlib import Path
 
 from ledger.config import LedgerConfig
-from ledger.economics import MS_PER_DAY, Economics, economics, serving_cost
+from ledger.economics import (
+    MS_PER_DAY,
+    Economics,
+    TokenEconomics,
+    economics,
+    serving_cost,
+    token_economics,
+)
 from ledger.store import BUCKET_MS, Store
 
 RATE_WINDOW_MS = 3_600_000  # the call rate that projects break-even: the last hour of calls
@@ -19,6 +27,13 @@ def build(store: Store, config: LedgerConfig, model: str | None = None) -> list[
     terms = store.models()
     terms.update(
         {m: (t.price_micro_usd, t.training_cost_micro_usd) for m, t in config.models.items()}
+    )
+    token_prices = store.token_prices()
+    token_prices.update(
+        {
+            m: (t.price_per_1k_input_tokens_micro_usd, t.price_per_1k_output_tokens_micro_usd)
+            for m, t in config.models.items()
+        }
     )
     per_model: dict[str, dict[str, int]] = {}
     for (name, _version), u in usage.items():
@@ -35,19 +50,37 @@ def build(store: Store, config: LedgerConfig, model: str | None = None) -> list[
         price, training = terms.get(name, (0, 0))
         # Machines serve every model: each model carries the share of upstream time it used.
         cost = total_cost * u["upstream_ns"] // upstream_total
-        out.append(
-            economics(
-                name,
-                calls=u["success"],
-                errors=u["errors"],
-                revenue=u["revenue_micro_usd"],
-                price=price,
-                training_cost=training,
-                serving=cost,
-                calls_per_day=_calls_per_day(store, name),
-                now=now,
-            )
+        calls_per_day = _calls_per_day(store, name)
+        row = economics(
+            name,
+            calls=u["success"],
+            errors=u["errors"],
+            revenue=u["revenue_micro_usd"],
+            price=price,
+            training_cost=training,
+            serving=cost,
+            calls_per_day=calls_per_day,
+            now=now,
         )
+        prices = token_prices.get(name, (0, 0))
+        if any(prices) or u["completion_tokens"] or u["prompt_tokens"]:
+            calls = u["success"] + u["errors"]
+            # output tokens per day: the call rate x output tokens per call so far
+            per_day = calls_per_day * u["completion_tokens"] / calls if calls else 0.0
+            tokens = token_economics(
+                u["prompt_tokens"],
+                u["completion_tokens"],
+                prices,
+                u["token_revenue_micro_usd"],
+                u["revenue_micro_usd"] + u["token_revenue_micro_usd"],
+                training,
+                cost,
+                per_day,
+                {k.removeprefix("finished_"): u[k] for k in u if k.startswith("finished_")},
+                now,
+            )
+            row = dataclasses.replace(row, tokens=tokens)
+        out.append(row)
     return out
 
 
@@ -90,7 +123,35 @@ def text(rows: list[Economics]) -> str:
             f"  calls per day         {e.calls_per_day:,.0f}",
             f"  => {e.statement}",
         ]
+        if e.tokens is not None:
+            lines += _token_lines(e.tokens)
     return "\n".join(lines)
+
+
+def _token_lines(t: TokenEconomics) -> list[str]:
+    per_1k = (
+        f"p_in = {usd(t.price_per_1k_input_tokens_micro_usd)}, "
+        f"p_out = {usd(t.price_per_1k_output_tokens_micro_usd)} per 1k tokens"
+    )
+    be = (
+        "never"
+        if t.never_breaks_even
+        else f"{t.break_even_output_tokens:,} output tokens"
+        if t.break_even_output_tokens
+        else "-"
+    )
+    return [
+        f"  tokens in / out       {t.prompt_tokens:,} / {t.completion_tokens:,}",
+        "  finished              " + ", ".join(f"{k} {v:,}" for k, v in sorted(t.finished.items())),
+        f"  token revenue p x N   {usd(t.token_revenue_micro_usd)}  ({per_1k})",
+        f"  revenue R (all)       {usd(t.revenue_micro_usd)}"
+        f"  ({usd(t.revenue_per_1k_output_tokens_micro_usd)} per 1k output tokens)",
+        f"  serving cost / 1k out {usd(t.serving_cost_per_1k_output_tokens_micro_usd)}",
+        f"  break-even N* (out)   {be}"
+        + (f", around {t.projected_break_even}" if t.projected_break_even else ""),
+        f"  output tokens per day {t.output_tokens_per_day:,.0f}",
+        f"  => {t.statement}",
+    ]
 
 
 def one_line(rows: list[Economics]) -> str:
@@ -100,6 +161,17 @@ def one_line(rows: list[Economics]) -> str:
         f"{e.model} N={e.calls:,} revenue={usd(e.revenue_micro_usd)} "
         f"T recovered {e.recovered_fraction:.4%}, cost/call={usd(e.cost_per_call_micro_usd)}, "
         + ("never breaks even" if e.never_breaks_even else f"break-even N*={e.break_even_calls}")
+        + (
+            f", tokens in/out {e.tokens.prompt_tokens:,}/{e.tokens.completion_tokens:,} "
+            f"revenue R={usd(e.tokens.revenue_micro_usd)} break-even "
+            + (
+                "never"
+                if e.tokens.never_breaks_even
+                else f"N*={e.tokens.break_even_output_tokens} output tokens"
+            )
+            if e.tokens is not None
+            else ""
+        )
         for e in rows
     )
 

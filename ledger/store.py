@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.mesh_state import USAGE_FIELDS
+from common.mesh_state import CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS cursors (
@@ -48,16 +48,27 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS quarantine (
         router_id TEXT NOT NULL, entry_id TEXT NOT NULL, reason TEXT NOT NULL,
         raw TEXT NOT NULL, noticed_ms BIGINT NOT NULL)""",
+    # LLM models: tokens in/out and their revenue per model version, and the per-1k-token
+    # prices; tables of their own so a ledger database from before token pricing just
+    # gains them (no ALTER TABLE).
+    """CREATE TABLE IF NOT EXISTS token_usage (
+        model TEXT NOT NULL, version TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
+        completion_tokens BIGINT NOT NULL, token_revenue_micro_usd BIGINT NOT NULL,
+        finished_stop BIGINT NOT NULL, finished_length BIGINT NOT NULL,
+        finished_other BIGINT NOT NULL, PRIMARY KEY (model, version))""",
+    """CREATE TABLE IF NOT EXISTS token_prices (
+        model TEXT PRIMARY KEY, per_1k_input_micro_usd BIGINT NOT NULL,
+        per_1k_output_micro_usd BIGINT NOT NULL)""",
 ]
 
-FIELDS = USAGE_FIELDS  # the usage table's count columns
+FIELDS = CALL_FIELDS  # the usage table's count columns; TOKEN_FIELDS are token_usage's
 BUCKET_MS = 10_000  # time series resolution for rates and plots
 
 
 @dataclass(frozen=True)
 class BatchEntry:
     seq: int
-    usage: dict[tuple[str, str], list[int]]  # (model, version) -> [calls, success, ...]
+    usage: dict[tuple[str, str], list[int]]  # (model, version) -> counts in USAGE_FIELDS order
     at_ms: int
     epoch: int = 0
 
@@ -189,17 +200,26 @@ class Store:
 
     @staticmethod
     def _add_usage(cur: _Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
+        calls, tokens = counts[: len(FIELDS)], counts[len(FIELDS) :]
         sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
         cur.execute(
             f"INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
             f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
-            (model, version, *counts),
+            (model, version, *calls),
         )
+        if any(tokens):
+            sets = ", ".join(f"{f} = token_usage.{f} + excluded.{f}" for f in TOKEN_FIELDS)
+            cur.execute(
+                f"INSERT INTO token_usage VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
+                (model, version, *tokens),
+            )
+        revenue = calls[3] + (tokens[2] if tokens else 0)  # per call + per token
         cur.execute(
             "INSERT INTO usage_buckets VALUES (?, ?, ?, ?) ON CONFLICT (model, bucket) "
             "DO UPDATE SET calls = usage_buckets.calls + excluded.calls, "
             "revenue_micro_usd = usage_buckets.revenue_micro_usd + excluded.revenue_micro_usd",
-            (model, at_ms // BUCKET_MS, counts[1], counts[3]),
+            (model, at_ms // BUCKET_MS, calls[1], revenue),
         )
 
     def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
@@ -213,7 +233,14 @@ class Store:
                     (s.worker_id, s.started_ms, s.kind, s.last_seen_ms),
                 )
 
-    def record_model(self, model: str, price_micro_usd: int, training_cost_micro_usd: int) -> None:
+    def record_model(
+        self,
+        model: str,
+        price_micro_usd: int,
+        training_cost_micro_usd: int,
+        per_1k_input_micro_usd: int = 0,
+        per_1k_output_micro_usd: int = 0,
+    ) -> None:
         with self.transaction() as cur:
             cur.execute(
                 "INSERT INTO models VALUES (?, ?, ?) ON CONFLICT (model) DO UPDATE SET "
@@ -221,13 +248,37 @@ class Store:
                 "training_cost_micro_usd = excluded.training_cost_micro_usd",
                 (model, price_micro_usd, training_cost_micro_usd),
             )
+            cur.execute(
+                "INSERT INTO token_prices VALUES (?, ?, ?) ON CONFLICT (model) DO UPDATE SET "
+                "per_1k_input_micro_usd = excluded.per_1k_input_micro_usd, "
+                "per_1k_output_micro_usd = excluded.per_1k_output_micro_usd",
+                (model, per_1k_input_micro_usd, per_1k_output_micro_usd),
+            )
 
     # -- reads -----------------------------------------------------------------------------
 
     def usage(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(model, version) -> every count of USAGE_FIELDS (tokens 0 for other models)."""
         with self.transaction() as cur:
             rows = cur.execute(f"SELECT model, version, {', '.join(FIELDS)} FROM usage").all()
-        return {(r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+            token_rows = cur.execute(
+                f"SELECT model, version, {', '.join(TOKEN_FIELDS)} FROM token_usage"
+            ).all()
+        usage = {
+            (r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True))
+            | dict.fromkeys(TOKEN_FIELDS, 0)
+            for r in rows
+        }
+        for r in token_rows:
+            counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
+            counts.update(zip(TOKEN_FIELDS, map(int, r[2:]), strict=True))
+        return usage
+
+    def token_prices(self) -> dict[str, tuple[int, int]]:
+        """model -> (micro-USD per 1k input tokens, per 1k output tokens)."""
+        with self.transaction() as cur:
+            rows = cur.execute("SELECT * FROM token_prices").all()
+        return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
     def buckets(self, model: str) -> list[tuple[int, int, int]]:
         """(bucket start ms, successful calls, revenue) in time order."""

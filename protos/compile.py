@@ -13,7 +13,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ["model_config.proto", "grpc_service.proto", "routing.proto"]
+PROTOS = ["model_config.proto", "grpc_service.proto", "routing.proto", "usage.proto"]
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""Per-call accounting: calls, successes, errors, revenue and upstream time per model version.
+"""Per-call accounting: calls, successes, errors, revenue and upstream time per model version,
+and for LLM models the tokens in and out, their revenue and how the calls finished.
 
 Two outputs, one flusher:
 
@@ -32,6 +33,12 @@ the router's choice (`--accounting-when-slow`):
 A call the router answered OK but whose client was gone by then (cancelled, or its deadline
 passed as the reply crossed the wire) is refunded: a later batch moves it from success to
 errors, so the ledger counts what the clients received.
+
+Tokens: a model priced per token (see `token_revenue`) bills a call's prompt and completion
+tokens. A unary call records them with the call. A streamed call records them piece by
+piece as they are forwarded (`record_tokens`: the piece waits for its record to be in
+Redis, as a reply does), and the call itself (success with its finish reason, or error) once
+it ends; a piece whose delivery failed after its record is refunded.
 """
 
 from __future__ import annotations
@@ -94,6 +101,25 @@ return (#ARGV - 1) / 3
 """
 
 
+def token_revenue(prompt: int, completion: int, per_1k_in: int, per_1k_out: int) -> int:
+    """micro-USD for one call's tokens: ceil((prompt x p_in + completion x p_out) / 1000),
+    rounded up once per call (never more than 1 micro-USD above the exact price)."""
+    return -(-(prompt * per_1k_in + completion * per_1k_out) // 1000)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokens billed (a call's, or a streamed piece's share of it) and their revenue."""
+
+    prompt: int = 0
+    completion: int = 0
+    revenue_micro_usd: int = 0
+
+
+NO_TOKENS = Tokens()
+FINISHED = {"stop": "finished_stop", "length": "finished_length"}  # else finished_other
+
+
 @dataclass
 class Usage:
     calls: int = 0
@@ -101,19 +127,49 @@ class Usage:
     errors: int = 0
     revenue_micro_usd: int = 0
     upstream_ns: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_revenue_micro_usd: int = 0
+    finished_stop: int = 0
+    finished_length: int = 0
+    finished_other: int = 0
 
-    def add(self, ok: bool, price: int, upstream_ns: int) -> None:
+    def add(
+        self,
+        ok: bool,
+        price: int,
+        upstream_ns: int,
+        tokens: Tokens = NO_TOKENS,
+        finish: str | None = None,
+    ) -> None:
         self.calls += 1
         self.success += ok
         self.errors += not ok
         self.revenue_micro_usd += price if ok else 0
         self.upstream_ns += upstream_ns
+        self.add_tokens(tokens)
+        if ok and finish is not None:
+            self._finish(finish, 1)
 
-    def refund(self, price: int) -> None:
-        """A call counted as a success whose client did not get it: an error after all."""
-        self.success -= 1
-        self.errors += 1
-        self.revenue_micro_usd -= price
+    def add_tokens(self, tokens: Tokens, sign: int = 1) -> None:
+        self.prompt_tokens += sign * tokens.prompt
+        self.completion_tokens += sign * tokens.completion
+        self.token_revenue_micro_usd += sign * tokens.revenue_micro_usd
+
+    def _finish(self, reason: str, n: int) -> None:
+        name = FINISHED.get(reason, "finished_other")
+        setattr(self, name, getattr(self, name) + n)
+
+    def refund(self, receipt: Receipt) -> None:
+        """A call counted as a success whose client did not get it: an error after all (or,
+        for a streamed piece, tokens recorded whose piece did not go out)."""
+        if receipt.call:
+            self.success -= 1
+            self.errors += 1
+            self.revenue_micro_usd -= receipt.price_micro_usd
+            if receipt.finish is not None:
+                self._finish(receipt.finish, -1)
+        self.add_tokens(receipt.tokens, -1)
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in mesh_state.USAGE_FIELDS]
@@ -138,11 +194,14 @@ class Batch:
 
 @dataclass(frozen=True)
 class Receipt:
-    """What `refund` needs to take back one recorded success."""
+    """What `refund` needs to take back one recorded success (or streamed piece)."""
 
     model: str
     version: str
     price_micro_usd: int
+    tokens: Tokens = NO_TOKENS
+    finish: str | None = None
+    call: bool = True  # False: only the tokens of one streamed piece
 
 
 def parse_batch_id(text: str) -> tuple[int, int]:
@@ -197,13 +256,31 @@ class Accounting:
     # -- the request path ------------------------------------------------------------------
 
     def record(
-        self, model: str, version: str, ok: bool, price_micro_usd: int, upstream_ns: int = 0
+        self,
+        model: str,
+        version: str,
+        ok: bool,
+        price_micro_usd: int,
+        upstream_ns: int = 0,
+        tokens: Tokens = NO_TOKENS,
+        finish: str | None = None,
     ) -> asyncio.Future:
         """Count one call; the returned future resolves once its batch is in Redis."""
-        self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns)
-        self._records += 1
+        self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns, tokens, finish)
         batch = self._current
-        batch.usage[mesh_state.model_key(model, version)].add(ok, price_micro_usd, upstream_ns)
+        key = mesh_state.model_key(model, version)
+        batch.usage[key].add(ok, price_micro_usd, upstream_ns, tokens, finish)
+        return self._recorded(batch)
+
+    def record_tokens(self, model: str, version: str, tokens: Tokens) -> asyncio.Future:
+        """Count the tokens of one streamed piece (the call is counted when it ends)."""
+        self.totals[(model, version)].add_tokens(tokens)
+        batch = self._current
+        batch.usage[mesh_state.model_key(model, version)].add_tokens(tokens)
+        return self._recorded(batch)
+
+    def _recorded(self, batch: Batch) -> asyncio.Future:
+        self._records += 1
         if batch.durable is None:
             batch.durable = asyncio.get_running_loop().create_future()
         self._wake.set()
@@ -211,10 +288,10 @@ class Accounting:
 
     def refund(self, receipt: Receipt) -> None:
         """Turn one recorded success into an error (its client never got the reply)."""
-        self.totals[(receipt.model, receipt.version)].refund(receipt.price_micro_usd)
+        self.totals[(receipt.model, receipt.version)].refund(receipt)
         self._records += 1
         key = mesh_state.model_key(receipt.model, receipt.version)
-        self._current.usage[key].refund(receipt.price_micro_usd)
+        self._current.usage[key].refund(receipt)
         self._wake.set()
 
     async def durable(self, future: asyncio.Future) -> bool:

@@ -42,10 +42,10 @@ from common.errors import (
     UpstreamError,
     clip,
 )
-from common.mesh_state import now_ms
+from common.mesh_state import ModelEntry, now_ms
 from protos.routing_pb2 import InferHeader
-from router import metrics, policy
-from router.accounting import Accounting, Receipt
+from router import billing, metrics, policy
+from router.accounting import NO_TOKENS, Accounting, Receipt
 from router.affinity import Affinity, session_of
 from router.registry import Registry, Replica
 
@@ -157,9 +157,10 @@ class Dispatcher:
         attempt = _Attempt(session=session_of(header.parameters))
         code = grpc.StatusCode.UNKNOWN  # until the call ends one way or another
         admitted = False
+        reply = b""
         try:
             if served:
-                self._admit(model)
+                self.admit(model)
                 admitted = True
             reply = await self._forward(raw, model, version, deadline, attempt)
             self._check_margin(deadline)
@@ -173,7 +174,7 @@ class Dispatcher:
             raise
         finally:
             if admitted:
-                self._release(model)
+                self.release(model)
             label = model if served else UNKNOWN
             if code != grpc.StatusCode.OK:  # an OK is counted once it is sure (below)
                 metrics.REQUESTS.labels(label, code.name).inc()
@@ -181,7 +182,7 @@ class Dispatcher:
             metrics.LATENCY.labels("router").observe(
                 time.perf_counter() - start - attempt.upstream_s
             )
-            recorded = self._account(model, version, attempt, code)
+            recorded = self._account(model, version, attempt, code, reply)
         if recorded is None or self.accounting is None:
             metrics.REQUESTS.labels(label, code.name).inc()
             return reply, None
@@ -222,7 +223,7 @@ class Dispatcher:
         if deadline is not None and deadline - time.monotonic() < self.answer_margin_s:
             raise DeadlineExceeded("the reply was ready too close to the deadline to reach it")
 
-    def _admit(self, model: str) -> None:
+    def admit(self, model: str) -> None:
         if self._inflight >= self.max_inflight:
             metrics.REJECTED.labels("total").inc()
             raise ResourceExhausted(
@@ -237,7 +238,7 @@ class Dispatcher:
         self._inflight += 1
         self._inflight_by_model[model] += 1
 
-    def _release(self, model: str) -> None:
+    def release(self, model: str) -> None:
         self._inflight -= 1
         self._inflight_by_model[model] -= 1
         if not self._inflight_by_model[model]:
@@ -301,22 +302,37 @@ class Dispatcher:
                 continue
             raise UpstreamError(status, details)
 
-    def _account(
-        self, model: str, version: str, attempt: _Attempt, code: grpc.StatusCode
-    ) -> tuple[asyncio.Future, Receipt | None] | None:
-        if self.accounting is None:
-            return None
-        replicas = [attempt.replica] if attempt.replica else self.registry.replicas_for(model)
+    def entry(
+        self, model: str, version: str, replica: Replica | None
+    ) -> tuple[ModelEntry, str] | None:
+        """The model's registration and the version its counts go under; None for a model
+        no replica serves (nothing to attribute the call to)."""
+        replicas = [replica] if replica else self.registry.replicas_for(model)
         entry = next((r.info.models[model] for r in replicas if model in r.info.models), None)
-        if entry is None:  # a model no replica serves: nothing to attribute the call to
+        if entry is None:
             return None
         if version and version not in entry.versions:
             version = UNKNOWN  # a client-chosen string never becomes a row of its own
-        version = version or entry.versions[-1]
+        return entry, version or entry.versions[-1]
+
+    def _account(
+        self, model: str, version: str, attempt: _Attempt, code: grpc.StatusCode, reply: bytes
+    ) -> tuple[asyncio.Future, Receipt | None] | None:
+        if self.accounting is None:
+            return None
+        found = self.entry(model, version, attempt.replica)
+        if found is None:
+            return None
+        entry, version = found
         ok = code == grpc.StatusCode.OK
         price = entry.price_micro_usd
-        future = self.accounting.record(model, version, ok, price, int(attempt.upstream_s * 1e9))
-        return future, Receipt(model, version, price) if ok else None
+        tokens, finish = NO_TOKENS, None
+        if ok and billing.priced_per_token(entry):  # an LLM answering a unary call
+            piece = billing.unary_piece(reply)
+            tokens, finish = billing.TokenMeter.of(entry).advance(piece), piece.finish_reason or ""
+        upstream_ns = int(attempt.upstream_s * 1e9)
+        future = self.accounting.record(model, version, ok, price, upstream_ns, tokens, finish)
+        return future, Receipt(model, version, price, tokens, finish) if ok else None
 
 
 @dataclass

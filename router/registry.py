@@ -34,6 +34,7 @@ from router import metrics
 log = structlog.get_logger()
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 @dataclass(eq=False)
@@ -55,6 +56,7 @@ class Replica:
     def __post_init__(self) -> None:
         # Bytes in, bytes out: the request is forwarded as it came.
         self.infer = self.channel.unary_unary(INFER_METHOD)
+        self.stream = self.channel.stream_stream(STREAM_METHOD)
 
     @property
     def id(self) -> str:
@@ -180,10 +182,11 @@ class Registry:
             for other in self.replicas.values():
                 theirs = other.info.models.get(name)
                 if other.id != info.id and theirs is not None:
-                    if theirs.price_micro_usd != entry.price_micro_usd:
+                    if theirs.prices != entry.prices:
                         raise ValueError(
-                            f"prices model {name!r} at {entry.price_micro_usd} micro-USD; "
-                            f"replica {other.id!r} serves it at {theirs.price_micro_usd}"
+                            f"prices model {name!r} at {entry.prices} micro-USD (per call, "
+                            f"per 1k input and output tokens); replica {other.id!r} serves "
+                            f"it at {theirs.prices}"
                         )
                     break
 

@@ -1,8 +1,8 @@
 """inference.GRPCInferenceService on the router.
 
-ModelInfer is registered with no (de)serializers: the handler gets the request's bytes and
-returns the worker's reply bytes (see dispatch). The other methods are plain messages:
-aggregates over the registry, or forwarded to one replica.
+ModelInfer and ModelStreamInfer are registered with no (de)serializers: the handlers get the
+requests' bytes and return the workers' reply bytes (see dispatch and streams). The other
+methods are plain messages: aggregates over the registry, or forwarded to one replica.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import Any
 import grpc
 import structlog
 
-from common import rpc, streaming
+from common import rpc
 from common.errors import MeshError, NotFound, UpstreamError, clip, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from router.aggregate import sum_statistics
 from router.dispatch import Dispatcher
 from router.registry import Registry, Replica
+from router.streams import StreamForwarder
 
 log = structlog.get_logger()
 
@@ -49,17 +50,12 @@ class RouterServicer:
         return reply
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each streamed request is dispatched on its own; replies return as they finish."""
-        deadline = _deadline(context)
-
-        async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-            raw, _ = await self.dispatcher.infer(request.SerializeToString(), deadline)
-            return pb.ModelInferResponse.FromString(raw)
-
-        async for reply in streaming.serve(request_iterator, infer):
-            yield reply
+        self, request_iterator: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """Each request forwarded on a worker stream; every response passed on as it comes."""
+        forwarder = StreamForwarder(self.dispatcher, _deadline(context))
+        async for response in forwarder.serve(request_iterator):
+            yield response
 
     # -- health and metadata ---------------------------------------------------------------
 
@@ -177,11 +173,7 @@ def handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
         rpc.SERVICE,
         {
             "ModelInfer": grpc.unary_unary_rpc_method_handler(s.ModelInfer),  # bytes <-> bytes
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-                s.ModelStreamInfer,
-                request_deserializer=pb.ModelInferRequest.FromString,
-                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
-            ),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(s.ModelStreamInfer),
             "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
             "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
             "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),

@@ -356,8 +356,9 @@ def encode_text_piece(
     usage: tuple[int, int, str] | None = None,
 ) -> pb.ModelInferResponse:
     """One response of a decoupled text model: `text_output` (none for an empty final
-    response), the `triton_final_response` flag, and on the final one the usage:
-    prompt_tokens, completion_tokens and finish_reason."""
+    response), the `triton_final_response` flag, and the usage so far: prompt_tokens and
+    the running completion_tokens (the tokens generated up to this piece: what a stream
+    cut after it has sent, the router bills that), plus finish_reason on the final one."""
     response = pb.ModelInferResponse(
         model_name=spec.name, model_version=spec.version, id=request.id
     )
@@ -370,5 +371,6 @@ def encode_text_piece(
         prompt_tokens, completion_tokens, finish_reason = usage
         response.parameters["prompt_tokens"].int64_param = prompt_tokens
         response.parameters["completion_tokens"].int64_param = completion_tokens
-        response.parameters["finish_reason"].string_param = finish_reason
+        if final:
+            response.parameters["finish_reason"].string_param = finish_reason
     return response

@@ -17,6 +17,9 @@ from protos import model_config_pb2 as mc
 
 # meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters).
 PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
+# An LLM's prices per 1,000 tokens: prompt (input) and completion (output) tokens.
+PRICE_PER_1K_INPUT = "meshserve.price_per_1k_input_tokens_micro_usd"
+PRICE_PER_1K_OUTPUT = "meshserve.price_per_1k_output_tokens_micro_usd"
 TRAINING_COST = "meshserve.training_cost_micro_usd"
 EXECUTION_PROVIDER = "meshserve.execution_provider"
 # Adds this many microseconds of waiting to every execution while holding the model
@@ -193,7 +196,14 @@ def _show(dims: tuple[int | None, ...]) -> list[int]:
 
 def _check_parameters(config: mc.ModelConfig) -> None:
     vocab = [k for k in config.parameters if k.startswith(VOCAB_SIZE)]
-    for key in (PRICE_PER_CALL, TRAINING_COST, SIMULATED_COMPUTE_US, *vocab):
+    for key in (
+        PRICE_PER_CALL,
+        PRICE_PER_1K_INPUT,
+        PRICE_PER_1K_OUTPUT,
+        TRAINING_COST,
+        SIMULATED_COMPUTE_US,
+        *vocab,
+    ):
         if key in config.parameters:
             raw = config.parameters[key].string_value
             if not raw.isdigit():

@@ -9,7 +9,7 @@ import structlog
 from common import rpc
 from common.mesh_state import ModelEntry, WorkerInfo, now_ms
 from worker.codec import Limits
-from worker.config import PRICE_PER_CALL, TRAINING_COST
+from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
@@ -119,6 +119,12 @@ def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> 
             versions=sorted(versions, key=int),
             max_queue=latest.max_queue_size,
             price_micro_usd=int(latest.spec.parameters.get(PRICE_PER_CALL, "0")),
+            price_per_1k_input_tokens_micro_usd=int(
+                latest.spec.parameters.get(PRICE_PER_1K_INPUT, "0")
+            ),
+            price_per_1k_output_tokens_micro_usd=int(
+                latest.spec.parameters.get(PRICE_PER_1K_OUTPUT, "0")
+            ),
             training_cost_micro_usd=int(latest.spec.parameters.get(TRAINING_COST, "0")),
         )
     return WorkerInfo(

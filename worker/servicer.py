@@ -162,10 +162,10 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             async for out in llm.generate(parsed):
                 _raise_failed(out)
                 if not out.finished:
-                    yield codec.encode_text_piece(request, spec, out.text, False)
+                    yield codec.encode_text_piece(request, spec, out.text, False, _usage(out))
                 elif empty_final:
                     if out.text:
-                        yield codec.encode_text_piece(request, spec, out.text, False)
+                        yield codec.encode_text_piece(request, spec, out.text, False, _usage(out))
                     yield codec.encode_text_piece(request, spec, None, True, _usage(out))
                 else:
                     yield codec.encode_text_piece(request, spec, out.text, True, _usage(out))

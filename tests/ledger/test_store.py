@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.mesh_state import CALL_FIELDS, TOKEN_FIELDS
 from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
 
@@ -18,13 +19,14 @@ def test_apply_counts_each_batch_once(ledger_store: Store) -> None:
     assert ledger_store.apply("r1", [batch(1, 10), batch(2, 5), batch(3, 1)], 0) == (0, 3)
     assert ledger_store.apply("r1", [batch(3, 1)], 0) == (0, 3)
     usage = ledger_store.usage()[("mlp", "1")]
-    assert usage == {
+    assert {k: v for k, v in usage.items() if k in CALL_FIELDS} == {
         "calls": 16,
         "success": 16,
         "errors": 0,
         "revenue_micro_usd": 1600,
         "upstream_ns": 16000,
     }
+    assert not any(usage[k] for k in TOKEN_FIELDS)  # a model not priced per token
     assert ledger_store.cursor("r1") == (0, 3) and ledger_store.cursor("other") == (0, 0)
     assert [b[1] for b in ledger_store.buckets("mlp")] == [10, 5, 1]
     assert ledger_store.gaps() == []
@@ -98,3 +100,22 @@ def test_a_quarantined_entry_is_kept_and_passed(ledger_store: Store) -> None:
     assert ledger_store.usage()[("mlp", "1")]["calls"] == 2
     assert ledger_store.quarantine() == [("r1", "0-2", "usage is not JSON")]
     assert ledger_store.gaps() == []  # the quarantined entry fills its place in the sequence
+
+
+def test_tokens_are_stored_per_model_version_exactly_once(ledger_store: Store) -> None:
+    """An LLM's batch: 3 calls (2 stopped, 1 cut), tokens in/out and their revenue; then a
+    batch taking back one streamed piece. Applying them twice changes nothing."""
+    llm = [3, 2, 1, 0, 9_000, 30, 120, 26, 2, 0, 0]
+    back = [0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0]
+    entries = [
+        BatchEntry(1, {("smollm2", "1"): llm, ("mlp", "1"): [1, 1, 0, 100, 5]}, 60_000),
+        BatchEntry(2, {("smollm2", "1"): back}, 70_000),
+    ]
+    for _ in range(2):
+        assert ledger_store.apply("r1", entries, 0) == (0, 2)
+    u = ledger_store.usage()
+    assert [u[("smollm2", "1")][k] for k in TOKEN_FIELDS] == [30, 119, 25, 2, 0, 0]
+    assert u[("smollm2", "1")]["success"] == 2 and u[("mlp", "1")]["prompt_tokens"] == 0
+    assert sum(r for _, _, r in ledger_store.buckets("smollm2")) == 25
+    ledger_store.record_model("smollm2", 0, 1_000_000, 50, 200)
+    assert ledger_store.token_prices() == {"smollm2": (50, 200)}

@@ -19,6 +19,22 @@ GOOD = {
 }
 
 
+LLM = {
+    "versions": ["1"],
+    "max_queue": 272,
+    "price_micro_usd": 200,
+    "price_per_1k_input_tokens_micro_usd": 50,
+    "price_per_1k_output_tokens_micro_usd": 200,
+}
+
+
+def test_per_token_prices_travel_with_the_registration() -> None:
+    info = WorkerInfo.from_json(json.dumps({**GOOD, "models": {"smollm2": LLM}}))
+    assert info.models["smollm2"].prices == (200, 50, 200)
+    assert WorkerInfo.from_json(info.to_json()) == info
+    assert WorkerInfo.from_json(json.dumps(GOOD)).models["mlp"].prices == (250, 0, 0)
+
+
 def test_a_registration_round_trips_and_unknown_fields_are_ignored() -> None:
     info = WorkerInfo.from_json(json.dumps(GOOD))
     assert WorkerInfo.from_json(info.to_json()) == info
@@ -33,6 +49,9 @@ def test_a_registration_round_trips_and_unknown_fields_are_ignored() -> None:
         {"models": {"mlp": {"versions": ["1"], "max_queue": -1}}},
         {"models": {"mlp": {"versions": ["1"], "max_queue": 8, "price_micro_usd": -250}}},
         {"models": {"mlp": {"versions": ["1"], "max_queue": 8, "price_micro_usd": "250"}}},
+        {"models": {"mlp": {**LLM, "price_per_1k_input_tokens_micro_usd": -1}}},
+        {"models": {"mlp": {**LLM, "price_per_1k_output_tokens_micro_usd": 1.5}}},
+        {"models": {"mlp": {**LLM, "price_per_1k_output_tokens_micro_usd": True}}},
         {"models": {"m|x": {"versions": ["1"], "max_queue": 8}}},
         {"models": {"mlp": {"versions": ["1|success"], "max_queue": 8}}},
         {"models": {"mlp": {"versions": [], "max_queue": 8}}},

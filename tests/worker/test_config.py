@@ -73,9 +73,14 @@ def test_config_values_are_kept(tmp_path: Path) -> None:
             'parameters { key: "meshserve.price_per_call_micro_usd" value { string_value: "-5" } }',
             "must be a non-negative integer",
         ),
+        (
+            'parameters { key: "meshserve.price_per_1k_output_tokens_micro_usd" '
+            'value { string_value: "0.2" } }',
+            "price_per_1k_output_tokens_micro_usd must be a non-negative integer",
+        ),
         ("max_batch_size: [", "not a valid ModelConfig"),
     ],
-    ids=["datatype", "dims", "name", "price", "syntax"],
+    ids=["datatype", "dims", "name", "price", "token-price", "syntax"],
 )
 def test_bad_config_is_refused(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(cfg.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -331,7 +331,8 @@ class Engine:
             reason = LENGTH
         if reason is None:
             if piece:
-                seq.outputs.put_nowait(Output(piece))
+                # Running counts on every piece: what a stream cut here has sent.
+                seq.outputs.put_nowait(Output(piece, False, None, len(seq.prompt), len(seq.tokens)))
             return
         self._finish(seq, reason, piece)
 

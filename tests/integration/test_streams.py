@@ -1,0 +1,320 @@
+"""Token streams through the router: real redis-server, SmolLM2 workers, router and ledger.
+
+A stream through the router is the stream straight from the worker, byte for byte; a stream
+cut by its client, by a dead worker or by a dead router fails promptly and is billed exactly
+the tokens the client was sent; many concurrent streams are billed to the micro-USD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deploy.processes import ROOT
+from ledger.store import Store
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from quantize import llm
+from router.accounting import token_revenue
+from tests.integration.mesh import Mesh
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+PRICE_IN, PRICE_OUT, PRICE_CALL = 50, 200, 200  # quantize/llm.py PARAMETERS
+
+
+@pytest.fixture(scope="module")
+def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("llm-repo")
+    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
+    return root
+
+
+def start(mesh: Mesh, repo: Path, db: str, workers: int = 1) -> str:
+    mesh.start_redis()
+    for _ in range(workers):
+        mesh.add_worker(repo)
+    mesh.wait_registered(workers)
+    router = mesh.start_router("--stall-seconds", "0.5")
+    mesh.start_ledger(db, "--interval-seconds", "0.1")
+    return router
+
+
+@pytest.fixture
+def sqlite_mesh(llm_repository: Path, tmp_path: Path) -> Iterator[tuple[Mesh, str, Store]]:
+    mesh = Mesh(tmp_path / "logs")
+    store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        yield mesh, start(mesh, llm_repository, store.url), store
+    finally:
+        mesh.stop(kill=True)
+        store.close()
+
+
+@pytest.fixture
+def postgres_mesh(llm_repository: Path, tmp_path: Path) -> Iterator[tuple[Mesh, str, Store]]:
+    """As `sqlite_mesh`, the ledger on PostgreSQL (a schema of its own; skipped without a
+    server, as the ledger's tests are)."""
+    from tests.conftest import _postgres_store
+
+    stores = _postgres_store()
+    store = next(stores)
+    mesh = Mesh(tmp_path / "logs")
+    try:
+        yield mesh, start(mesh, llm_repository, store.url), store
+    finally:
+        mesh.stop(kill=True)
+        next(stores, None)  # drops the schema
+
+
+def llm_request(prompt: str, max_tokens: int, rid: str = "") -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name=MODEL, id=rid)
+    for name, dtype, value in (
+        ("text_input", "BYTES", prompt.encode()),
+        ("stream", "BOOL", None),
+        ("sampling_parameters", "BYTES", None),
+        ("exclude_input_in_output", "BOOL", None),
+    ):
+        r.inputs.add(name=name, datatype=dtype, shape=[1])
+        if value is not None:
+            r.raw_input_contents.append(len(value).to_bytes(4, "little") + value)
+        elif dtype == "BOOL":
+            r.raw_input_contents.append(b"\x01")
+        else:
+            sampling = json.dumps({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+            r.raw_input_contents.append(len(sampling).to_bytes(4, "little") + sampling.encode())
+    return r
+
+
+@dataclass
+class Received:
+    """What one request's client got: its responses, and the usage they carried."""
+
+    responses: list[pb.ModelStreamInferResponse] = field(default_factory=list)
+    error: str = ""
+    status: str = ""  # the RPC's status code when the whole stream failed
+
+    @property
+    def prompt(self) -> int:
+        return max((_int(r, "prompt_tokens") for r in self.responses), default=0)
+
+    @property
+    def completion(self) -> int:
+        return max((_int(r, "completion_tokens") for r in self.responses), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return any(_final(r) for r in self.responses)
+
+    @property
+    def revenue(self) -> int:
+        return token_revenue(self.prompt, self.completion, PRICE_IN, PRICE_OUT)
+
+
+def _int(r: pb.ModelStreamInferResponse, name: str) -> int:
+    p = r.infer_response.parameters.get(name)
+    return p.int64_param if p is not None else 0
+
+
+def _final(r: pb.ModelStreamInferResponse) -> bool:
+    p = r.infer_response.parameters.get("triton_final_response")
+    return p is not None and p.bool_param
+
+
+async def stream(
+    address: str,
+    prompt: str,
+    max_tokens: int,
+    stop_after: int | None = None,
+    got: Received | None = None,
+    timeout: float = 120.0,
+) -> Received:
+    """One request on one stream; the client cancels after `stop_after` pieces. `got` fills
+    as the pieces come."""
+    got = got or Received()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=timeout)
+        await call.write(llm_request(prompt, max_tokens, "r1"))
+        try:
+            async for response in call:
+                got.responses.append(response)
+                if response.error_message:
+                    got.error = response.error_message
+                    break
+                if _final(response):
+                    break
+                if stop_after is not None and len(got.responses) >= stop_after:
+                    call.cancel()
+                    break
+        except grpc.aio.AioRpcError as e:
+            got.status = e.code().name
+    return got
+
+
+def tokens_billed(store: Store) -> tuple[int, int, int, int, int]:
+    """(prompt, completion, token revenue, successes, errors) of the LLM in the ledger."""
+    u = [v for (m, _), v in store.usage().items() if m == MODEL]
+    return tuple(  # type: ignore[return-value]
+        sum(v[k] for v in u)
+        for k in (
+            "prompt_tokens",
+            "completion_tokens",
+            "token_revenue_micro_usd",
+            "success",
+            "errors",
+        )
+    )
+
+
+def settle(store: Store, expected: tuple, timeout: float = 20.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while tokens_billed(store) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # nothing more may arrive
+    return tokens_billed(store)
+
+
+def test_a_stream_through_the_router_is_the_stream_from_the_worker(
+    sqlite_mesh: tuple[Mesh, str, Store],
+) -> None:
+    mesh, router, store = sqlite_mesh
+    worker = next(iter(mesh.workers))
+    direct = asyncio.run(stream(worker, "The capital of France is", 16))
+    routed = asyncio.run(stream(router, "The capital of France is", 16))
+    assert len(direct.responses) > 5 and direct.finished and not direct.error
+    # byte for byte: the same pieces, the same flags, the same final usage
+    assert [r.SerializeToString() for r in routed.responses] == [
+        r.SerializeToString() for r in direct.responses
+    ]
+    assert [_final(r) for r in routed.responses][-2:] == [False, True]
+    assert (routed.prompt, routed.completion) == (5, 16)
+    # one call billed: its tokens and revenue exact, per-token price and per-call price
+    expected = (routed.prompt, routed.completion, routed.revenue, 1, 0)
+    assert settle(store, expected) == expected
+    usage = next(iter(store.usage().values()))
+    assert usage["finished_length"] == 1 and usage["revenue_micro_usd"] == PRICE_CALL
+    assert usage["upstream_ns"] > 0  # the stream's time upstream: its share of serving cost
+
+
+def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
+    sqlite_mesh: tuple[Mesh, str, Store],
+) -> None:
+    _, router, store = sqlite_mesh
+    got = asyncio.run(stream(router, "Once upon a time", 300, stop_after=6))
+    assert len(got.responses) == 6 and not got.finished
+    expected = (got.prompt, got.completion, got.revenue, 0, 1)
+    prompt, completion, revenue, success, errors = settle(store, expected)
+    # Exact, but for one race no server can close: a piece the router handed to the
+    # transport just before the client's cancel reached it is billed, though the client
+    # dropped it unread (HTTP/2 has no per-message ack): a client slower than the ~13 ms
+    # between tokens (a loaded 2-core box) can see it.
+    assert (prompt, success, errors) == (got.prompt, 0, 1)
+    assert got.completion <= completion <= got.completion + 1, (completion, got.completion)
+    assert revenue == token_revenue(prompt, completion, PRICE_IN, PRICE_OUT)
+
+
+async def _killed_mid_stream(mesh: Mesh, target: str, how: int) -> tuple[Received, float]:
+    """A stream through the router; once 5 pieces are in, `target` gets `how`."""
+    got = Received()
+    task = asyncio.create_task(stream(mesh.router_address, "Once upon a time", 400, got=got))
+    deadline = time.monotonic() + 60
+    while len(got.responses) < 5 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    process = mesh.router if target == "router" else next(iter(mesh.workers.values()))
+    assert process is not None
+    killed_at = time.monotonic()
+    process.signal(how)
+    await asyncio.wait_for(task, 30)
+    return got, time.monotonic() - killed_at
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_a_worker_lost_mid_stream_fails_the_request_at_once_and_bills_what_was_sent(
+    sqlite_mesh: tuple[Mesh, str, Store], how: int
+) -> None:
+    mesh, _, store = sqlite_mesh
+    got, waited = asyncio.run(_killed_mid_stream(mesh, "worker", how))
+    try:
+        assert got.error.startswith("UNAVAILABLE"), got.error
+        assert waited < 5.0  # stall detection: 0.5 s; never the 120 s deadline
+        assert not got.finished and got.completion >= 5
+        expected = (got.prompt, got.completion, got.revenue, 0, 1)
+        assert settle(store, expected) == expected
+    finally:
+        if how == signal.SIGSTOP:
+            next(iter(mesh.workers.values())).signal(signal.SIGCONT)
+
+
+def test_a_router_killed_mid_stream_fails_the_stream_at_once(
+    sqlite_mesh: tuple[Mesh, str, Store],
+) -> None:
+    mesh, _, store = sqlite_mesh
+    got, waited = asyncio.run(_killed_mid_stream(mesh, "router", signal.SIGKILL))
+    assert got.status == "UNAVAILABLE" and waited < 5.0
+    # Every piece the client got was in Redis before it was sent; the router may have billed
+    # at most the one piece it was forwarding when it died. The call's end died with it.
+    deadline = time.monotonic() + 15
+    while tokens_billed(store)[1] < got.completion and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    prompt, completion, revenue, success, errors = tokens_billed(store)
+    assert prompt == got.prompt and got.completion <= completion <= got.completion + 2
+    assert revenue == token_revenue(prompt, completion, PRICE_IN, PRICE_OUT)
+    assert (success, errors) == (0, 0)
+
+
+async def _many(address: str, n: int, per_stream: int) -> list[Received]:
+    """n requests, `per_stream` on each client stream, all at once; prompts and lengths vary."""
+    prompts = ["Once upon a time", "The capital of France is", "def add(a, b):", "Hello"]
+
+    async def one_stream(s: int) -> list[Received]:
+        got = {str(i): Received() for i in range(per_stream)}
+        open_ = set(got)
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=240)
+            for i in range(per_stream):
+                k = s * per_stream + i
+                await call.write(llm_request(prompts[k % 4], 1 + k % 9, str(i)))
+            await call.done_writing()
+            async for response in call:
+                r = got[response.infer_response.id]
+                r.responses.append(response)
+                if response.error_message:
+                    r.error = response.error_message
+                if response.error_message or _final(response):
+                    open_.discard(response.infer_response.id)
+        assert not open_
+        return list(got.values())
+
+    results = await asyncio.gather(*(one_stream(s) for s in range(n // per_stream)))
+    return [r for rs in results for r in rs]
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
+def test_per_token_revenue_is_exact_for_many_concurrent_streams(
+    db: str, request: pytest.FixtureRequest
+) -> None:
+    _, router, store = request.getfixturevalue(f"{db}_mesh")
+    t0 = time.monotonic()
+    got = asyncio.run(_many(router, 200, 10))
+    elapsed = time.monotonic() - t0
+    assert len(got) == 200 and all(r.finished and not r.error for r in got), [
+        r.error for r in got if r.error
+    ][:3]
+    expected = (
+        sum(r.prompt for r in got),
+        sum(r.completion for r in got),
+        sum(r.revenue for r in got),
+        200,
+        0,
+    )
+    assert settle(store, expected, timeout=30) == expected
+    print(f"200 streams (20 client streams x 10 requests) in {elapsed:.1f}s; billed {expected}")
