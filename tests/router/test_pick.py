@@ -20,6 +20,9 @@ class FakeChannel:
     def unary_unary(self, method: str) -> Any:
         return None
 
+    def stream_stream(self, method: str) -> Any:
+        return None
+
 
 def replica(worker: str, depth: int, kv_used: int, kv_total: int = 4096) -> Replica:
     info = WorkerInfo(worker, "127.0.0.1:1", {MODEL: ModelEntry(["1"], 64)}, "CPU")
