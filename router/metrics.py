@@ -74,3 +74,24 @@ def forget_replica(worker: str) -> None:
     for gauge in REPLICA_GAUGES:
         with contextlib.suppress(KeyError):  # no sample seen from it
             gauge.remove(worker)
+
+
+# Token streams (ModelStreamInfer of an LLM), labelled by served model only.
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TTFT = Histogram(
+    "meshserve_router_time_to_first_token_seconds",
+    "From a streamed request's arrival at the router to its first piece of text from the worker",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+)
+INTER_TOKEN = Histogram(
+    "meshserve_router_inter_token_seconds",
+    "Between pieces of a stream from the worker, per token they carry",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+)
+TOKENS = Counter(
+    "meshserve_router_tokens",
+    "Tokens of streamed and unary LLM calls as the workers reported them: kind=in|out",
+    ["model", "kind"],
+)

@@ -72,6 +72,24 @@ class _Call:
     ended: bool = False
     upstream_s: float = 0.0
     session: str | None = None  # session_id / conversation_id: affinity (router/affinity.py)
+    started: float = field(default_factory=time.perf_counter)
+    last_piece: float | None = None  # when the last piece carrying tokens was forwarded
+    tokens_out: int = 0  # completion tokens forwarded so far
+
+    def observe(self, piece: billing.Piece) -> None:
+        """TTFT, inter-token latency and tokens, from the running counts on each piece."""
+        if piece.completion_tokens is None or piece.completion_tokens <= self.tokens_out:
+            return
+        now = time.perf_counter()
+        new = piece.completion_tokens - self.tokens_out
+        if self.last_piece is None:
+            metrics.TTFT.labels(self.label).observe(now - self.started)
+            if piece.prompt_tokens:
+                metrics.TOKENS.labels(self.label, "in").inc(piece.prompt_tokens)
+        else:
+            metrics.INTER_TOKEN.labels(self.label).observe((now - self.last_piece) / new)
+        metrics.TOKENS.labels(self.label, "out").inc(new)
+        self.last_piece, self.tokens_out = now, piece.completion_tokens
 
     @property
     def label(self) -> str:
@@ -303,6 +321,7 @@ class StreamForwarder:
             while (response := await stream.read()) is not grpc.aio.EOF:
                 assert isinstance(response, bytes)
                 piece = billing.stream_piece(response)
+                call.observe(piece)
                 ends = piece.final or bool(piece.error)
                 code = grpc.StatusCode.UNKNOWN if piece.error else OK
                 if ends and not ended:  # its time upstream is counted with its end

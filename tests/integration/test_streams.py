@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy.processes import ROOT
+from deploy.processes import ROOT, free_port
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -43,7 +44,13 @@ def start(mesh: Mesh, repo: Path, db: str, workers: int = 1) -> str:
     for _ in range(workers):
         mesh.add_worker(repo)
     mesh.wait_registered(workers)
-    router = mesh.start_router("--stall-seconds", "0.5")
+    mesh.metrics_port = free_port()  # type: ignore[attr-defined]
+    router = mesh.start_router(
+        "--stall-seconds",
+        "0.5",
+        "--metrics-port",
+        str(mesh.metrics_port),  # type: ignore[attr-defined]
+    )
     mesh.start_ledger(db, "--interval-seconds", "0.1")
     return router
 
@@ -202,6 +209,14 @@ def test_a_stream_through_the_router_is_the_stream_from_the_worker(
     usage = next(iter(store.usage().values()))
     assert usage["finished_length"] == 1 and usage["revenue_micro_usd"] == PRICE_CALL
     assert usage["upstream_ns"] > 0  # the stream's time upstream: its share of serving cost
+    # the router's token-stream metrics: one first token, 15 gaps, 5 tokens in, 16 out
+    port = mesh.metrics_port  # type: ignore[attr-defined]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert f'meshserve_router_time_to_first_token_seconds_count{{model="{MODEL}"}} 1.0' in text
+    assert f'meshserve_router_inter_token_seconds_count{{model="{MODEL}"}} 15.0' in text
+    assert f'meshserve_router_tokens_total{{kind="in",model="{MODEL}"}} 5.0' in text
+    assert f'meshserve_router_tokens_total{{kind="out",model="{MODEL}"}} 16.0' in text
 
 
 def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
