@@ -15,7 +15,7 @@ from common.errors import NotFound
 from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
-from worker.llm.model import StepModel, is_step_graph
+from worker.llm.model import Model, StepModel, is_step_graph
 from worker.llm.serving import LLMServing
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
@@ -82,6 +82,31 @@ def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
     else:
         chosen = found[-(policy.latest.num_versions or 1) :]
     return [str(v) for v in chosen]
+
+
+def serve_llm(
+    spec: cfg.ModelSpec, model: Model, model_dir: Path, **facts: object
+) -> tuple[LLMServing, ModelStats]:
+    """The engine over `model` (one session, or a shard group's TPStepModel), started, its
+    runs counted in Triton's statistics fields; `facts` go into the load log line."""
+    llm = LLMServing(spec, model, model_dir)
+    stats = ModelStats()
+    llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
+        rows, rows, 0, ns, 0
+    )
+    llm.engine.start()
+    log.info(
+        "model_loaded",
+        model=spec.name,
+        version=spec.version,
+        engine="llm",
+        max_model_len=llm.config.max_model_len,
+        max_num_seqs=llm.config.max_num_seqs,
+        kv_cache_tokens=llm.config.kv_cache_tokens,
+        kv_cache_bytes=llm.config.kv_cache_tokens * llm.engine.cache.shape.bytes_per_token,
+        **facts,
+    )
+    return llm, stats
 
 
 class Repository:
@@ -167,23 +192,7 @@ class Repository:
         completed = cfg.complete_llm(config, self.default_max_queue_size)
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
         spec = cfg.spec(completed, version)
-        llm = LLMServing(spec, StepModel(session), model_dir)
-        stats = ModelStats()
-        llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
-            rows, rows, 0, ns, 0
-        )
-        llm.engine.start()
-        log.info(
-            "model_loaded",
-            model=spec.name,
-            version=version,
-            provider=session.provider,
-            engine="llm",
-            max_model_len=llm.config.max_model_len,
-            max_num_seqs=llm.config.max_num_seqs,
-            kv_cache_tokens=llm.config.kv_cache_tokens,
-            kv_cache_bytes=llm.config.kv_cache_tokens * llm.engine.cache.shape.bytes_per_token,
-        )
+        llm, stats = serve_llm(spec, StepModel(session), model_dir, provider=session.provider)
         return LoadedModel(spec, completed, session, stats, llm=llm)
 
     def get(self, name: str, version: str = "") -> LoadedModel:

@@ -26,10 +26,9 @@ from common.net import free_port
 from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
-from worker.llm.serving import LLMServing
 from worker.llm.tp import RankSteps, TPStepModel
 from worker.parallel import init_tp_group
-from worker.repository import LoadedModel, Repository
+from worker.repository import LoadedModel, Repository, serve_llm
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.settings import WorkerSettings
 from worker.stats import ModelStats
@@ -188,21 +187,8 @@ class TpRepository(Repository):
         self._report_group(completed, model.provider, shards.tp, backend)
         version = shards.root.parent.name
         spec = cfg.spec(completed, version)
-        llm = LLMServing(spec, TPStepModel(model, self.leader, index), model_dir)
-        stats = ModelStats()
-        llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
-            rows, rows, 0, ns, 0
-        )
-        llm.engine.start()
-        log.info(
-            "model_loaded",
-            model=spec.name,
-            version=version,
-            tp=shards.tp,
-            engine="llm",
-            max_model_len=llm.config.max_model_len,
-            max_num_seqs=llm.config.max_num_seqs,
-            kv_cache_tokens_per_rank=llm.config.kv_cache_tokens,
+        llm, stats = serve_llm(
+            spec, TPStepModel(model, self.leader, index), model_dir, tp=shards.tp
         )
         return LoadedModel(spec, completed, model.sessions["first"], stats, llm=llm)
 

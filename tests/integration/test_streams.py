@@ -227,12 +227,13 @@ def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
     assert len(got.responses) == 6 and not got.finished
     expected = (got.prompt, got.completion, got.revenue, 0, 1)
     prompt, completion, revenue, success, errors = settle(store, expected)
-    # Exact, but for one race no server can close: a piece the router handed to the
-    # transport just before the client's cancel reached it is billed, though the client
-    # dropped it unread (HTTP/2 has no per-message ack): a client slower than the ~13 ms
-    # between tokens (a loaded 2-core box) can see it.
+    # Exact, but for the piece that crosses the client's cancel: one the router handed to the
+    # transport just before the cancel reached it is billed though the client dropped it
+    # unread (HTTP/2 has no per-message ack), and one the router took back as unsent when the
+    # cancel arrived may still have reached the client (seen once in ~25 runs on this loaded
+    # 2-core box): one token either way, never more.
     assert (prompt, success, errors) == (got.prompt, 0, 1)
-    assert got.completion <= completion <= got.completion + 1, (completion, got.completion)
+    assert abs(completion - got.completion) <= 1, (completion, got.completion)
     assert revenue == token_revenue(prompt, completion, PRICE_IN, PRICE_OUT)
 
 
