@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,3 +50,35 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def inference_handler(
+    servicer: Any, infer: grpc.RpcMethodHandler, stream: grpc.RpcMethodHandler
+) -> grpc.GenericRpcHandler:
+    """inference.GRPCInferenceService over `servicer`, with ModelInfer and ModelStreamInfer as
+    the server registers them (the router: bytes in and out; the worker: a parser that never
+    raises); every other method (de)serializes its own messages."""
+    from protos import grpc_service_pb2 as pb
+
+    def unary(name: str) -> grpc.RpcMethodHandler:
+        request, response = getattr(pb, f"{name}Request"), getattr(pb, f"{name}Response")
+        return grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+
+    plain = (
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+    )
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {"ModelInfer": infer, "ModelStreamInfer": stream, **{n: unary(n) for n in plain}},
+    )

@@ -161,34 +161,9 @@ def _deadline(context: Any) -> float | None:
 
 
 def handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
-    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            fn,
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
-
-    s = servicer
-    return grpc.method_handlers_generic_handler(
-        rpc.SERVICE,
-        {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(s.ModelInfer),  # bytes <-> bytes
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(s.ModelStreamInfer),
-            "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
-            "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
-            "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
-            "ServerMetadata": unary(
-                s.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-            ),
-            "ModelMetadata": unary(
-                s.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-            ),
-            "ModelConfig": unary(s.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
-            "ModelStatistics": unary(
-                s.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
-            ),
-            "RepositoryIndex": unary(
-                s.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
-            ),
-        },
+    """ModelInfer and ModelStreamInfer take and return bytes: forwarded untouched."""
+    return rpc.inference_handler(
+        servicer,
+        grpc.unary_unary_rpc_method_handler(servicer.ModelInfer),
+        grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer),
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import structlog
@@ -215,45 +214,18 @@ def _raise_failed(out: Output) -> None:
 def handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
     """The inference service with ModelInfer's requests parsed by `codec.parse_request`, so a
     request that is not a ModelInferRequest gets INVALID_ARGUMENT rather than gRPC's UNKNOWN."""
-    s = servicer
-
-    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            fn,
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
-
-    return grpc.method_handlers_generic_handler(
-        rpc.SERVICE,
-        {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(
-                s.ModelInfer,
-                request_deserializer=codec.parse_request,
-                response_serializer=pb.ModelInferResponse.SerializeToString,
-            ),
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-                s.ModelStreamInfer,
-                request_deserializer=codec.parse_request,
-                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
-            ),
-            "ServerLive": unary(s.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
-            "ServerReady": unary(s.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
-            "ModelReady": unary(s.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
-            "ServerMetadata": unary(
-                s.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-            ),
-            "ModelMetadata": unary(
-                s.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-            ),
-            "ModelConfig": unary(s.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
-            "ModelStatistics": unary(
-                s.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
-            ),
-            "RepositoryIndex": unary(
-                s.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
-            ),
-        },
+    return rpc.inference_handler(
+        servicer,
+        grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfer,
+            request_deserializer=codec.parse_request,
+            response_serializer=pb.ModelInferResponse.SerializeToString,
+        ),
+        grpc.stream_stream_rpc_method_handler(
+            servicer.ModelStreamInfer,
+            request_deserializer=codec.parse_request,
+            response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+        ),
     )
 
 
