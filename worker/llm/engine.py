@@ -346,10 +346,7 @@ class Engine:
             Output(piece, True, reason, len(seq.prompt), completion_tokens=len(seq.tokens))
         )
         self.stats.finished[reason] += 1
-        if seq in self.running:
-            self.running.remove(seq)
-            self.cache.release(seq.slot, seq.reserve)
-            seq.slot = -1
+        self._leave(seq)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """A run that raised: the sequence ends with the error instead of text."""
@@ -358,9 +355,14 @@ class Engine:
         seq.outputs.put_nowait(
             Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}")
         )
+        self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """A running sequence that ended gives back its slot and its KV budget."""
         if seq in self.running:
             self.running.remove(seq)
             self.cache.release(seq.slot, seq.reserve)
+            seq.slot = -1
 
 
 def _page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from common.errors import InvalidArgument
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
+from worker.llm.cache import CacheShape
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
 
@@ -64,7 +65,8 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
     default = EngineConfig()
     max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
     seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
-    per_token = 2 * model.facts.layers * model.facts.kv_heads * model.facts.head_dim * 4
+    f = model.facts
+    per_token = CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 1).bytes_per_token
     budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
     if budget < 2:
         raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
