@@ -42,6 +42,8 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--tp-master-addr")
     parser.add_argument("--tp-timeout-seconds", type=float)
     parser.add_argument("--memory-budget-bytes", type=int, help="weight bytes per rank")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint; 0 = off")
+    parser.add_argument("--metrics-host", help="default 127.0.0.1")
     parser.add_argument("--log-level")
     args = parser.parse_args(argv)
     return WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})

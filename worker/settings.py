@@ -44,5 +44,7 @@ class WorkerSettings(BaseSettings):
     tp_master_addr: str = "127.0.0.1"
     tp_timeout_seconds: float = 10.0  # a collective slower than this fails the group
     memory_budget_bytes: int = 0  # weight bytes per rank; 0: no limit
+    metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    metrics_host: str = "127.0.0.1"
     log_level: str = "info"
     log_json: bool | None = None  # default: JSON when stderr is not a terminal
