@@ -1,4 +1,5 @@
-"""python -m worker.tp_rank: one non-zero rank of a shard group (rank 0 starts these).
+"""python -m worker.tp_rank: one non-zero rank of a shard group (rank 0 starts these; in a
+group across hosts, `python -m worker --tp N --tp-rank R` runs one on each other host).
 
 Verifies and loads its shard files for every model with a tp<N> shard set, joins the group,
 reports its weight bytes and RSS, then runs what rank 0 broadcasts until told to stop.
@@ -17,10 +18,27 @@ from common import logging
 from worker.config import ConfigError
 from worker.parallel import CollectiveError, destroy_tp_group, init_tp_group
 from worker.runtime import RuntimeOptions, requested_providers
+from worker.settings import WorkerSettings
 from worker.tp_group import follow
 from worker.tp_runtime import find_shard_sets, load_rank, rss_bytes
 
 log = structlog.get_logger()
+
+
+def group_args(settings: WorkerSettings) -> list[str]:
+    """The flags every rank takes from rank 0's settings, beside its rank and master."""
+    return [
+        "--backend",
+        settings.tp_backend,
+        "--timeout-seconds",
+        str(settings.tp_timeout_seconds),
+        "--providers",
+        settings.providers,
+        "--intra-op-threads",
+        str(settings.intra_op_threads),
+        "--log-level",
+        settings.log_level,
+    ]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
