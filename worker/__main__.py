@@ -88,6 +88,10 @@ def run_rank(settings: WorkerSettings) -> int:
             settings.tp_master_addr,
             "--master-port",
             str(settings.tp_master_port),
+            "--health-host",
+            settings.host,
+            "--health-port",
+            str(settings.port),
             *tp_rank.group_args(settings),
         ]
     )

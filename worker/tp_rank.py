@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from common import logging
 from worker.config import ConfigError
@@ -41,6 +45,18 @@ def group_args(settings: WorkerSettings) -> list[str]:
     ]
 
 
+def serve_health(host: str, port: int) -> HealthServicer:
+    """grpc.health.v1 for a rank on a host of its own: NOT_SERVING until it has joined the
+    group, SERVING after (the process exits when the group breaks)."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    health = HealthServicer()
+    health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return health
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker.tp_rank", description=__doc__)
     p.add_argument("--model-repository", type=Path, required=True)
@@ -53,6 +69,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--providers", default="auto")
     p.add_argument("--intra-op-threads", type=int, default=0)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--health-port", type=int, default=0, help="serve grpc.health.v1 here (a rank's own pod)"
+    )
+    p.add_argument("--health-host", default="0.0.0.0")
     return p.parse_args(argv)
 
 
@@ -68,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshserve tp rank {args.rank}: {e}", file=sys.stderr)
         return 2
+    health = serve_health(args.health_host, args.health_port) if args.health_port else None
     try:
         group = init_tp_group(
             args.rank,
@@ -80,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = sum(m.weight_bytes for m in models)
         group.gather_ints([weights, rss_bytes()])
         log.info("tp_rank_ready", backend=group.backend, weight_bytes=weights, rss=rss_bytes())
+        if health is not None:
+            health.set("", health_pb2.HealthCheckResponse.SERVING)
         follow(models, group)
     except CollectiveError as e:
         log.error("tp_rank_failed", error=str(e))
