@@ -45,16 +45,17 @@ def group_args(settings: WorkerSettings) -> list[str]:
     ]
 
 
-def serve_health(host: str, port: int) -> HealthServicer:
+def serve_health(host: str, port: int) -> tuple[grpc.Server, HealthServicer]:
     """grpc.health.v1 for a rank on a host of its own: NOT_SERVING until it has joined the
-    group, SERVING after (the process exits when the group breaks)."""
+    group, SERVING after (the process exits when the group breaks). Keep the server
+    referenced: it stops when collected."""
     server = grpc.server(ThreadPoolExecutor(max_workers=1))
     health = HealthServicer()
     health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{host}:{port}")
     server.start()
-    return health
+    return server, health
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshserve tp rank {args.rank}: {e}", file=sys.stderr)
         return 2
-    health = serve_health(args.health_host, args.health_port) if args.health_port else None
+    served = serve_health(args.health_host, args.health_port) if args.health_port else None
     try:
         group = init_tp_group(
             args.rank,
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = sum(m.weight_bytes for m in models)
         group.gather_ints([weights, rss_bytes()])
         log.info("tp_rank_ready", backend=group.backend, weight_bytes=weights, rss=rss_bytes())
-        if health is not None:
-            health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if served is not None:
+            served[1].set("", health_pb2.HealthCheckResponse.SERVING)
         follow(models, group)
     except CollectiveError as e:
         log.error("tp_rank_failed", error=str(e))
