@@ -5,7 +5,7 @@ on the next tick. The registration is written again at once when Redis comes bac
 error, and whenever the depth write (every `depth_interval_s`) finds the registration gone:
 a Redis that restarted empty has it back within a depth interval, not a heartbeat.
 With the depth, each model's share of the mesh-wide scaling keys is written
-(worker/scaling.py), on change and every depth interval.
+(worker/scaling.py), on change and once a heartbeat.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Registration:
         last_beat = 0.0
         last_depth: DepthSample | None = None
         last_loads: dict[str, ModelLoad] | None = None
+        last_loads_at = 0.0
         poll = min(0.01, self.depth_interval_s)
         while True:
             now = time.monotonic()
@@ -85,9 +86,11 @@ class Registration:
                     if not registered:  # Redis lost it (restarted empty): now, not next beat
                         await self._heartbeat()
                         last_beat = now
-                if due or loads != last_loads:
+                # On change, and once a heartbeat to stay within the TTL: the script reads
+                # every replica's share, so idle refreshes are kept few.
+                if loads != last_loads or now - last_loads_at >= self.heartbeat_s:
                     await self.scale.publish(loads)
-                    last_loads = loads
+                    last_loads, last_loads_at = loads, now
                 self.redis_state.succeeded()
             except (RedisError, OSError) as e:
                 self.redis_state.failed(e)
