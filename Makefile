@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test run lint bench compose-check clean llamacpp-venv
+.PHONY: venv proto test run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv
 
 venv: $(STAMP)
 
@@ -61,6 +61,34 @@ $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 # (tests/deploy runs the same check under `make test`).
 compose-check: $(STAMP)
 	$(BIN)/python -m deploy.compose_check
+
+# Kubernetes (deploy/k8s): the manifests' checks alone (they also run under `make test`).
+k8s-check: $(STUBS)
+	$(BIN)/python -m pytest -q tests/deploy/test_k8s.py
+
+# One image per role (deploy/Dockerfile.<role>) as meshserve/<role>:$(IMAGE_TAG); with
+# REGISTRY=host/path each is also pushed as $(REGISTRY)/meshserve/<role>:$(IMAGE_TAG).
+IMAGE_TAG ?= 0.1.0
+ROLES := router worker worker-gpu worker-tp ledger loadtest build
+images:
+	set -e; for role in $(ROLES); do \
+	  docker build -f deploy/Dockerfile.$$role -t meshserve/$$role:$(IMAGE_TAG) . ; \
+	  if [ -n "$(REGISTRY)" ]; then \
+	    docker tag meshserve/$$role:$(IMAGE_TAG) $(REGISTRY)/meshserve/$$role:$(IMAGE_TAG); \
+	    docker push $(REGISTRY)/meshserve/$$role:$(IMAGE_TAG); \
+	  fi; \
+	done
+
+# kubectl apply -k of deploy/k8s/overlays/$(OVERLAY) (cpu, gpu or tp), the images taken from
+# $(REGISTRY) when it is set (build/k8s/kustomization.yaml says so).
+OVERLAY ?= cpu
+k8s-apply:
+	mkdir -p build/k8s
+	{ echo "resources: [../../deploy/k8s/overlays/$(OVERLAY)]"; \
+	  if [ -n "$(REGISTRY)" ]; then echo "images:"; for role in $(ROLES); do \
+	    echo "  - {name: meshserve/$$role, newName: $(REGISTRY)/meshserve/$$role}"; done; fi; \
+	} > build/k8s/kustomization.yaml
+	kubectl apply -k build/k8s
 
 clean:
 	rm -rf $(VENV) build protos/*_pb2*.py protos/*_pb2*.pyi

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import codec
 from client.codec import InferResult, InputValue, ModelMetadata, ServerMetadata
+from common import health
 from common.rpc import MAX_MESSAGE_BYTES, message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -30,7 +31,6 @@ class Client:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._metadata: dict[tuple[str, str], ModelMetadata] = {}
 
     def __enter__(self) -> Client:
@@ -58,10 +58,7 @@ class Client:
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
-        reply = self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return health.check(self.channel, service, timeout or self.timeout)
 
     def server_metadata(self, timeout: float | None = None) -> ServerMetadata:
         reply = self.stub.ServerMetadata(

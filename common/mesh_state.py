@@ -9,6 +9,19 @@ Every key, its type, its writer -> its readers, and what it holds:
   waiting + running and when that was sampled; a worker serving an LLM engine appends
   ":kv_used:kv_total", the KV cache tokens its running sequences hold and its budget.
   Expires with the registry TTL.
+- meshserve:scale:{model}:queue (LIST, worker -> KEDA's Redis scaler, tests): its LENGTH is
+  the model's queue depth over the mesh: the requests (LLM: sequences) waiting + running on
+  every live replica serving the model, summed; the elements are placeholders. KEDA's
+  `redis` trigger reads a key's length (LLEN), so the count is the length; a worker resizes
+  the list in the script that records its own share (worker/scaling.py), so it is exact at
+  every write. Expires with the registry TTL when no replica writes (no replica: 0).
+- meshserve:scale:{model}:kv (LIST, worker -> KEDA, tests): LLM models only; its length is
+  the sum over the model's replicas of each one's KV cache occupancy in percent (0-100), so
+  a target of 70 per replica keeps the mean occupancy at or under 70%. Same expiry.
+- meshserve:scale:{model}:replicas (HASH, worker -> worker/scaling.py's script): worker id ->
+  "depth:kv_percent:redis_ms", each replica's share of the two lists and when (Redis's own
+  clock) it was written; a share older than the registry TTL (a dead replica) is dropped
+  and left out of the sums by the next write. A draining worker removes its share.
 - meshserve:usage:{router} (HASH, router -> ledger, tests): "{model}|{version}|{field}" ->
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
@@ -67,6 +80,18 @@ def worker_key(worker_id: str) -> str:
 
 def depth_key(worker_id: str) -> str:
     return f"{PREFIX}:depth:{worker_id}"
+
+
+def scale_queue_key(model: str) -> str:
+    return f"{PREFIX}:scale:{model}:queue"
+
+
+def scale_kv_key(model: str) -> str:
+    return f"{PREFIX}:scale:{model}:kv"
+
+
+def scale_replicas_key(model: str) -> str:
+    return f"{PREFIX}:scale:{model}:replicas"
 
 
 def usage_key(router_id: str) -> str:

@@ -130,7 +130,7 @@ def run(settings: LedgerSettings) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m ledger",
         description=__doc__,
@@ -149,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in (p_run, p_report):
         p.add_argument("--db")
         p.add_argument("--config", type=Path)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     overrides = {
         k: v for k, v in vars(args).items() if v is not None and k in LedgerSettings.model_fields
     }

@@ -9,9 +9,8 @@ import sys
 from common import logging
 from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
-from worker.server import serve
+from worker.server import GroupFailed, serve
 from worker.settings import WorkerSettings
-from worker.tp_serve import GroupFailed
 
 
 def parse_args(argv: list[str]) -> WorkerSettings:
@@ -40,6 +39,8 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--tp", type=int, help="serve tp<N> shard sets with N ranks")
     parser.add_argument("--tp-backend", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--tp-master-addr")
+    parser.add_argument("--tp-master-port", type=int, help="a group across hosts: rank 0's port")
+    parser.add_argument("--tp-rank", type=int, help="run rank R (> 0) of a group across hosts")
     parser.add_argument("--tp-timeout-seconds", type=float)
     parser.add_argument("--memory-budget-bytes", type=int, help="weight bytes per rank")
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint; 0 = off")
@@ -51,6 +52,8 @@ def parse_args(argv: list[str]) -> WorkerSettings:
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(sys.argv[1:] if argv is None else argv)
+    if settings.tp_rank:
+        return run_rank(settings)
     logging.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(serve(settings))
@@ -61,6 +64,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshserve worker: tensor-parallel group failed: {e}", file=sys.stderr)
         return 3
     return 0
+
+
+def run_rank(settings: WorkerSettings) -> int:
+    """A non-zero rank of a group whose ranks are started one per host (--tp-master-port)."""
+    if not 0 < settings.tp_rank < settings.tp or not settings.tp_master_port:
+        print(
+            f"meshserve worker: --tp-rank {settings.tp_rank} needs --tp N with N > "
+            f"{settings.tp_rank} and --tp-master-port (rank 0's port), got --tp {settings.tp} "
+            f"--tp-master-port {settings.tp_master_port}",
+            file=sys.stderr,
+        )
+        return 2
+    from worker import tp_rank  # torch: only a shard group needs it
+
+    return tp_rank.main(
+        [
+            "--model-repository",
+            str(settings.model_repository),
+            "--tp",
+            str(settings.tp),
+            "--rank",
+            str(settings.tp_rank),
+            "--master-addr",
+            settings.tp_master_addr,
+            "--master-port",
+            str(settings.tp_master_port),
+            "--health-host",
+            settings.host,
+            "--health-port",
+            str(settings.port),
+            *tp_rank.group_args(settings),
+        ]
+    )
 
 
 if __name__ == "__main__":

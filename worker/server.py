@@ -1,8 +1,13 @@
-"""The worker process: load the repository, serve gRPC, drain on SIGTERM."""
+"""The worker process: load the repository, serve gRPC, drain on SIGTERM.
+
+torch is imported only for a shard group (`--tp N`, worker/tp_serve.py): a plain worker
+runs without it (the `worker` extra does not install it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -14,11 +19,18 @@ from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CAL
 from worker.registration import Registration
 from worker.repository import Repository
 from worker.runtime import RuntimeOptions
+from worker.scaling import ModelLoad, model_loads
 from worker.servicer import WorkerServicer, handler
 from worker.settings import WorkerSettings
-from worker.tp_serve import GroupFailed, TpRepository
+
+if TYPE_CHECKING:
+    from worker.tp_serve import TpRepository
 
 log = structlog.get_logger()
+
+
+class GroupFailed(Exception):
+    """A rank died or a collective timed out; the worker exits so the group restarts."""
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -28,16 +40,19 @@ async def serve(settings: WorkerSettings) -> None:
         intra_op_threads=settings.intra_op_threads,
         inter_op_threads=settings.inter_op_threads,
     )
-    repository = (
-        TpRepository(settings, options)
-        if settings.tp
-        else Repository(
+    repository: Repository
+    group: TpRepository | None = None
+    if settings.tp:
+        from worker.tp_serve import TpRepository  # torch: only a shard group needs it
+
+        repository = group = TpRepository(settings, options)
+    else:
+        repository = Repository(
             settings.model_repository,
             options,
             default_max_batch_size=settings.default_max_batch_size,
             default_max_queue_size=settings.default_max_queue_size,
         )
-    )
     repository.load()
 
     server, health = rpc.new_server(settings.max_message_bytes)
@@ -72,6 +87,7 @@ async def serve(settings: WorkerSettings) -> None:
             worker_info(settings, repository, port),
             depth=lambda: sum(m.depth for m in repository.all()),
             kv=lambda: kv_tokens(repository),
+            loads=lambda: scaling_loads(repository),
             heartbeat_s=settings.heartbeat_seconds,
             ttl_s=settings.registry_ttl_seconds,
             depth_interval_s=settings.depth_interval_seconds,
@@ -81,14 +97,14 @@ async def serve(settings: WorkerSettings) -> None:
 
     stop = rpc.stop_on_signals()
     failure: list[str] = []
-    if isinstance(repository, TpRepository):  # a broken shard group stops the worker at once
+    if group is not None:  # a broken shard group stops the worker at once
         loop = asyncio.get_running_loop()
 
         def group_failed(why: str) -> None:  # called on the group's watcher thread
             failure.append(why)
             loop.call_soon_threadsafe(stop.set)
 
-        repository.start(group_failed)
+        group.start(group_failed)
     await stop.wait()
     if failure:
         log.error("worker_group_failed", reason=failure[0])
@@ -97,8 +113,8 @@ async def serve(settings: WorkerSettings) -> None:
         if registration is not None:
             await registration.deregister()
         await server.stop(0.5)
-        if isinstance(repository, TpRepository):
-            repository.abort()
+        if group is not None:
+            group.abort()
         raise GroupFailed(failure[0])
 
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
@@ -116,6 +132,16 @@ def kv_tokens(repository: Repository) -> tuple[int, int]:
     """(used, total) KV cache tokens over the worker's LLM models."""
     pairs = [m.kv_tokens for m in repository.all()]
     return sum(u for u, _ in pairs), sum(t for _, t in pairs)
+
+
+def scaling_loads(repository: Repository) -> dict[str, ModelLoad]:
+    """Per model: its versions' requests waiting + running and KV tokens (worker/scaling.py)."""
+    return model_loads(
+        {
+            name: [(m.depth, *m.kv_tokens) for m in versions.values()]
+            for name, versions in repository.models.items()
+        }
+    )
 
 
 def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> WorkerInfo:

@@ -42,6 +42,12 @@ class WorkerSettings(BaseSettings):
     tp: int = 0
     tp_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL when CUDA is active
     tp_master_addr: str = "127.0.0.1"
+    # 0: rank 0 takes a free port and starts ranks 1..N-1 beside it. Set: the group spans
+    # hosts (a Kubernetes StatefulSet, one pod per rank): rank 0 listens on this port at
+    # tp_master_addr and starts no ranks; each other rank is `python -m worker --tp N
+    # --tp-rank R` with the same master address and port.
+    tp_master_port: int = 0
+    tp_rank: int = 0  # > 0: run that rank of the group (no gRPC); needs tp_master_port
     tp_timeout_seconds: float = 10.0  # a collective slower than this fails the group
     memory_budget_bytes: int = 0  # weight bytes per rank; 0: no limit
     metrics_port: int = 0  # Prometheus endpoint; 0 = off

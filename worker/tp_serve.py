@@ -33,6 +33,7 @@ from worker.runtime import RuntimeOptions, requested_providers
 from worker.settings import WorkerSettings
 from worker.stats import ModelStats
 from worker.tp_group import Leader, spawn_ranks
+from worker.tp_rank import group_args
 from worker.tp_runtime import (
     LLM,
     OP_ENCODE,
@@ -53,10 +54,6 @@ TP_BACKEND = "meshserve.tp.backend"
 _TEXT_PARAMETERS = (cfg.TOKENIZER, cfg.TEXT_TASK)
 
 
-class GroupFailed(Exception):
-    """A rank died or a collective timed out; the worker exits so the group restarts."""
-
-
 class TpRepository(Repository):
     def __init__(self, settings: WorkerSettings, options: RuntimeOptions) -> None:
         super().__init__(
@@ -74,20 +71,13 @@ class TpRepository(Repository):
         shard_sets = find_shard_sets(self.root, s.tp)
         for shards in shard_sets:
             check_budget(shards, s.memory_budget_bytes)
-        port = free_port()
-        args = [
-            "--backend",
-            s.tp_backend,
-            "--timeout-seconds",
-            str(s.tp_timeout_seconds),
-            "--providers",
-            s.providers,
-            "--intra-op-threads",
-            str(s.intra_op_threads),
-            "--log-level",
-            s.log_level,
-        ]
-        children = spawn_ranks(s.tp, self.root, s.tp_master_addr, port, args)
+        # With a fixed master port the other ranks run on their own hosts (one pod each).
+        port = s.tp_master_port or free_port()
+        children = (
+            []
+            if s.tp_master_port
+            else spawn_ranks(s.tp, self.root, s.tp_master_addr, port, group_args(s))
+        )
         joined = threading.Event()
         threading.Thread(target=_exit_if_a_rank_dies, args=(children, joined), daemon=True).start()
         try:

@@ -2,7 +2,9 @@
 
 Each `python -m <module> ...` found in a Dockerfile (CMD, ENTRYPOINT, HEALTHCHECK) or in a
 compose service (command, healthcheck) is parsed by that module's own argparse, and every
-MESHSERVE_* environment variable names a field of that process's settings.
+MESHSERVE_* environment variable names a field of that process's settings. Each role's
+Dockerfile installs that role's extra and starts that role's process. (The Kubernetes
+manifests get the same checks in test_k8s.py.)
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import yaml  # type: ignore[import-untyped]
 from pydantic_settings import BaseSettings
 
 import client.__main__
+import common.health
+import ledger.__main__
 import loadtest.__main__
+import quantize.__main__
 import router.__main__
 import worker.__main__
 from deploy import compose_check
+from ledger.settings import LedgerSettings
 from router.settings import RouterSettings
 from worker.settings import WorkerSettings
 
@@ -30,12 +36,27 @@ CLIS: dict[str, Callable[[list[str]], object]] = {
     "router": router.__main__.parse_args,
     "loadtest": loadtest.__main__.parse_args,
     "client": client.__main__.parse_args,
+    "common.health": common.health.parse_args,
+    "ledger": ledger.__main__.parse_args,
+    "quantize": quantize.__main__.parse_args,
 }
 SETTINGS: dict[str, type[BaseSettings]] = {
     "MESHSERVE_WORKER_": WorkerSettings,
     "MESHSERVE_ROUTER_": RouterSettings,
+    "MESHSERVE_LEDGER_": LedgerSettings,
 }
 DOCKERFILES = sorted(DEPLOY.glob("Dockerfile*"))
+# Dockerfile.<role>: the extras it installs and the process it starts.
+ROLES = {
+    "router": ({"router"}, "router"),
+    "worker": ({"worker"}, "worker"),
+    "worker-gpu": ({"worker-gpu"}, "worker"),
+    "worker-tp": ({"worker", "tp"}, "worker"),
+    "ledger": ({"ledger"}, "ledger"),
+    "loadtest": ({"loadtest"}, "loadtest"),
+    "build": ({"build"}, "quantize"),
+}
+SERVES_GRPC = {"router", "worker"}
 COMPOSE_FILES = sorted({name for files in compose_check.VARIANTS for name in files})
 
 
@@ -64,12 +85,25 @@ def dockerfile_commands(path: Path) -> dict[str, list[str]]:
     return found
 
 
+def installed_extras(path: Path) -> set[str]:
+    """The extras of every `pip install -e '.[a,b]'` in a Dockerfile."""
+    found = re.findall(r"pip install -e '\.\[([a-z,-]+)\]'", path.read_text())
+    return {extra for group in found for extra in group.split(",")}
+
+
+def test_every_role_has_a_dockerfile() -> None:
+    assert {p.name.removeprefix("Dockerfile.") for p in DOCKERFILES} == set(ROLES)
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_entrypoints_are_real_clis(path: Path) -> None:
+    extras, module = ROLES[path.name.removeprefix("Dockerfile.")]
+    assert installed_extras(path) == extras
     commands = dockerfile_commands(path)
     argv = commands.get("ENTRYPOINT", []) + commands.get("CMD", [])
-    assert check_cli(argv, f"{path.name} CMD") == "worker"
-    assert check_cli(commands["HEALTHCHECK"], f"{path.name} HEALTHCHECK") == "client"
+    assert check_cli(argv, f"{path.name} CMD") == module
+    if module in SERVES_GRPC:
+        assert check_cli(commands["HEALTHCHECK"], f"{path.name} HEALTHCHECK") == "common.health"
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)
@@ -79,7 +113,11 @@ def test_compose_commands_are_real_clis(name: str) -> None:
     for service, spec in services.items():
         where = f"{name} service {service}"
         if "command" in spec and spec["command"][0] == "python":
-            started.add(check_cli(spec["command"], where))
+            module = check_cli(spec["command"], where)
+            started.add(module)
+            dockerfile = spec.get("build", {}).get("dockerfile")
+            if dockerfile:
+                assert ROLES[dockerfile.removeprefix("deploy/Dockerfile.")][1] == module, where
         test = spec.get("healthcheck", {}).get("test")
         if test and test[1] == "python":
             check_cli(test[1:], f"{where} healthcheck")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
+from common import mesh_state
 from common.net import free_port
 from deploy.processes import ROOT
 from quantize import llm
@@ -103,6 +104,11 @@ def test_new_requests_go_to_the_replica_with_kv_room(mesh) -> None:  # type: ign
             time.sleep(0.05)
         time.sleep(0.3)  # a few router polls
         assert kv_used(m, a) > KV_TOKENS - 30  # A's cache is nearly full, its queue is 1
+        # What KEDA reads (worker/scaling.py): A's occupancy in percent (B holds nothing),
+        # and the one sequence running.
+        r = m.redis_client()
+        assert r.llen(mesh_state.scale_kv_key(MODEL)) >= 100 * (KV_TOKENS - 30) // KV_TOKENS
+        assert r.llen(mesh_state.scale_queue_key(MODEL)) == 1
         used = scrape(metrics_port, "meshserve_router_replica_kv_used_tokens", worker_id(a))
         assert used is not None and used > KV_TOKENS - 30
         total = scrape(metrics_port, "meshserve_router_replica_kv_total_tokens", worker_id(a))

@@ -13,15 +13,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from common import mesh_state
+from common import health, mesh_state
 from common.mesh_state import WorkerInfo
-from deploy.processes import wait_serving
+from deploy.processes import Process, free_port, wait_serving
 from quantize import llm_graph, llm_shard, shard, weights
 from quantize.models import BertEncoder, EncoderConfig
 from tests.integration.mesh import Mesh
@@ -157,6 +158,34 @@ def test_router_to_tp_group_killed_rank_and_restart(mesh: Mesh, tiny) -> None:  
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_group_across_hosts_ranks_started_apart(mesh: Mesh, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """As the Kubernetes tp overlay runs it: each rank is its own `python -m worker`
+    (--tp-rank R, one pod each), rank 0 starts none and listens on --tp-master-port; a
+    rank that dies fails the group."""
+    root, enc, tp1_text = tiny
+    master, rank1_port = free_port(), free_port()
+    rank1 = Process(
+        "rank1",
+        [
+            sys.executable, "-m", "worker", "--model-repository", str(root), "--tp", "2",
+            "--tp-rank", "1", "--tp-master-port", str(master), "--host", "127.0.0.1",
+            "--port", str(rank1_port), "--providers", "cpu", "--intra-op-threads", "1",
+        ],
+        tmp_path / "rank1.log",
+    ).start()  # fmt: skip
+    mesh.others.append(rank1)
+    address = mesh.add_worker(
+        root, "--tp", "2", "--tp-master-port", str(master), "--tp-timeout-seconds", "3"
+    )
+    worker = mesh.workers[address]
+    assert worker.popen is not None and ranks_of(worker.popen.pid) == []  # none spawned
+    with grpc.insecure_channel(f"127.0.0.1:{rank1_port}") as channel:
+        assert health.check(channel) == "SERVING"  # rank 1's own probe: it has joined
+    check_answers(address, enc, tp1_text)
+    rank1.kill()
+    assert worker.popen.wait(15) == 3  # the group failed; the worker left and exited
 
 
 def test_hung_rank_fails_the_group_within_the_timeout(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
