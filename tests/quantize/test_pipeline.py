@@ -37,6 +37,24 @@ def test_encoder_metrics() -> None:
     assert flipped["min_cosine"] < 0.5 and flipped["triplet_order_kept"] < 1.0
 
 
+def test_nearest_neighbours_count_only_clear_ones() -> None:
+    # 0 and 1 are related (cos 0.9); 2 and 3 are not related to anything (cos 0.2 / 0.19)
+    def unit(*angles: float) -> np.ndarray:
+        return np.array([[np.cos(a), np.sin(a), 0.0] for a in angles])
+
+    related = np.arccos(0.9)
+    reference = np.vstack([unit(0, related), [[0, 0.2, 0.98], [0.19, 0, 0.98]]])
+    reference /= np.linalg.norm(reference, axis=1, keepdims=True)
+    assert evaluate.nearest_neighbours_kept(reference, reference) == 1.0
+    # 0's clear neighbour 1 swapped for 3: lost; the unrelated 2 and 3 may pick anyone
+    candidate = reference.copy()
+    candidate[0] = reference[3]
+    assert evaluate.nearest_neighbours_kept(reference, candidate) < 1.0
+    noisy = reference + np.array([[0, 0, 0], [0, 0, 0], [0.3, -0.3, 0], [-0.3, 0.3, 0]])
+    noisy /= np.linalg.norm(noisy, axis=1, keepdims=True)
+    assert evaluate.nearest_neighbours_kept(reference, noisy) == 1.0
+
+
 def test_decoder_metrics() -> None:
     logits = [np.random.default_rng(i).standard_normal((5, 10)) for i in range(2)]
     same = evaluate.decoder_metrics(logits, logits, [[1, 2, 3, 4]], [[1, 2, 3, 4]])
