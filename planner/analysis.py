@@ -122,7 +122,7 @@ class ModelAnalysis:
 
     def intensity(self, batch: int, context: int = 0, tokens: int | None = None) -> float:
         flops, moved = self.run(batch, context, tokens)
-        return flops / moved
+        return flops / moved if moved else 0.0
 
     def kv_bytes(self, sequences: int, context: int) -> int:
         return sequences * context * self.kv_bytes_per_token

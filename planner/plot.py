@@ -24,6 +24,7 @@ def roofline_png(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    points = [p for p in points if p.intensity > 0 and p.flops > 0]
     intensities = [p.intensity for p in points] + [m[1] for m in measured or []]
     lo = min([0.1, *intensities]) / 2
     hi = max([10 * profile.ridge("int8"), *intensities]) * 2

@@ -182,7 +182,7 @@ def diagnose(
         tp=tp,
         flops=flops,
         bytes_moved=moved,
-        intensity=flops / moved,
+        intensity=flops / moved if moved else 0.0,
         ridge=ridge,
         compute_s=compute_s,
         memory_s=memory_s,

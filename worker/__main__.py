@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from common import logging
+from planner.profiles import ProfileError
 from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
 from worker.server import serve
@@ -42,6 +43,9 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--tp-master-addr")
     parser.add_argument("--tp-timeout-seconds", type=float)
     parser.add_argument("--memory-budget-bytes", type=int, help="weight bytes per rank")
+    parser.add_argument(
+        "--roofline-profile", help="H200, H100, A100, L4 or a profile file (planner probe)"
+    )
     parser.add_argument("--log-level")
     args = parser.parse_args(argv)
     return WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(serve(settings))
-    except (ConfigError, GpuRequired, ModelLoadError) as e:
+    except (ConfigError, GpuRequired, ModelLoadError, ProfileError) as e:
         print(f"meshserve worker: {e}", file=sys.stderr)
         return 2
     except GroupFailed as e:

@@ -44,5 +44,8 @@ class WorkerSettings(BaseSettings):
     tp_master_addr: str = "127.0.0.1"
     tp_timeout_seconds: float = 10.0  # a collective slower than this fails the group
     memory_budget_bytes: int = 0  # weight bytes per rank; 0: no limit
+    # The roof ModelStatistics measures each model against (planner/profiles.py: H200,
+    # H100, A100, L4 or a profile file); default: build/planner/profile.json when probed.
+    roofline_profile: str | None = None
     log_level: str = "info"
     log_json: bool | None = None  # default: JSON when stderr is not a terminal
