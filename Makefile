@@ -37,7 +37,7 @@ run: $(STUBS) $(MODELS)/mlp/config.pbtxt
 lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest
+	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest planner
 
 bench: $(STUBS)
 	$(BIN)/python -m benchmarks.worker

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from common import logging
@@ -75,8 +76,8 @@ def _diagnose(args: argparse.Namespace) -> int:
                 f"{r['model']:<10} {r['recipe']:<26} {r['batch']:>5} {r['intensity']:>8} "
                 f"{r['ridge']:>7} {r['time_ms']:>9} {r['resident_MB']:>11}  {r['bound']}"
             )
-        for r in {(r["bound"], r["help"]) for r in rows}:
-            print(f"  {r[0]}-bound -> {r[1]}")
+        for bound, advice in sorted({(r["bound"], r["help"]) for r in rows}):
+            print(f"  {bound}-bound -> {advice}")
     if args.plot:
         print(f"wrote {roofline_png(profile, points, Path(args.plot))}", file=sys.stderr)
     return 0
@@ -137,8 +138,8 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.best is not None else 1
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
@@ -170,8 +171,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=int, default=0, help="prompt tokens (LLM) / item tokens")
     pl.add_argument("--max-tokens", type=int, default=0, help="an LLM's generated tokens")
     pl.add_argument("--profile", required=True)
-    pl.add_argument("--price-per-hour", type=_positive(float), required=True,
-                    help="USD per device-hour")
+    pl.add_argument(
+        "--price-per-hour", type=_positive(float), required=True, help="USD per device-hour"
+    )
     pl.add_argument("--recipe", nargs="+", help="only these recipes")
     pl.add_argument("--json", action="store_true")
     return p

@@ -11,8 +11,10 @@ What a run costs, from the graph:
 - attention between activations costs 4 S d FLOPs per token per layer over S positions
   (QK^T and AV), d the attention width; a decoder's decode step also reads its whole KV
   cache: context x KV bytes per token, per sequence;
-- activations in and out of each projection (fp32) add (K + N) x 4 bytes per token.
-Normalisations, softmax and element-wise ops are left out: small next to the above.
+- the graph's outputs (logits, embeddings) are written once per row (item or sequence).
+Activations between layers, normalisations, softmax and element-wise ops are left out: they
+stay in the caches at these sizes, and the Roofline counts the bytes that must cross the
+memory bus.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 from google.protobuf import text_format
-from onnx import numpy_helper
 
 from protos import model_config_pb2 as mc
 
@@ -34,6 +35,7 @@ ENGINE_KEY = "meshserve.engine"
 VERSION_LABEL = "meshserve.version."
 
 ENCODER, DECODER, GENERIC = "encoder", "decoder", "generic"
+ENCODER_TOKENS = 16  # an encoder item's tokens when none is given: TEXT's padding unit
 
 # What each recipe stores per projection weight (bytes/parameter) and computes in, on a
 # CPU and on a GPU. Block-wise weight-only formats carry an fp32 scale per 32 weights
@@ -65,7 +67,7 @@ class ModelAnalysis:
     head_params: int  # a decoder's LM head: only the last position of a prefill reaches it
     table_row_bytes: int  # embedding rows read per token
     other_bytes: int  # small constants read per run (norms, biases, scales)
-    activation_bytes_per_token: int
+    output_bytes_per_row: int  # graph outputs with static dims (logits, embeddings)
     layers: int
     heads: int  # attention heads (0: not in the graph's metadata); TP must divide them
     kv_heads: int
@@ -74,7 +76,7 @@ class ModelAnalysis:
     compute_dtype_cpu: str
     compute_dtype_gpu: str
     max_batch_size: int = 0
-    default_tokens: int = 16  # an encoder item's tokens when none is given (TEXT pads to 16)
+    default_tokens: int = 1  # an item's tokens when none is given (an encoder: 16, TEXT's unit)
 
     def compute_dtype(self, kind: str) -> str:
         return self.compute_dtype_gpu if kind == "gpu" else self.compute_dtype_cpu
@@ -89,7 +91,8 @@ class ModelAnalysis:
         moved = (
             self.projection_bytes
             + self.other_bytes
-            + n * (self.table_row_bytes + self.activation_bytes_per_token)
+            + n * self.table_row_bytes
+            + batch * self.output_bytes_per_row
         )
         return float(flops), float(moved)
 
@@ -99,7 +102,7 @@ class ModelAnalysis:
         flops = 2 * self.projection_params * batch
         flops += 4 * batch * context * self.attention_width * self.layers
         moved = self.projection_bytes + self.other_bytes
-        moved += batch * (self.table_row_bytes + self.activation_bytes_per_token)
+        moved += batch * (self.table_row_bytes + self.output_bytes_per_row)
         moved += batch * (context + 1) * self.kv_bytes_per_token
         return float(flops), float(moved)
 
@@ -110,7 +113,7 @@ class ModelAnalysis:
         flops = 2 * (body * tokens + self.head_params)
         flops += 2 * tokens * tokens * self.attention_width * self.layers
         moved = self.projection_bytes + self.other_bytes
-        moved += tokens * (self.table_row_bytes + self.activation_bytes_per_token)
+        moved += tokens * self.table_row_bytes + self.output_bytes_per_row
         moved += tokens * self.kv_bytes_per_token
         return float(flops), float(moved)
 
@@ -183,7 +186,7 @@ def analyse_graph(
     sizes = {n: _nbytes(t) for n, t in inits.items()}
     meta = {p.key: p.value for p in model.metadata_props}
     used: set[str] = set()
-    params = projection_bytes = head_params = table_row = act = 0
+    params = projection_bytes = head_params = table_row = 0
     widths: Counter[int] = Counter()
     ops = Counter(n.op_type for n in graph.node)
     integer = fp16 = False
@@ -208,7 +211,6 @@ def analyse_graph(
             projection_bytes += sum(sizes[i] for i in names)
             used.update(names)
             widths[k] += 1
-            act += (k + n) * 4
             if weight.startswith("lm_head"):
                 head_params = k * n
         elif node.op_type == "Gather" and node.input[0] in inits:
@@ -244,7 +246,7 @@ def analyse_graph(
         head_params=head_params,
         table_row_bytes=table_row,
         other_bytes=other,
-        activation_bytes_per_token=act,
+        output_bytes_per_row=_output_bytes(graph),
         layers=layers,
         heads=heads,
         kv_heads=kv_heads,
@@ -253,7 +255,23 @@ def analyse_graph(
         compute_dtype_cpu=cpu,
         compute_dtype_gpu=gpu,
         max_batch_size=max_batch_size,
+        default_tokens=ENCODER_TOKENS if kind == ENCODER else 1,
     )
+
+
+def _output_bytes(graph: onnx.GraphProto) -> int:
+    """Bytes per row of the graph's outputs (past the batch dim; the KV cache's present_*
+    outputs are the cache itself, counted apart)."""
+    total = 0
+    for out in graph.output:
+        if out.name.startswith("present"):
+            continue
+        t = out.type.tensor_type
+        dims = [d.dim_value for d in t.shape.dim[1:]]
+        if all(d > 0 for d in dims):
+            size = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+            total += int(np.prod(dims)) * size if dims else size
+    return total
 
 
 def _guess_recipe(model: onnx.ModelProto) -> str:

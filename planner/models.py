@@ -30,7 +30,11 @@ PRICE_KEYS = {
 def model_versions(repository: Path, model: str) -> list[ModelAnalysis]:
     folder = repository / model
     if not folder.is_dir():
-        known = sorted(p.name for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []
+        known = (
+            sorted(p.name for p in repository.iterdir() if p.is_dir())
+            if repository.is_dir()
+            else []
+        )
         raise AnalysisError(
             f"no model {model!r} in {repository}; expected {repository}/{model}/<version>/"
             f"model.onnx (models there: {known})"

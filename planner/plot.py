@@ -37,24 +37,52 @@ def roofline_png(
         ax.plot(x, np.minimum(peak, bw * x), "k" + style, lw=1.2, label=f"roof {dtype}")
     if profile.cache_bandwidth:
         peak = profile.peak("fp32")
-        ax.plot(x, np.minimum(peak, profile.cache_bandwidth * x), color="0.6", lw=1,
-                label="roof fp32, weights in LLC")
+        ax.plot(
+            x,
+            np.minimum(peak, profile.cache_bandwidth * x),
+            color="0.6",
+            lw=1,
+            label="roof fp32, weights in LLC",
+        )
     markers = "osD^v<>p*h"
     groups = sorted({(p.model, p.recipe) for p in points})
     for i, (model, recipe) in enumerate(groups):
-        mine = sorted((p for p in points if (p.model, p.recipe) == (model, recipe)),
-                      key=lambda p: p.batch)
-        ax.plot([p.intensity for p in mine], [p.attained_flops for p in mine],
-                marker=markers[i % len(markers)], ls="-", alpha=0.8, label=f"{model} {recipe}")
+        mine = sorted(
+            (p for p in points if (p.model, p.recipe) == (model, recipe)), key=lambda p: p.batch
+        )
+        ax.plot(
+            [p.intensity for p in mine],
+            [p.attained_flops for p in mine],
+            marker=markers[i % len(markers)],
+            ls="-",
+            alpha=0.8,
+            label=f"{model} {recipe}",
+        )
         for p in mine:
-            ax.annotate(f"b{p.batch}", (p.intensity, p.attained_flops), fontsize=7,
-                        xytext=(3, -9), textcoords="offset points")
+            ax.annotate(
+                f"b{p.batch}",
+                (p.intensity, p.attained_flops),
+                fontsize=7,
+                xytext=(3, -9),
+                textcoords="offset points",
+            )
     for label, intensity, achieved in measured or []:
         ax.plot([intensity], [achieved], "rx", ms=8)
-        ax.annotate(label, (intensity, achieved), fontsize=7, color="r",
-                    xytext=(3, 3), textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
-           ylabel="FLOP/s", title=f"Roofline: {profile.name}")
+        ax.annotate(
+            label,
+            (intensity, achieved),
+            fontsize=7,
+            color="r",
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="arithmetic intensity (FLOP / byte)",
+        ylabel="FLOP/s",
+        title=f"Roofline: {profile.name}",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -149,6 +148,7 @@ def probe(budget_s: float = 3.0) -> Profile:
     cache = stream_bandwidth(max(llc // 8 // 4, 1024), cores, budget_s)  # 3 arrays in 3/4 LLC
     fp32 = gemm_flops("fp32", cores, budget_s)
     int8 = gemm_flops("int8", cores, budget_s)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return Profile(
         name=f"local ({cpu_name()}, {cores} cores)",
         kind="cpu",
@@ -159,7 +159,7 @@ def probe(budget_s: float = 3.0) -> Profile:
         flops={"fp32": fp32, "fp16": fp32, "bf16": fp32, "int8": int8, "int4": int8},
         memory_bytes=memory_total(),
         source=(
-            f"measured by `python -m planner probe` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+            f"measured by `python -m planner probe` on {when}: "
             f"STREAM-like copy {dram['copy'] / 1e9:.1f} GB/s, triad {dram['triad'] / 1e9:.1f} GB/s "
             f"(LLC {llc >> 20} MiB: copy {cache['copy'] / 1e9:.1f} GB/s); onnxruntime {GEMM_N}^3 "
             f"GEMM fp32 {fp32 / 1e9:.1f} GFLOP/s, int8 {int8 / 1e9:.1f} GOP/s, {cores} threads; "
@@ -181,9 +181,7 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
     from protos import grpc_service_pb2 as pb
 
     repo = log_dir / "repo"
-    toy_models.write(
-        repo / "mlp", toy_models.mlp(), "max_batch_size: 1\ndynamic_batching { }\n"
-    )
+    toy_models.write(repo / "mlp", toy_models.mlp(), "max_batch_size: 1\ndynamic_batching { }\n")
     request = pb.ModelInferRequest(model_name="mlp")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
     request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())

@@ -45,14 +45,14 @@ class Profile:
     mesh_latency_s: float = 0.0  # client -> router -> worker -> back, beside the run
     mesh_cpu_s: float = 0.0  # host CPU seconds per call for gRPC, codec, router, client
     mesh_max_rps: float = 0.0  # the most tiny calls/s the mesh answers (0: not measured)
-    achievable: dict[str, float] = field(
-        default_factory=lambda: {"compute": 1.0, "bandwidth": 1.0}
-    )
+    achievable: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "bandwidth": 1.0})
 
     def peak(self, dtype: str, threads: int | None = None) -> float:
         """Achievable FLOP/s for `dtype` (falls back to fp32), for `threads` CPU threads."""
         flops = self.flops.get(dtype) or self.flops["fp32"]
-        share = 1.0 if self.kind != "cpu" or threads is None else min(threads, self.cores) / self.cores
+        share = (
+            1.0 if self.kind != "cpu" or threads is None else min(threads, self.cores) / self.cores
+        )
         return flops * share * self.achievable.get("compute", 1.0)
 
     def bandwidth(self, resident_bytes: float = float("inf")) -> float:

@@ -143,9 +143,7 @@ def diagnose(
 ) -> Diagnosis:
     """One operating point. `concurrency` sequences of `context` tokens must fit beside the
     weights (a decoder's KV cache; default: the batch)."""
-    compute_s, memory_s, allreduce_s, overhead_s = run_time(
-        m, profile, batch, context, tp, threads
-    )
+    compute_s, memory_s, allreduce_s, overhead_s = run_time(m, profile, batch, context, tp, threads)
     dtype = m.compute_dtype(profile.kind)
     flops, moved = m.run(batch, context)
     sequences = (concurrency or batch) if m.kind == DECODER else 0

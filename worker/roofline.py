@@ -40,8 +40,8 @@ def _kind_cost(a: ModelAnalysis, kind: str, w: Work) -> Cost:
         terms = [(w.runs, c0), (w.rows, _minus(c1, c0)), (w.row_context, _minus(c2, c1))]
     elif kind == "prefill":
         p0, p1, p2 = a.prefill(0), a.prefill(1), a.prefill(2)
-        square = tuple((p2[i] - 2 * p1[i] + p0[i]) / 2 for i in range(2))
-        per_token = tuple(p1[i] - p0[i] - square[i] for i in range(2))
+        square = ((p2[0] - 2 * p1[0] + p0[0]) / 2, (p2[1] - 2 * p1[1] + p0[1]) / 2)
+        per_token = (p1[0] - p0[0] - square[0], p1[1] - p0[1] - square[1])
         terms = [(w.runs, p0), (w.tokens, per_token), (w.tokens_sq, square)]
     else:
         e0, e1 = a.encoder_call(0), a.encoder_call(1)

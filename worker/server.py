@@ -12,8 +12,8 @@ from worker.codec import Limits
 from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration
 from worker.repository import Repository
-from worker.runtime import RuntimeOptions
 from worker.roofline import Roofs
+from worker.runtime import RuntimeOptions
 from worker.servicer import WorkerServicer, handler
 from worker.settings import WorkerSettings
 from worker.tp_serve import GroupFailed, TpRepository

@@ -21,7 +21,8 @@ from worker.config import ModelSpec
 from worker.llm.engine import Output
 from worker.llm.serving import LLMServing
 from worker.repository import LoadedModel, Repository
-from worker.roofline import PREFIX as ROOFLINE, Roofs
+from worker.roofline import PREFIX as ROOFLINE
+from worker.roofline import Roofs
 from worker.stats import Duration
 
 log = structlog.get_logger()
