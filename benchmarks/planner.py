@@ -78,22 +78,28 @@ CONFIGS = [
 ]
 
 
-def artifact(model: str, recipe: str) -> Path:
-    """The recipe's ONNX file in the shared cache, built there when missing."""
+def artifact(model: str, recipe: str, cache: Path) -> Path:
+    """The recipe's ONNX file in the quantize cache; built there (and gated) when missing."""
+    found = pipeline.artifact_for(cache, model, recipe)
+    if found.exists():
+        return found.model
     if model == "smollm2":
-        llm.build(Path(tempfile.mkdtemp()), recipe, CACHE)
+        llm.build(Path(tempfile.mkdtemp()), recipe, cache)
     elif recipe == pipeline.FP32:
-        pipeline.export_model(model, CACHE)
+        pipeline.export_model(model, cache)
     else:
-        pipeline.quantize_model(model, recipe, CACHE)
-    return pipeline.artifact_for(CACHE, model, recipe).model
+        pipeline.quantize_model(model, recipe, cache)
+    return found.model
 
 
-def repository(root: Path, c: Config) -> Path:
+def repository(root: Path, c: Config, cache: Path) -> Path:
     folder = root / c.label.replace(" ", "_") / c.model
     (folder / "1").mkdir(parents=True)
-    src = artifact(c.model, c.recipe)
-    (folder / "1" / "model.onnx").hardlink_to(src)
+    src = artifact(c.model, c.recipe, cache)
+    try:  # a hard link when on the same disk: no second copy
+        (folder / "1" / "model.onnx").hardlink_to(src)
+    except OSError:
+        shutil.copy(src, folder / "1" / "model.onnx")
     if c.model == "smollm2":
         shutil.copy(src.parent / "tokenizer.json", folder / "tokenizer.json")
         text = llm.config_text(c.model, c.recipe, 2048)
@@ -243,10 +249,14 @@ def explain(c: Config, pred: dict, meas: dict, a: ModelAnalysis, profile: Profil
     return why
 
 
-def run_config(c: Config, tmp: Path, profile: Profile, seconds: float) -> dict:
-    repo = repository(tmp, c)
+def run_config(
+    c: Config, tmp: Path, profile: Profile, seconds: float, cache: Path, seen: dict
+) -> dict:
+    """Predict, run, compare one configuration; `seen` collects the analyses for the plots."""
+    repo = repository(tmp, c, cache)
     path = repo / c.model / "1" / "model.onnx"
-    a = analyse_file(path, c.model, "1")
+    key = f"{c.model} {c.recipe}"
+    a = seen[key] = seen.get(key) or analyse_file(path, c.model, "1")
     mesh = LocalMesh(tmp / "logs" / c.label.replace(" ", "_"), worker_args=WORKER_ARGS)
     mesh.start_redis()
     try:
@@ -314,21 +324,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--skip-llm", action="store_true")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="the quantize cache")
     args = parser.parse_args()
     configs = [c for c in CONFIGS if not (args.skip_llm and c.model == "smollm2")]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for c in configs:  # build what is missing before anything is measured
-            artifact(c.model, c.recipe)
+            artifact(c.model, c.recipe, args.cache)
         profile = probe.probe(2.0)
         overhead = probe.mesh_overhead(tmp / "probe", 3.0)
         profile = Profile(**{**profile.as_dict(), **overhead})
         profiles.save(profile, RESULTS.parent.parent / profiles.DEFAULT_PROBED)
-        rows = [run_config(c, tmp, profile, args.seconds) for c in configs]
-        analyses = {
-            f"{c.model} {c.recipe}": analyse_file(artifact(c.model, c.recipe), c.model, "1")
-            for c in configs
-        }
+        analyses: dict[str, ModelAnalysis] = {}
+        rows = [
+            run_config(c, tmp, profile, args.seconds, args.cache, analyses) for c in configs
+        ]
     errs_t = [abs(r["throughput_error"]) for r in rows]
     errs_p = [abs(r["p99_error"]) for r in rows]
     summary = {

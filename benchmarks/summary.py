@@ -468,6 +468,51 @@ def llm_genai_perf_section(r: dict) -> str:
     )
 
 
+def planner_section(r: dict) -> str:
+    rows = [
+        [
+            c["config"],
+            round(c["predicted"]["capacity_rps"], 1),
+            c["measured"]["throughput_rps"],
+            f"{c['throughput_error']:+.0%}",
+            c["measured"]["offered_rps"],
+            round(c["predicted"]["p99_ms"], 1),
+            c["measured"]["p99_ms"],
+            f"{c['p99_error']:+.0%}",
+            c["diagnosis"]["bound"],
+        ]
+        for c in r["configurations"]
+    ]
+    s = r["summary"]
+    verdict = ", ".join(
+        f"{k} median |error| {s[f'median_abs_{k}_error']:.0%} against {s['targets'][k]:.0%}: "
+        + ("met" if s["met"][k] else "missed")
+        for k in ("throughput", "p99")
+    )
+    misses = [
+        f"- **{c['config']}**: " + "; ".join(c["explanation"])
+        for c in r["configurations"]
+        if c["explanation"]
+    ]
+    return "\n\n".join(
+        [
+            "## Planner: predicted against measured (issue 14)",
+            f"`python -m benchmarks.planner` — {r['machine_note']}. Profile: "
+            f"{r['profile']['source']}; mesh {r['profile']['mesh_latency_s'] * 1e3:.1f} ms "
+            f"and {r['profile']['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call. Throughput: a closed "
+            "loop that keeps every batch full; p99: open loop at half the measured throughput.",
+            table(
+                ["configuration", "pred req/s", "meas req/s", "err", "offered /s",
+                 "pred p99 ms", "meas p99 ms", "err", "bound"],
+                rows,
+            ),
+            verdict + ".",
+            "Misses and why:\n\n" + "\n".join(misses) if misses else "No misses.",
+            "![roofline](results/planner_roofline.png)",
+        ]
+    )
+
+
 def _rss(rss: dict) -> str:
     if "peak" in rss:
         return f"{rss['start']} -> peak {rss['peak']}"
@@ -486,6 +531,7 @@ SECTIONS = {
     "llm": llm_section,
     "llm_int4": llm_int4_section,
     "llm_genai_perf": llm_genai_perf_section,
+    "planner": planner_section,
 }
 
 

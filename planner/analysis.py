@@ -78,6 +78,11 @@ class ModelAnalysis:
     max_batch_size: int = 0
     default_tokens: int = 1  # an item's tokens when none is given (an encoder: 16, TEXT's unit)
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes every run reads whatever its batch: the working set a cache may hold."""
+        return self.projection_bytes + self.other_bytes
+
     def compute_dtype(self, kind: str) -> str:
         return self.compute_dtype_gpu if kind == "gpu" else self.compute_dtype_cpu
 

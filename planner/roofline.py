@@ -110,10 +110,9 @@ def run_time(
     """(compute_s, memory_s, allreduce_s, overhead_s) of one run."""
     flops, moved = m.run(batch, context, tokens)
     dtype = m.compute_dtype(profile.kind)
-    resident = resident_bytes(m, tp, batch if m.kind == DECODER else 0, context)
     compute_s = flops / tp / profile.peak(dtype, threads)
     weight_share = m.projection_bytes - m.projection_bytes / tp
-    memory_s = (moved - weight_share) / profile.bandwidth(resident)
+    memory_s = (moved - weight_share) / profile.bandwidth(moved - weight_share)
     allreduce_s = 0.0
     if tp > 1:
         rows = batch * (1 if m.kind == DECODER else (tokens or m.default_tokens))
@@ -149,7 +148,7 @@ def diagnose(
     sequences = (concurrency or batch) if m.kind == DECODER else 0
     resident = resident_bytes(m, tp, sequences, context)
     fits = resident <= profile.memory_bytes
-    ridge = profile.peak(dtype, threads) / profile.bandwidth(resident)
+    ridge = profile.peak(dtype, threads) / profile.bandwidth(moved)
     if not fits:
         bound = "capacity"
     elif overhead_s > max(compute_s, memory_s):

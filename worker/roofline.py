@@ -113,6 +113,6 @@ class Roofs:
         if self.profile is not None:
             peak = self.profile.peak(a.compute_dtype(self.profile.kind), self.threads)
             out["compute_roof_fraction"] = out["achieved_flops_per_s"] / peak
-            bandwidth = self.profile.bandwidth(a.weight_bytes)
+            bandwidth = self.profile.bandwidth(a.streamed_bytes)
             out["bandwidth_roof_fraction"] = out["achieved_bytes_per_s"] / bandwidth
         return out
