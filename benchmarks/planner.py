@@ -336,9 +336,7 @@ def main() -> None:
         profile = Profile(**{**profile.as_dict(), **overhead})
         profiles.save(profile, RESULTS.parent.parent / profiles.DEFAULT_PROBED)
         analyses: dict[str, ModelAnalysis] = {}
-        rows = [
-            run_config(c, tmp, profile, args.seconds, args.cache, analyses) for c in configs
-        ]
+        rows = [run_config(c, tmp, profile, args.seconds, args.cache, analyses) for c in configs]
     errs_t = [abs(r["throughput_error"]) for r in rows]
     errs_p = [abs(r["p99_error"]) for r in rows]
     summary = {

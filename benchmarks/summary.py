@@ -502,8 +502,17 @@ def planner_section(r: dict) -> str:
             f"and {r['profile']['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call. Throughput: a closed "
             "loop that keeps every batch full; p99: open loop at half the measured throughput.",
             table(
-                ["configuration", "pred req/s", "meas req/s", "err", "offered /s",
-                 "pred p99 ms", "meas p99 ms", "err", "bound"],
+                [
+                    "configuration",
+                    "pred req/s",
+                    "meas req/s",
+                    "err",
+                    "offered /s",
+                    "pred p99 ms",
+                    "meas p99 ms",
+                    "err",
+                    "bound",
+                ],
                 rows,
             ),
             verdict + ".",

@@ -104,10 +104,17 @@ def _print_plan(p: Plan) -> None:
         print(f"  {e['statement']}")
     for c in p.runners_up:
         r = c.row()
-        verdict = "also meets it, costs more" if c.meets else c.why
+        verdict = c.why
+        if c.meets and p.best is not None:
+            extra = c.cost_per_hour_usd - p.best.cost_per_hour_usd
+            verdict = (
+                f"meets it too, ${extra:.2f}/hour more"
+                if extra > 0
+                else "meets it too at the same cost, with a higher p99 or a larger batch"
+            )
         print(
             f"  {r['replicas']} x TP {r['tp']} x {r['recipe']} x batch {r['max_batch']}: "
-            f"${r['cost_per_hour_usd']}/h, p99 {r['p99_ms']} ms: {verdict}"
+            f"${r['cost_per_hour_usd']}/h, p99 {r['p99_ms'] or '-'} ms: {verdict}"
         )
 
 

@@ -292,10 +292,14 @@ def _guess_recipe(model: onnx.ModelProto) -> str:
 
 
 def read_config(model_dir: Path) -> mc.ModelConfig:
-    config = mc.ModelConfig(name=model_dir.name)
+    config = mc.ModelConfig()
     path = model_dir / "config.pbtxt"
     if path.exists():
-        text_format.Parse(path.read_text(), config)
+        try:
+            text_format.Parse(path.read_text(), config)
+        except text_format.ParseError as e:
+            raise AnalysisError(f"{path}: not a ModelConfig in text format ({e})") from e
+    config.name = config.name or model_dir.name
     return config
 
 

@@ -51,13 +51,11 @@ def model_versions(repository: Path, model: str) -> list[ModelAnalysis]:
 
 
 def with_recipes(versions: list[ModelAnalysis]) -> list[ModelAnalysis]:
-    """The versions the repository holds (measured bytes), plus every other recipe for the
-    model's kind predicted from the fp32 version's parameters."""
+    """The versions the repository holds (measured bytes), plus every other gated recipe for
+    the model's kind, predicted from the parameter count (of the fp32 version if any)."""
     out = list(versions)
     have = {v.recipe for v in versions}
-    base = next((v for v in versions if v.recipe == "fp32"), None)
-    if base is None:
-        return out
+    base = next((v for v in versions if v.recipe == "fp32"), versions[0])
     for recipe in GATED[base.kind == DECODER]:
         if recipe not in have:
             out.append(base.as_recipe(recipe))

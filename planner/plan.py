@@ -23,7 +23,7 @@ from planner.profiles import Profile
 from planner.queueing import Prediction, predict
 from planner.roofline import resident_bytes, run_time
 
-TP_SIZES = (1, 2, 4, 8)
+TP_SIZES = (1, 2, 3, 4, 8)  # those that divide the model's KV heads
 MAX_REPLICAS = 64
 
 
@@ -177,7 +177,7 @@ def _why(c: Candidate, profile: Profile, w: Workload) -> str:
             f"{profile.memory_bytes / 1e9:.0f} GB (capacity-bound)"
         )
     if p.utilisation >= 1:
-        return f"too slow: capacity {p.capacity_rps:,.0f}/s < {w.qps:g}/s (limit: {p.limit})"
+        return f"too slow: capacity {p.capacity_rps:,.1f}/s <= {w.qps:g}/s (limit: {p.limit})"
     if p.p99_s > w.p99_s:
         return f"misses the SLO: p99 {p.p99_s * 1e3:.1f} ms > {w.p99_s * 1e3:g} ms"
     return ""
@@ -233,6 +233,10 @@ def break_even(best: Candidate, prices: Prices, w: Workload, now: dt.datetime) -
         "break_even_date": e.projected_break_even,
         "statement": e.statement,
     }
+    if e.break_even_calls is not None and e.break_even_calls <= calls:
+        out["statement"] = (
+            f"break-even after {e.break_even_calls:,} calls: within the first day at this rate"
+        )
     if w.max_tokens:
         out["cost_per_1k_output_tokens_usd"] = (
             best.cost_per_hour_usd / (w.qps * 3600 * w.max_tokens) * 1000
