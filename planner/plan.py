@@ -83,8 +83,8 @@ class Plan:
     economics: dict = field(default_factory=dict)
     queueing: str = (
         "M/D/c with batching: Poisson arrivals, c replicas, deterministic batch time S(b) "
-        "from the Roofline; b settles at lam/c x S(b); p99 = S(b) + the run in progress + "
-        "M/D/c's queue tail (Allen-Cunneen on Erlang C)"
+        "from the Roofline; b settles at lam/c x S(b); p99 = S(b) + the larger of the run in "
+        "progress and M/D/c's queue tail (Allen-Cunneen on Erlang C)"
     )
 
 

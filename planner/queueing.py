@@ -7,11 +7,12 @@ batch settles where the calls that arrive during one run fill the next:
 b = lam / c x S(b) (solved by fixed point, clipped to 1..max_batch). A replica then serves
 mu = b / S(b) calls/s; the mesh saturates at c x max_batch / S(max_batch).
 
-Latency of a call = the run it rides in, S(b), plus the wait for the run in progress when
-it arrived (at the 99th percentile, a whole S(b) once the replica is busy more than 1% of
-the time), plus the queue beyond that: M/D/c's wait, by the Allen-Cunneen approximation
-W(M/D/c) ~ W(M/M/c) x (1 + 0) / 2, whose tail is Erlang C's exponential,
-P(W > t) = C(c, a) exp(-(c mu - lam) t). And the mesh's own latency (router, gRPC).
+Latency of a call = the run it rides in, S(b), plus its wait: the run in progress when it
+arrived (busy with probability u, uniform over 0..S(b): its 99th percentile is
+S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue
+by the Allen-Cunneen approximation W(M/D/c) ~ W(M/M/c) x (1 + 0) / 2, whose tail is Erlang
+C's exponential, P(W > t) = C(c, a) exp(-(c mu - lam) t); the larger of the two. And the
+mesh's own latency (router, gRPC).
 
 When the replicas share one host's cores (this machine in the benchmark), every call also
 costs host CPU: the mesh's CPU per call plus the batch's compute threads x S(b) / b; the
@@ -95,7 +96,9 @@ def predict(
     gap = replicas * mu - offered_rps
     q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
     q50 = 0.5 * math.log(c_wait / 0.5) / gap if c_wait > 0.5 else 0.0
-    residual99 = s if util > 0.01 else 0.0
-    p99 = mesh_latency_s + s + residual99 + q99
+    # A call that finds its replica busy (probability util) waits out the run in progress,
+    # uniform over 0..s, and rides the next batch; beyond that only the M/D/c queue tail.
+    residual99 = s * max(0.0, 1 - 0.01 / util) if util > 0 else 0.0
+    p99 = mesh_latency_s + s + max(residual99, q99)
     p50 = mesh_latency_s + s + s * util / 2 + q50
     return Prediction(capacity, offered_rps, b, util, p50, p99, limit)
