@@ -39,7 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model-repository", type=Path, default=ROOT / "build" / "models")
     parser.add_argument("--policy", default="p2c")
     parser.add_argument("--providers", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus: the router on this port, worker i on the ports after it (0: off)",
+    )
     parser.add_argument("--ledger-db", help="default: sqlite:///build/ledger.db")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "build" / "logs")
     parser.add_argument(
@@ -105,8 +110,11 @@ class Launcher:
         if not args.redis_url:
             self.mesh.start_redis()
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]
-        for port in ports:
-            self.mesh.add_worker(args.model_repository, port=port)
+        for i, port in enumerate(ports):
+            metrics = (
+                ["--metrics-port", str(args.metrics_port + 1 + i)] if args.metrics_port else []
+            )
+            self.mesh.add_worker(args.model_repository, *metrics, port=port)
         for spec in args.tp_group:
             self.mesh.add_worker(*tp_group(spec, args.tp_repository))
         extra = ["--policy", args.policy]

@@ -274,6 +274,7 @@ class Dispatcher:
             replica.calls.add(call)
             try:
                 reply: bytes = await call
+                replica.heard_at = time.monotonic()
                 return reply
             except asyncio.CancelledError:
                 task = asyncio.current_task()

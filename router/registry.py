@@ -52,6 +52,7 @@ class Replica:
     calls: set = field(default_factory=set)  # grpc.aio calls in flight to it
     abandoned: set = field(default_factory=set)  # of those, the ones the registry cancelled
     probed_at: float = 0.0  # last health probe of a replica that looked stalled
+    heard_at: float = 0.0  # last response from it on a call (monotonic)
 
     def __post_init__(self) -> None:
         # Bytes in, bytes out: the request is forwarded as it came.
@@ -287,17 +288,38 @@ class Registry:
                 task.add_done_callback(self._checks.discard)
 
     async def _probe(self, replica: Replica) -> None:
+        began = time.monotonic()
         try:
             stub = health_pb2_grpc.HealthStub(replica.channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.stall_s)
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if not healthy:
+                healthy = await self._busy_not_stalled(replica, began)
         except grpc.aio.AioRpcError:
-            healthy = False
+            healthy = await self._busy_not_stalled(replica, began)
         finally:
             replica.checking = False
         if not healthy and not replica.dropped:
             self.eject(replica, "stalled: no depth sample and no health answer")
             self._abandon(replica)
+
+    async def _busy_not_stalled(self, replica: Replica, began: float) -> bool:
+        """A probe that timed out may only mean a busy loop here or there (a burst of a
+        thousand streams): the replica is alive if it answered a call since the probe began
+        or has published a depth sample within the stall window, read from Redis now."""
+        if replica.heard_at >= began:
+            return True
+        try:
+            raw = await self.redis.get(mesh_state.depth_key(replica.id))
+        except (RedisError, OSError):
+            return False
+        if raw is None:
+            return False
+        try:
+            sample = DepthSample.decode(raw)
+        except ValueError:
+            return False
+        return now_ms() - sample.at_ms <= self.stall_s * 1000
 
     async def _health_check(self, replica: Replica) -> None:
         """Re-admit an ejected replica once its gRPC health check says SERVING."""

@@ -319,6 +319,7 @@ class StreamForwarder:
             await stream.write(raw)
             await stream.done_writing()
             while (response := await stream.read()) is not grpc.aio.EOF:
+                replica.heard_at = time.monotonic()
                 assert isinstance(response, bytes)
                 piece = billing.stream_piece(response)
                 call.observe(piece)

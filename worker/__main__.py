@@ -46,6 +46,8 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument(
         "--roofline-profile", help="H200, H100, A100, L4 or a profile file (planner probe)"
     )
+    parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint; 0 = off")
+    parser.add_argument("--metrics-host", help="default 127.0.0.1")
     parser.add_argument("--log-level")
     args = parser.parse_args(argv)
     return WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})

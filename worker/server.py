@@ -8,6 +8,7 @@ import structlog
 
 from common import rpc
 from common.mesh_state import ModelEntry, WorkerInfo, now_ms
+from worker import metrics
 from worker.codec import Limits
 from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration
@@ -51,11 +52,17 @@ async def serve(settings: WorkerSettings) -> None:
     port = server.add_insecure_port(address)
     await server.start()
 
+    metrics_address = None
+    if settings.metrics_port:
+        bound = metrics.serve(repository, settings.metrics_port, settings.metrics_host)
+        metrics_address = f"{settings.metrics_host}:{bound}"
+
     servicer.ready = True
     await rpc.set_serving(health)
     log.info(
         "worker_ready",
         address=f"{settings.host}:{port}",
+        metrics=metrics_address,
         models={m.spec.name: m.spec.version for m in repository.all()},
         providers=sorted(repository.providers),
     )

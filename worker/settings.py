@@ -47,5 +47,7 @@ class WorkerSettings(BaseSettings):
     # The roof ModelStatistics measures each model against (planner/profiles.py: H200,
     # H100, A100, L4 or a profile file); default: build/planner/profile.json when probed.
     roofline_profile: str | None = None
+    metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    metrics_host: str = "127.0.0.1"
     log_level: str = "info"
     log_json: bool | None = None  # default: JSON when stderr is not a terminal

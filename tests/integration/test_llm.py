@@ -7,13 +7,16 @@ import json
 import queue
 import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.net import free_port
 from deploy.processes import ROOT
 from quantize import llm
 from tests.integration.mesh import Mesh
@@ -29,6 +32,9 @@ def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def served(
     llm_repository: Path, tmp_path_factory: pytest.TempPathFactory
@@ -36,7 +42,7 @@ def served(
     mesh = Mesh(tmp_path_factory.mktemp("llm-logs"))
     mesh.start_redis()
     try:
-        address = mesh.add_worker(llm_repository)
+        address = mesh.add_worker(llm_repository, "--metrics-port", str(METRICS_PORT))
         yield address, mesh
     finally:
         mesh.stop(kill=True)
@@ -212,3 +218,47 @@ def test_cancelled_stream_frees_its_kv_cache(served) -> None:  # type: ignore[no
         time.sleep(0.05)
     assert kv() == (0, total)
     client.close()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the worker's Prometheus endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_worker_metrics_count_tokens_time_and_kv(served) -> None:  # type: ignore[no-untyped-def]
+    address, _ = served
+    key = (("model", MODEL), ("version", "1"))
+    before = scrape(METRICS_PORT)
+    stream = Stream(address)
+    try:
+        pieces = stream.ask("The capital of France is", {**GREEDY, "max_tokens": 10})
+    finally:
+        stream.close()
+    assert pieces[-1][1] is None
+    after = scrape(METRICS_PORT)
+
+    def delta(name: str, *labels: tuple[str, str]) -> float:
+        k = (name, tuple(sorted(labels)))
+        return after[k] - before.get(k, 0.0)
+
+    assert delta("meshserve_worker_tokens_total", *key, ("kind", "out")) == 10
+    assert delta("meshserve_worker_tokens_total", *key, ("kind", "in")) == 5
+    assert delta("meshserve_worker_time_to_first_token_seconds_count", ("model", MODEL)) == 1
+    # one observation per later piece: 9 tokens after the first, one or more per piece
+    assert 1 <= delta("meshserve_worker_inter_token_seconds_count", ("model", MODEL)) <= 9
+    assert after[("meshserve_worker_kv_cache_tokens", (*key, ("state", "total")))] > 0
+    assert after[("meshserve_worker_kv_cache_tokens", (*key, ("state", "used")))] == 0
+    assert after[("meshserve_worker_sequences", (*key, ("state", "running")))] == 0
+    loaded = [k for k in after if k[0] == "meshserve_worker_model_loaded"]
+    assert loaded == [
+        ("meshserve_worker_model_loaded", (*key, ("provider", "CPUExecutionProvider")))
+    ]
+    # labels name served models only
+    models = {dict(labels).get("model") for _, labels in after} - {None}
+    assert models == {MODEL}

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -13,8 +14,10 @@ import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from common.net import free_port
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -186,6 +189,39 @@ def test_statistics_count_success_and_failure(worker) -> None:  # type: ignore[n
     assert after.success.ns > before.success.ns
     everything = c.get_inference_statistics()
     assert {"mlp", "add_sub"} <= {s.name for s in everything.model_stats}
+
+
+def test_metrics_endpoint_agrees_with_statistics(worker_factory) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    w = worker_factory("--metrics-port", str(port))
+    c = client(w)
+    ok = np.ones((1, 16), np.int32)
+    for _ in range(3):
+        c.infer("add_sub", [infer_input("INPUT0", ok, "INT32"), infer_input("INPUT1", ok, "INT32")])
+    with pytest.raises(InferenceServerException):
+        c.infer("add_sub", [infer_input("INPUT0", ok, "INT32")])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    def value(family: str, **labels: str) -> float:
+        (v,) = [s.value for s in families[family].samples if labels.items() <= s.labels.items()]
+        return v
+
+    stats = c.get_inference_statistics("add_sub").model_stats[0]
+    key = {"model": "add_sub", "version": "1"}
+    assert value("meshserve_worker_requests", **key, outcome="success") == 3
+    assert value("meshserve_worker_requests", **key, outcome="fail") == 1
+    assert value("meshserve_worker_inferences", **key) == stats.inference_count == 3
+    assert value("meshserve_worker_phase_seconds", **key, phase="compute_infer") == pytest.approx(
+        stats.inference_stats.compute_infer.ns / 1e9
+    )
+    assert value("meshserve_worker_queue_depth", **key) == 0
+    assert value("meshserve_worker_queue_capacity", **key) > 0
+    served = {m.name for m in c.get_model_repository_index().models}
+    loaded = {s.labels["model"] for s in families["meshserve_worker_model_loaded"].samples}
+    assert loaded == served
+    providers = {s.labels["provider"] for s in families["meshserve_worker_model_loaded"].samples}
+    assert providers == {"CPUExecutionProvider"}
 
 
 def _status(call) -> tuple[str, str]:  # type: ignore[no-untyped-def]

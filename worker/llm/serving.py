@@ -19,6 +19,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument
+from worker import metrics
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.cache import CacheShape
@@ -93,6 +94,8 @@ class LLMServing:
         self.max_tokens_limit = int(
             spec.parameters.get(MAX_TOKENS_LIMIT, self.config.max_model_len - 1)
         )
+        self.prompt_tokens = 0  # of the requests admitted
+        self.completion_tokens = 0  # generated and handed out
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
         text = _text(inputs[TEXT_INPUT])
@@ -111,7 +114,10 @@ class LLMServing:
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         seq = self.engine.add(request.prompt, request.params)
+        self.prompt_tokens += len(request.prompt)
+        clock = metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
+            self.completion_tokens += clock.observe(out.completion_tokens)
             yield out
 
     async def complete(self, request: LLMRequest) -> Output:

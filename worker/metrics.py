@@ -1,0 +1,166 @@
+"""Prometheus metrics of the worker (served on --metrics-port, 127.0.0.1 by default).
+
+Most series are read at scrape time from what the worker counts anyway (Triton's statistics,
+the batchers' queues, the LLM engines and their KV caches), so serving pays nothing for them.
+Time to first token and inter-token latency are histograms observed as an LLM's pieces leave
+the engine. Every label is a served model (and its version), so the series are bounded by the
+repository.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from worker.repository import Repository
+
+# One registry per process, not prometheus_client's global one: a worker exposes its own
+# series only (no process_/python_ collectors from imported libraries' defaults).
+REGISTRY = CollectorRegistry()
+
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TTFT = Histogram(
+    "meshserve_worker_time_to_first_token_seconds",
+    "From a request's admission to the engine to its first generated token",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+INTER_TOKEN = Histogram(
+    "meshserve_worker_inter_token_seconds",
+    "Between a stream's pieces, per token they carry",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+
+PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class TokenClock:
+    """One generation's timing: feed it each output's running completion-token count."""
+
+    model: str
+    started: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+    tokens: int = 0
+
+    def observe(self, completion_tokens: int) -> int:
+        """The tokens new since the last call."""
+        new = completion_tokens - self.tokens
+        if new <= 0:
+            return 0
+        now = time.perf_counter()
+        if self.last is None:
+            TTFT.labels(self.model).observe(now - self.started)
+        else:
+            INTER_TOKEN.labels(self.model).observe((now - self.last) / new)
+        self.last, self.tokens = now, completion_tokens
+        return new
+
+
+class RepositoryCollector(Collector):
+    """Reads the repository at each scrape."""
+
+    def __init__(self, repository: Repository) -> None:
+        self.repository = repository
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        loaded = GaugeMetricFamily(
+            "meshserve_worker_model_loaded",
+            "1 for each model version loaded and serving, with the execution provider",
+            labels=[*labels, "provider"],
+        )
+        depth = GaugeMetricFamily(
+            "meshserve_worker_queue_depth",
+            "Requests waiting or running (an LLM engine: its sequences)",
+            labels=labels,
+        )
+        capacity = GaugeMetricFamily(
+            "meshserve_worker_queue_capacity",
+            "Requests the model accepts before answering RESOURCE_EXHAUSTED",
+            labels=labels,
+        )
+        requests = CounterMetricFamily(
+            "meshserve_worker_requests",
+            "Requests finished, by outcome",
+            labels=[*labels, "outcome"],
+        )
+        request_seconds = CounterMetricFamily(
+            "meshserve_worker_request_seconds",
+            "End-to-end time of finished requests in the worker, by outcome",
+            labels=[*labels, "outcome"],
+        )
+        phase_seconds = CounterMetricFamily(
+            "meshserve_worker_phase_seconds",
+            "Time requests spent queued and computing (Triton's statistics durations)",
+            labels=[*labels, "phase"],
+        )
+        inferences = CounterMetricFamily(
+            "meshserve_worker_inferences",
+            "Batch rows served (Triton's inference_count)",
+            labels=labels,
+        )
+        executions = CounterMetricFamily(
+            "meshserve_worker_executions",
+            "Model runs by the number of rows they served",
+            labels=[*labels, "batch_size"],
+        )
+        kv = GaugeMetricFamily(
+            "meshserve_worker_kv_cache_tokens",
+            "KV cache tokens: state=used (held by running sequences) or total (the budget)",
+            labels=[*labels, "state"],
+        )
+        sequences = GaugeMetricFamily(
+            "meshserve_worker_sequences",
+            "LLM sequences: state=running (hold a KV slot) or waiting (for KV room)",
+            labels=[*labels, "state"],
+        )
+        tokens = CounterMetricFamily(
+            "meshserve_worker_tokens",
+            "LLM tokens: kind=in (prompts admitted) or out (generated and sent)",
+            labels=[*labels, "kind"],
+        )
+        provider = ",".join(sorted(self.repository.providers))
+        for model in self.repository.all():
+            key = [model.spec.name, model.spec.version]
+            stats = model.stats
+            loaded.add_metric([*key, provider], 1)
+            depth.add_metric(key, model.depth)
+            capacity.add_metric(key, model.max_queue_size)
+            for outcome, d in (("success", stats.success), ("fail", stats.fail)):
+                requests.add_metric([*key, outcome], d.count)
+                request_seconds.add_metric([*key, outcome], d.ns / 1e9)
+            for phase in PHASES:
+                phase_seconds.add_metric([*key, phase], getattr(stats, phase).ns / 1e9)
+            inferences.add_metric(key, stats.inference_count)
+            for rows, b in sorted(stats.batches.items()):
+                executions.add_metric([*key, str(rows)], b.compute_infer.count)
+            if model.llm is None:
+                continue
+            used, total = model.kv_tokens
+            kv.add_metric([*key, "used"], used)
+            kv.add_metric([*key, "total"], total)
+            engine = model.llm.engine
+            sequences.add_metric([*key, "running"], len(engine.running))
+            sequences.add_metric([*key, "waiting"], len(engine.waiting))
+            tokens.add_metric([*key, "in"], model.llm.prompt_tokens)
+            tokens.add_metric([*key, "out"], model.llm.completion_tokens)
+        yield from (loaded, depth, capacity, requests, request_seconds, phase_seconds)
+        yield from (inferences, executions, kv, sequences, tokens)
+
+
+def serve(repository: Repository, port: int, host: str) -> int:
+    """Start the endpoint on a daemon thread; the port it bound (port 0: a free one)."""
+    REGISTRY.register(RepositoryCollector(repository))
+    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    return int(server.server_port)
