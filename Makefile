@@ -37,7 +37,7 @@ run: $(STUBS) $(MODELS)/mlp/config.pbtxt
 lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest
+	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest planner
 
 bench: $(STUBS)
 	$(BIN)/python -m benchmarks.worker
@@ -47,6 +47,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.quantize
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
+	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.summary
 
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).

@@ -468,6 +468,72 @@ def llm_genai_perf_section(r: dict) -> str:
     )
 
 
+def planner_section(r: dict) -> str:
+    def pct(x: float) -> str:
+        return f"{x:+.0%}"
+
+    rows = []
+    for c in r["configurations"]:
+        cal = c["calibrated"]
+        rows.append(
+            [
+                c["config"],
+                c["diagnosis"]["bound"],
+                c["measured"]["throughput_rps"],
+                f"{c['predicted']['capacity_rps']:.1f} ({pct(c['throughput_error'])})",
+                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])})"
+                + (" calibration" if cal["is_calibration"] else ""),
+                c["measured"]["offered_rps"],
+                c["measured"]["p99_ms"],
+                f"{c['predicted']['p99_ms']:.1f} ({pct(c['p99_error'])})",
+                f"{cal['p99_ms']:.1f} ({pct(cal['p99_error'])})",
+            ]
+        )
+    s = r["summary"]
+
+    def verdict(m: dict, label: str) -> str:
+        return f"{label}: " + ", ".join(
+            f"{k} median |error| {m[f'median_abs_{k}_error']:.0%} (target "
+            f"{s['targets'][k]:.0%}: {'met' if m['met'][k] else 'missed'})"
+            for k in ("throughput", "p99")
+        )
+
+    misses = [
+        f"- **{c['config']}**: " + "; ".join(c["explanation"])
+        for c in r["configurations"]
+        if c["explanation"]
+    ]
+    return "\n\n".join(
+        [
+            "## Planner: predicted against measured (issue 14)",
+            f"`python -m benchmarks.planner` — {r['machine_note']}. Profile: "
+            f"{r['profile']['source']}; mesh {r['profile']['mesh_latency_s'] * 1e3:.1f} ms "
+            f"and {r['profile']['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call. Throughput: a closed "
+            "loop that keeps every batch full; p99: open loop at half the measured throughput. "
+            "*Roofline*: predicted from the probe and the graph alone; *calibrated*: the "
+            "Roofline's run time scaled by the worker's own measured run time in the first "
+            "configuration of each model x recipe (that row is the calibration).",
+            table(
+                [
+                    "configuration",
+                    "bound",
+                    "req/s",
+                    "roofline",
+                    "calibrated",
+                    "offered /s",
+                    "p99 ms",
+                    "roofline",
+                    "calibrated",
+                ],
+                rows,
+            ),
+            verdict(s, "Roofline only") + "; " + verdict(s["calibrated"], "calibrated") + ".",
+            "Misses and why:\n\n" + "\n".join(misses) if misses else "No misses.",
+            "![roofline](results/planner_roofline.png)",
+        ]
+    )
+
+
 def _rss(rss: dict) -> str:
     if "peak" in rss:
         return f"{rss['start']} -> peak {rss['peak']}"
@@ -486,6 +552,7 @@ SECTIONS = {
     "llm": llm_section,
     "llm_int4": llm_int4_section,
     "llm_genai_perf": llm_genai_perf_section,
+    "planner": planner_section,
 }
 
 

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from common import logging
+from planner.profiles import ProfileError
 from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
 from worker.server import GroupFailed, serve
@@ -43,6 +44,9 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--tp-rank", type=int, help="run rank R (> 0) of a group across hosts")
     parser.add_argument("--tp-timeout-seconds", type=float)
     parser.add_argument("--memory-budget-bytes", type=int, help="weight bytes per rank")
+    parser.add_argument(
+        "--roofline-profile", help="H200, H100, A100, L4 or a profile file (planner probe)"
+    )
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint; 0 = off")
     parser.add_argument("--metrics-host", help="default 127.0.0.1")
     parser.add_argument("--log-level")
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(serve(settings))
-    except (ConfigError, GpuRequired, ModelLoadError) as e:
+    except (ConfigError, GpuRequired, ModelLoadError, ProfileError) as e:
         print(f"meshserve worker: {e}", file=sys.stderr)
         return 2
     except GroupFailed as e:

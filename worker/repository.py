@@ -92,7 +92,7 @@ def serve_llm(
     llm = LLMServing(spec, model, model_dir)
     stats = ModelStats()
     llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
-        rows, rows, 0, ns, 0
+        rows, rows, 0, ns, 0, kind, tokens, llm.engine.cached_tokens() if kind == "decode" else 0
     )
     llm.engine.start()
     log.info(

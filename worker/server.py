@@ -18,6 +18,7 @@ from worker.codec import Limits
 from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CALL, TRAINING_COST
 from worker.registration import Registration
 from worker.repository import Repository
+from worker.roofline import Roofs
 from worker.runtime import RuntimeOptions
 from worker.scaling import ModelLoad, model_loads
 from worker.servicer import WorkerServicer, handler
@@ -59,7 +60,8 @@ async def serve(settings: WorkerSettings) -> None:
     limits = Limits(
         max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
     )
-    servicer = WorkerServicer(repository, limits)
+    roofs = Roofs.from_setting(settings.roofline_profile, settings.intra_op_threads)
+    servicer = WorkerServicer(repository, limits, roofs)
     server.add_generic_rpc_handlers([handler(servicer)])
     address = f"{settings.host}:{settings.port}"
     port = server.add_insecure_port(address)

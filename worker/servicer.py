@@ -21,6 +21,8 @@ from worker.config import ModelSpec
 from worker.llm.engine import Output
 from worker.llm.serving import LLMServing
 from worker.repository import LoadedModel, Repository
+from worker.roofline import PREFIX as ROOFLINE
+from worker.roofline import Roofs
 from worker.stats import Duration
 
 log = structlog.get_logger()
@@ -31,9 +33,15 @@ EXTENSIONS = ["model_configuration", "schedule_policy", "statistics"]
 
 
 class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: Repository, limits: codec.Limits | None = None) -> None:
+    def __init__(
+        self,
+        repository: Repository,
+        limits: codec.Limits | None = None,
+        roofs: Roofs | None = None,
+    ) -> None:
         self.repository = repository
         self.limits = limits or codec.Limits()
+        self.roofs = roofs or Roofs()
         self.ready = False  # set once every model is loaded and warm; cleared on drain
 
     @grpc_errors
@@ -189,7 +197,17 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
                 models = list(self.repository.models[request.name].values())
         else:
             models = self.repository.all()
-        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in models])
+        # The first call reads each model's ONNX graph for its analysis: off the event loop.
+        figures = await asyncio.to_thread(lambda: [self.roofline(m) for m in models])
+        return pb.ModelStatisticsResponse(
+            model_stats=[_statistics(m, f) for m, f in zip(models, figures, strict=True)]
+        )
+
+    def roofline(self, model: LoadedModel) -> dict[str, float]:
+        """Achieved FLOP/s and bytes/s of `model` and their fractions of the roof
+        (worker/roofline.py); what a metrics endpoint reports."""
+        spec = model.spec
+        return self.roofs.figures(model.session.path, spec.name, spec.version, model.stats)
 
     @grpc_errors
     async def RepositoryIndex(self, request, context):  # type: ignore[no-untyped-def]
@@ -233,7 +251,19 @@ def _duration(d: Duration) -> pb.StatisticDuration:
     return pb.StatisticDuration(count=d.count, ns=d.ns)
 
 
-def _statistics(model: LoadedModel) -> pb.ModelStatistics:
+def _roofline_usage(figures: dict[str, float]) -> list[pb.MemoryUsage]:
+    """Triton's ModelStatistics has no parameters map, so the roofline figures travel as
+    MemoryUsage entries, integers: `meshserve.roofline.<figure>` with the value in
+    byte_size (fractions in parts per million: `..._ppm`)."""
+    out = []
+    for key, value in sorted(figures.items()):
+        if key.endswith("_fraction"):
+            key, value = f"{key}_ppm", value * 1e6
+        out.append(pb.MemoryUsage(type=ROOFLINE + key, byte_size=max(0, round(value))))
+    return out
+
+
+def _statistics(model: LoadedModel, figures: dict[str, float]) -> pb.ModelStatistics:
     s = model.stats
     return pb.ModelStatistics(
         name=model.spec.name,
@@ -258,4 +288,5 @@ def _statistics(model: LoadedModel) -> pb.ModelStatistics:
             )
             for size, b in sorted(s.batches.items())
         ],
+        memory_usage=_roofline_usage(figures),
     )

@@ -50,6 +50,9 @@ class WorkerSettings(BaseSettings):
     tp_rank: int = 0  # > 0: run that rank of the group (no gRPC); needs tp_master_port
     tp_timeout_seconds: float = 10.0  # a collective slower than this fails the group
     memory_budget_bytes: int = 0  # weight bytes per rank; 0: no limit
+    # The roof ModelStatistics measures each model against (planner/profiles.py: H200,
+    # H100, A100, L4 or a profile file); default: build/planner/profile.json when probed.
+    roofline_profile: str | None = None
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"

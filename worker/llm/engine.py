@@ -304,6 +304,10 @@ class Engine:
             if not seq.cancelled:
                 self._accept(seq, logits[seq.slot - lo])
 
+    def cached_tokens(self) -> int:
+        """Tokens in the cache over the generating sequences (what a decode run reads)."""
+        return sum(s.computed for s in self.running if not s.prefilling)
+
     def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
         if self.on_execution is not None:
             self.on_execution(kind, rows, tokens, ns)

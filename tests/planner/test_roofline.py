@@ -1,0 +1,122 @@
+"""Profiles, the Roofline verdicts and the queueing model, against known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner import profiles
+from planner.analysis import DECODER, ENCODER, ModelAnalysis
+from planner.queueing import erlang_c, predict
+from planner.roofline import diagnose
+
+# Llama-3-8B's shape in bf16 (the issue's reference model): 8.03 B parameters, of which
+# 7.5 B in projections and 0.5 B in the embedding table; 32 layers, 8 KV heads of 128.
+LLAMA_8B = ModelAnalysis(
+    name="llama-8b",
+    version="1",
+    recipe="bf16",
+    kind=DECODER,
+    weight_bytes=16_060_000_000,
+    projection_params=7_500_000_000,
+    projection_bytes=15_000_000_000,
+    head_params=525_000_000,
+    table_row_bytes=8192,
+    other_bytes=0,
+    output_bytes_per_row=128_256 * 4,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    attention_width=4096,
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    compute_dtype_cpu="bf16",
+    compute_dtype_gpu="bf16",
+)
+
+
+def test_named_profiles_cite_datasheets_and_have_ridges() -> None:
+    for name in ("H200", "H100", "A100", "L4"):
+        p = profiles.load(name.lower())
+        assert "datasheet" in p.source
+        assert p.ridge("bf16") > p.ridge("fp32") > 1
+    h200 = profiles.load("H200")
+    assert h200.ridge("bf16") == pytest.approx(989.5e12 * 0.78 / (4.8e12 * 0.88))
+
+
+def test_profile_files_round_trip_and_errors_name_what_is_known(tmp_path: Path) -> None:
+    path = profiles.save(profiles.load("L4"), tmp_path / "mine.json")
+    assert profiles.load(str(path)) == profiles.load("L4")
+    with pytest.raises(profiles.ProfileError, match=r"unknown profile 'B300'.*'A100'"):
+        profiles.load("B300")
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x"}))
+    with pytest.raises(profiles.ProfileError, match="not a profile"):
+        profiles.load(str(tmp_path / "bad.json"))
+
+
+def test_llama_decode_matches_the_issues_h200_roofline() -> None:
+    """The issue's reference: roofline 3.8 ms at batch 1, 7.8 ms at batch 64 / context 2,048
+    (bytes over the 4.24 TB/s the H200 copies at; the CUDA-graph launch cost apart). The
+    issue counts the whole 16 GB; a decode step gathers one row of the 1 GB embedding
+    table, so ours is 3.55 ms: within 8%."""
+    h200 = replace(profiles.load("H200"), call_overhead_s=0.0)
+    one = diagnose(LLAMA_8B, h200, 1, 0)
+    assert one.bound == "bandwidth"
+    assert one.time_s * 1e3 == pytest.approx(15.0e9 / (4.8e12 * 0.88) * 1e3, rel=0.001)
+    assert one.time_s * 1e3 == pytest.approx(3.8, rel=0.08)
+    busy = diagnose(LLAMA_8B, h200, 64, 2048)
+    # At 2,048 tokens of context the KV bytes grow with the batch as fast as the FLOPs:
+    # no batch reaches the ridge, and the advice says so.
+    assert busy.bound == "bandwidth" and "no batch up to 4096" in busy.help
+    assert busy.time_s * 1e3 == pytest.approx(7.8, rel=0.05)
+
+
+def test_verdicts_capacity_compute_overhead() -> None:
+    h200 = profiles.load("H200")
+    # 64 sequences of 128k tokens: 2.1 TB of KV cannot fit 141 GB; TP 8 splits it, still no.
+    assert diagnose(LLAMA_8B, h200, 64, 131_072).bound == "capacity"
+    # A prompt-sized batch of rows: past the ridge.
+    prefill_like = diagnose(LLAMA_8B, h200, 2048, 0)
+    assert prefill_like.bound == "compute" and prefill_like.intensity > prefill_like.ridge
+    # A tiny encoder on a GPU: the per-call cost dwarfs its bytes and FLOPs.
+    tiny = replace(
+        LLAMA_8B,
+        kind=ENCODER,
+        projection_params=10**6,
+        projection_bytes=4 * 10**6,
+        weight_bytes=4 * 10**6,
+        kv_bytes_per_token=0,
+        default_tokens=16,
+    )
+    d = diagnose(tiny, h200, 1)
+    assert d.bound == "overhead" and "batch" in d.help
+    # TP splits the bytes: the 64 x 16k-token load fits over 4 devices, not on 1.
+    assert diagnose(LLAMA_8B, h200, 64, 16_384).bound == "capacity"
+    assert diagnose(LLAMA_8B, h200, 64, 16_384, tp=4).fits
+
+
+def test_erlang_c_known_values() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(3, 0.0) == 0.0
+
+
+def test_queueing_batches_saturates_and_replicas_cut_the_tail() -> None:
+    def service(b: int) -> float:  # 4 ms fixed + 1 ms per item
+        return 0.004 + 0.001 * b
+
+    low = predict(10, 1, 8, service)
+    assert low.batch == 1 and low.p99_s < 0.02
+    busy = predict(500, 1, 8, service)
+    assert busy.batch > 1  # the batcher fills up under load
+    assert predict(500, 1, 8, service).capacity_rps == pytest.approx(8 / 0.012)
+    over = predict(1000, 1, 8, service)
+    assert over.utilisation >= 1 and math.isinf(over.p99_s)
+    assert predict(500, 3, 8, service).p99_s < busy.p99_s
+    # A shared host: three replicas on two cores give no more than the cores allow.
+    shared = predict(100, 3, 1, service, host_cores=2, cpu_per_call_s=0.001)
+    assert shared.capacity_rps == pytest.approx(2 / (0.001 + 0.005))
+    assert shared.limit == "host cores"
