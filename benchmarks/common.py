@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -105,10 +106,22 @@ async def closed_loop(
 
 
 def write_result(name: str, payload: dict) -> Path:
+    """results/<name>.json; a number that is not finite (no measurement) is written as null,
+    which every JSON parser reads (Infinity and NaN are not JSON)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 async def open_loop(

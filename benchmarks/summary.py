@@ -469,8 +469,11 @@ def llm_genai_perf_section(r: dict) -> str:
 
 
 def planner_section(r: dict) -> str:
-    def pct(x: float) -> str:
-        return f"{x:+.0%}"
+    def pct(x: float | None) -> str:
+        return "unbounded" if x is None else f"{x:+.0%}"
+
+    def ms(x: float | None) -> str:
+        return "unbounded" if x is None else f"{x:.1f}"  # the queue never settles
 
     rows = []
     for c in r["configurations"]:
@@ -485,8 +488,8 @@ def planner_section(r: dict) -> str:
                 + (" calibration" if cal["is_calibration"] else ""),
                 c["measured"]["offered_rps"],
                 c["measured"]["p99_ms"],
-                f"{c['predicted']['p99_ms']:.1f} ({pct(c['p99_error'])})",
-                f"{cal['p99_ms']:.1f} ({pct(cal['p99_error'])})",
+                f"{ms(c['predicted']['p99_ms'])} ({pct(c['p99_error'])})",
+                f"{ms(cal['p99_ms'])} ({pct(cal['p99_error'])})",
             ]
         )
     s = r["summary"]

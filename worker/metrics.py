@@ -10,7 +10,7 @@ repository.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from worker.repository import Repository
+    from worker.repository import LoadedModel, Repository
+
+    Roofline = Callable[[LoadedModel], dict[str, float]]
 
 # One registry per process, not prometheus_client's global one: a worker exposes its own
 # series only (no process_/python_ collectors from imported libraries' defaults).
@@ -70,8 +72,9 @@ class TokenClock:
 class RepositoryCollector(Collector):
     """Reads the repository at each scrape."""
 
-    def __init__(self, repository: Repository) -> None:
+    def __init__(self, repository: Repository, roofline: Roofline | None = None) -> None:
         self.repository = repository
+        self.roofline = roofline
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "version"]
@@ -130,6 +133,13 @@ class RepositoryCollector(Collector):
             "LLM tokens: kind=in (prompts admitted) or out (generated and sent)",
             labels=[*labels, "kind"],
         )
+        roof = GaugeMetricFamily(
+            "meshserve_worker_roofline",
+            "Where the model runs against the roofline (worker/roofline.py): figure="
+            "achieved_flops_per_s, achieved_bytes_per_s, compute_roof_fraction, "
+            "bandwidth_roof_fraction, weight_bytes",
+            labels=[*labels, "figure"],
+        )
         provider = ",".join(sorted(self.repository.providers))
         for model in self.repository.all():
             key = [model.spec.name, model.spec.version]
@@ -145,6 +155,9 @@ class RepositoryCollector(Collector):
             inferences.add_metric(key, stats.inference_count)
             for rows, b in sorted(stats.batches.items()):
                 executions.add_metric([*key, str(rows)], b.compute_infer.count)
+            if self.roofline is not None:
+                for figure, value in self.roofline(model).items():
+                    roof.add_metric([*key, figure], value)
             if model.llm is None:
                 continue
             used, total = model.kv_tokens
@@ -156,11 +169,11 @@ class RepositoryCollector(Collector):
             tokens.add_metric([*key, "in"], model.llm.prompt_tokens)
             tokens.add_metric([*key, "out"], model.llm.completion_tokens)
         yield from (loaded, depth, capacity, requests, request_seconds, phase_seconds)
-        yield from (inferences, executions, kv, sequences, tokens)
+        yield from (inferences, executions, kv, sequences, tokens, roof)
 
 
-def serve(repository: Repository, port: int, host: str) -> int:
+def serve(repository: Repository, port: int, host: str, roofline: Roofline | None = None) -> int:
     """Start the endpoint on a daemon thread; the port it bound (port 0: a free one)."""
-    REGISTRY.register(RepositoryCollector(repository))
+    REGISTRY.register(RepositoryCollector(repository, roofline))
     server, _ = start_http_server(port, addr=host, registry=REGISTRY)
     return int(server.server_port)

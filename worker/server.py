@@ -69,7 +69,9 @@ async def serve(settings: WorkerSettings) -> None:
 
     metrics_address = None
     if settings.metrics_port:
-        bound = metrics.serve(repository, settings.metrics_port, settings.metrics_host)
+        bound = metrics.serve(
+            repository, settings.metrics_port, settings.metrics_host, servicer.roofline
+        )
         metrics_address = f"{settings.metrics_host}:{bound}"
 
     servicer.ready = True
