@@ -42,6 +42,16 @@ def new_server(
     return server, health
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def reflection_wanted(host: str, asked: bool | None) -> bool:
+    """Server reflection lists every service and message: on when asked, else only on a
+    server bound to loopback."""
+    return is_loopback(host) if asked is None else asked
+
+
 async def set_serving(health: HealthServicer) -> None:
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

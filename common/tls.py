@@ -70,7 +70,3 @@ def channel(
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, credentials, options=options)
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from common import logging
 from common.outage import Outage
+from common.redis_auth import read_password
 from ledger import config as ledger_config
 from ledger import report
 from ledger.consumer import Consumer
@@ -88,7 +89,8 @@ class Backoff:
 def run(settings: LedgerSettings) -> int:
     config = ledger_config.load(settings.config)
     store = Store(settings.db)
-    consumer = Consumer(settings.redis_url, store, config)
+    password = read_password(settings.redis_password, settings.redis_password_file)
+    consumer = Consumer(settings.redis_url, store, config, password)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     stop = threading.Event()
@@ -139,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="move the routers' counters into the durable ledger")
     p_run.add_argument("--redis-url")
+    p_run.add_argument(
+        "--redis-password-file", type=Path, help="else MESHSERVE_LEDGER_REDIS_PASSWORD"
+    )
     p_run.add_argument("--interval-seconds", type=float)
     p_run.add_argument("--metrics-port", type=int)
     p_run.add_argument("--log-level")

@@ -90,8 +90,12 @@ def check_entry(
 
 
 class Consumer:
-    def __init__(self, redis_url: str, store: Store, config: LedgerConfig) -> None:
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
+    def __init__(
+        self, redis_url: str, store: Store, config: LedgerConfig, password: str | None = None
+    ) -> None:
+        self.redis = redis.Redis.from_url(
+            redis_url, password=password, decode_responses=True, socket_timeout=5
+        )
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)

@@ -23,7 +23,7 @@ log = structlog.get_logger()
 
 async def serve(settings: RouterSettings) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
-    if not settings.auth and not tls.is_loopback(settings.host):
+    if not settings.auth and not rpc.is_loopback(settings.host):
         raise ValueError(
             f"--no-auth is for make run on 127.0.0.1 only; refusing to serve {settings.host} "
             "without API keys"
@@ -87,9 +87,7 @@ async def serve(settings: RouterSettings) -> None:
     if auth is not None:
         auth.limiter.start()
 
-    reflection = (
-        tls.is_loopback(settings.host) if settings.reflection is None else settings.reflection
-    )
+    reflection = rpc.reflection_wanted(settings.host, settings.reflection)
     server, health = rpc.new_server(settings.max_message_bytes, reflection)
     server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher, auth)),))
     credentials = (
