@@ -88,14 +88,17 @@ def connect(settings: AdminSettings) -> redis.Redis:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
-    parser.add_argument("--redis-url")
-    parser.add_argument("--redis-password-file", type=Path)
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--redis-url", help="redis://admin@host:port/0")
+    connection.add_argument(
+        "--redis-password-file", type=Path, help="else MESHSERVE_ADMIN_REDIS_PASSWORD"
+    )
     sub = parser.add_subparsers(dest="what", required=True)
-    keys = sub.add_parser("keys", help="API keys of a tenant")
+    keys = sub.add_parser("keys", help="API keys of a tenant", parents=[connection])
     keys.add_argument("action", choices=["create", "list", "revoke"])
     keys.add_argument("--tenant", required=True)
     keys.add_argument("--key-id", help="the key to revoke (from `keys list`)")
-    tenants = sub.add_parser("tenants", help="tenants and their policies")
+    tenants = sub.add_parser("tenants", help="tenants and their policies", parents=[connection])
     tenants.add_argument("action", choices=["set", "list"])
     tenants.add_argument("--tenant")
     tenants.add_argument("--models", default=ALL_MODELS, help="comma-separated, or '*'")

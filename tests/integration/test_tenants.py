@@ -200,17 +200,17 @@ def test_keys_cli_and_revocation(secure: Mesh, capsys: pytest.CaptureFixture) ->
     assert users is not None
     url = f"redis://admin@127.0.0.1:{secure.redis_port}/0"
     common = ["--redis-url", url, "--redis-password-file", str(users.password_file("admin"))]
-    assert keys_cli.main([*common, "tenants", "set", "--tenant", "cli-co", "--models", "mlp"]) == 0
-    assert keys_cli.main([*common, "keys", "create", "--tenant", "cli-co"]) == 0
+    assert keys_cli.main(["tenants", "set", "--tenant", "cli-co", "--models", "mlp", *common]) == 0
+    assert keys_cli.main(["keys", "create", "--tenant", "cli-co", *common]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]
     key_id = key.split("_")[1]
-    assert keys_cli.main([*common, "keys", "list", "--tenant", "cli-co"]) == 0
+    assert keys_cli.main(["keys", "list", "--tenant", "cli-co", *common]) == 0
     assert key_id in capsys.readouterr().out
     stored = secure.redis_client("admin").keys("meshserve:apikey:*")
     assert all(key not in k for k in stored)  # only its hash is a key
     s = stub(secure)
     s.ModelInfer(mlp_request(), timeout=5, metadata=bearer(key))
-    assert keys_cli.main([*common, "keys", "revoke", "--tenant", "cli-co", "--key-id", key_id]) == 0
+    assert keys_cli.main(["keys", "revoke", "--tenant", "cli-co", "--key-id", key_id, *common]) == 0
     time.sleep(0.4)  # the router's cache (--auth-cache-seconds 0.2)
     e = code_of(lambda: s.ModelInfer(mlp_request(), timeout=5, metadata=bearer(key)))
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED
