@@ -297,7 +297,9 @@ class Accounting:
     def _charge(self, tenant: str, tokens: Tokens, price: int, sign: int = 1) -> None:
         if tenant and self.charge is not None:
             count = tokens.prompt + tokens.completion if sign > 0 else 0  # tokens were used
-            self.charge(tenant, count, sign * (price + tokens.revenue_micro_usd))
+            spend = sign * (price + tokens.revenue_micro_usd)
+            if count or spend:
+                self.charge(tenant, count, spend)
 
     def _recorded(self, batch: Batch) -> asyncio.Future:
         self._records += 1
