@@ -18,20 +18,25 @@ import argparse
 import asyncio
 import statistics
 import tempfile
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import numpy as np
+import redis.asyncio as aioredis
 
 from benchmarks.common import infer_request, machine, write_result
 from common.tenancy import TenantPolicy
 from deploy import toy_models
 from deploy.certs import make_certs
 from deploy.processes import LocalMesh
-from deploy.redis_acl import make_users
+from deploy.redis_acl import make_users, user_url
 from loadtest import runner as loadtest_runner
 from loadtest.runner import Load, measured
+from router.auth import Auth
 from router.keys import TenantAdmin
+from router.limits import Limiter
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 CONFIG = "max_batch_size: 64\ndynamic_batching { default_queue_policy { max_queue_size: 2000 } }\n"
@@ -49,6 +54,36 @@ async def closed(
 ) -> dict:
     load = Load(address, [body], seconds, 1.0, 30.0, credentials=credentials, metadata=metadata)
     return measured(await loadtest_runner.closed_loop(load, concurrency))
+
+
+async def components(mesh: LocalMesh, metadata: tuple[tuple[str, str], ...], n: int) -> dict:
+    """The auth path's parts in this process, against the mesh's Redis as the router user:
+    a cached key look-up, one rate-limit decision (the Lua script), and a bare Redis PING
+    for the round trip it contains; medians in microseconds over `n` sequential calls."""
+    assert mesh.users is not None
+    redis = aioredis.from_url(
+        user_url(mesh.redis_url, "router"),
+        password=mesh.users.password("router"),
+        decode_responses=True,
+    )
+    auth = Auth(redis, Limiter(redis), cache_s=3600)
+    tenant = await auth.authenticate(metadata)
+
+    async def median_us(step: Callable[[], Awaitable[object]]) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await step()
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times) * 1e6, 1)
+
+    out = {
+        "authenticate_cached_us": await median_us(lambda: auth.authenticate(metadata)),
+        "admit_lua_us": await median_us(lambda: auth.admit(tenant, "mlp")),
+        "redis_ping_us": await median_us(redis.ping),
+    }
+    await redis.aclose()
+    return out
 
 
 def one_mesh(tmp: Path, secure: bool, seconds: float) -> dict:
@@ -78,10 +113,13 @@ def one_mesh(tmp: Path, secure: bool, seconds: float) -> dict:
         x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
         body = infer_request("mlp", "INPUT0", x, "FP32").SerializeToString()
         credentials = mesh.client_credentials()
-        return {
+        out = {
             f"c{c}": asyncio.run(closed(router, body, c, seconds, credentials, metadata))
             for c in (1, 32)
         }
+        if secure:
+            out["components"] = asyncio.run(components(mesh, metadata, 2000))
+        return out
     finally:
         mesh.stop()
 
@@ -106,6 +144,10 @@ def main() -> None:
     ratio = rps["on"] / rps["off"]
     added = p50["on"] - p50["off"]
     errors = {label: [r[p]["errors"] for r in runs[label] for p in ("c1", "c32")] for label in runs}
+    parts = {
+        k: statistics.median(r["components"][k] for r in runs["on"])
+        for k in runs["on"][0]["components"]
+    }
     reading = [
         f"throughput at 32 callers: {rps['on']:.0f} req/s with auth + limits + TLS, "
         f"{rps['off']:.0f} without: {ratio:.2f}x "
@@ -113,6 +155,10 @@ def main() -> None:
         "target)",
         f"p50 at 1 caller: {p50['on']:.3f} ms against {p50['off']:.3f} ms: {added:+.3f} ms "
         f"({'meets' if added <= P50_TARGET_MS else 'misses'} the <= {P50_TARGET_MS} ms target)",
+        f"the auth path's parts in-process: a cached key look-up "
+        f"{parts['authenticate_cached_us']:.0f} us, a rate-limit decision "
+        f"{parts['admit_lua_us']:.0f} us, of which a bare Redis round trip (PING) is "
+        f"{parts['redis_ping_us']:.0f} us",
     ]
     payload = {
         "machine": machine(),
@@ -125,6 +171,7 @@ def main() -> None:
         "throughput_rps_c32": rps,
         "throughput_ratio": round(ratio, 3),
         "added_p50_ms": round(added, 3),
+        "components_us": parts,
         "errors": errors,
         "reading": reading,
     }

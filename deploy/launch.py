@@ -154,8 +154,12 @@ class Launcher:
                 "auth on: python -m router keys create --tenant T --redis-url "
                 f"{self.mesh.redis_url.replace('redis://', 'redis://admin@')}{password}"
             )
+        tls_options = headers = ""
         if self.mesh.certs:
             lines.append(f"TLS on: clients trust {self.mesh.certs.ca}")
+            tls_options = f", ssl=True, root_certificates='{self.mesh.certs.ca}'"
+        if self.args.auth:
+            headers = ", headers={'authorization': 'Bearer ' + os.environ['MESHSERVE_API_KEY']}"
         for worker_id in ids:
             raw: str | None = client.get(mesh_state.worker_key(worker_id))  # type: ignore[assignment]
             if raw:
@@ -169,12 +173,12 @@ class Launcher:
             f"ledger: {self.ledger_db}",
             f"  report: python -m ledger report --db {self.ledger_db} --plot ledger.png",
             f"logs: {self.args.log_dir}",
-            "call it:",
-            '  python -c "import numpy as np, tritonclient.grpc as t; '
-            f"c = t.InferenceServerClient('127.0.0.1:{self.args.port}'); "
+            "call it" + (" (MESHSERVE_API_KEY set to a key)" if self.args.auth else "") + ":",
+            '  python -c "import os, numpy as np, tritonclient.grpc as t; '
+            f"c = t.InferenceServerClient('127.0.0.1:{self.args.port}'{tls_options}); "
             "x = t.InferInput('INPUT0', [1, 16], 'FP32'); "
             "x.set_data_from_numpy(np.ones((1, 16), np.float32)); "
-            "print(c.infer('mlp', [x]).as_numpy('OUTPUT0'))\"",
+            f"print(c.infer('mlp', [x]{headers}).as_numpy('OUTPUT0'))\"",
             "Ctrl-C stops everything.",
         ]
         return "\n".join(lines)
