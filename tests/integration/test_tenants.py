@@ -361,3 +361,27 @@ def test_rate_limit_holds_within_one_percent_over_two_routers(secure: Mesh) -> N
     assert refused > allowed  # offered well above the rate
     most = burst + rate * elapsed  # the bucket's ceiling over the whole window
     assert most * 0.99 <= allowed <= most, (allowed, most, per_router)
+
+
+def test_a_bad_tenant_record_is_refused_not_trusted_and_not_fatal(secure: Mesh) -> None:
+    s = stub(secure)
+    _, key = key_for(secure, "broken", TenantPolicy())
+    _, fine = key_for(secure, "fine", TenantPolicy())
+    secure.redis_client("admin").set(mesh_state.tenant_key("broken"), '{"models": "all"}')
+    time.sleep(0.3)  # past the router's key cache
+    e = code_of(lambda: s.ModelInfer(mlp_request(), timeout=5, metadata=bearer(key)))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "record in the mesh is not valid" in e.details()
+    assert s.ModelInfer(mlp_request(), timeout=5, metadata=bearer(fine)).model_name == "mlp"
+    assert secure.router is not None
+    assert "tenant_record_refused" in secure.router.log.read_text()
+
+
+def test_a_plaintext_client_cannot_reach_the_tls_router(secure: Mesh) -> None:
+    with grpc.insecure_channel(secure.router_address) as channel:
+        e = code_of(
+            lambda: pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                pb.ServerLiveRequest(), timeout=3
+            )
+        )
+    assert e.code() == grpc.StatusCode.UNAVAILABLE
