@@ -480,7 +480,7 @@ def tenants_section(r: dict) -> str:
         [
             label,
             round(r["throughput_rps_c32"][label]),
-            r["p50_ms_c1"][label],
+            round(r["p50_ms_c1"][label], 3),
             sum(sum(e.values()) for e in r["errors"][label]),
         ]
         for label in ("off", "on")

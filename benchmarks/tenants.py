@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {"off": [], "on": []}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for label in ("off", "on") if i % 2 == 0 else ("on", "off"):
@@ -139,6 +141,7 @@ def main() -> None:
     def median(label: str, point: str, key: str) -> float:
         return statistics.median(r[point][key] for r in runs[label])
 
+    load = round(max(load_before, os.getloadavg()[0]), 1)
     p50 = {label: median(label, "c1", "p50_ms") for label in runs}
     rps = {label: median(label, "c32", "throughput_rps") for label in runs}
     ratio = rps["on"] / rps["off"]
@@ -159,6 +162,12 @@ def main() -> None:
         f"{parts['authenticate_cached_us']:.0f} us, a rate-limit decision "
         f"{parts['admit_lua_us']:.0f} us, of which a bare Redis round trip (PING) is "
         f"{parts['redis_ping_us']:.0f} us",
+        f"1-minute load average around the run: {load} on {os.cpu_count()} cores"
+        + (
+            ": other work held the cores, so these latencies are mostly waiting for a core"
+            if load > (os.cpu_count() or 1)
+            else ""
+        ),
     ]
     payload = {
         "machine": machine(),
@@ -172,6 +181,7 @@ def main() -> None:
         "throughput_ratio": round(ratio, 3),
         "added_p50_ms": round(added, 3),
         "components_us": parts,
+        "load_average": load,
         "errors": errors,
         "reading": reading,
     }
