@@ -328,7 +328,9 @@ async def _hammer(channel: grpc.aio.Channel, key: str, seconds: float) -> Counte
 
 
 def test_rate_limit_holds_within_one_percent_over_two_routers(secure: Mesh) -> None:
-    rate, burst, seconds = 100, 20, 5.0
+    # A rate this shared 2-core machine can exceed, and a burst of a second's worth: a
+    # client that stalls for less than that (waiting for a core) loses no token.
+    rate, burst, seconds = 50, 50, 6.0
     _, key = key_for(secure, "shared", TenantPolicy(requests_per_second=rate, burst=burst))
     second, process = secure.spawn_router("--auth-cache-seconds", "0.2")
     secure.others.append(process)
@@ -348,18 +350,19 @@ def test_rate_limit_holds_within_one_percent_over_two_routers(secure: Mesh) -> N
             await channel.channel_ready()
         start = redis_now()  # Redis's clock: the one the buckets run on
         counts = await asyncio.gather(*(_hammer(c, key, seconds) for c in channels))
-        elapsed = redis_now() - start
         for channel in channels:
             await channel.close()
-        return list(counts), elapsed
+        # the last admitted call's time, on the same clock: the bucket records it
+        last_us = clock.hget(mesh_state.limit_key("shared", "rps"), "at_us")
+        return list(counts), int(last_us) / 1e6 - start
 
     per_router, elapsed = asyncio.run(both())
     allowed = sum(c["OK"] for c in per_router)
     refused = sum(c["RESOURCE_EXHAUSTED"] for c in per_router)
     assert all(c["OK"] > 0 for c in per_router), per_router  # both routers took part
     assert set().union(*per_router) <= {"OK", "RESOURCE_EXHAUSTED"}, per_router
-    assert refused > allowed  # offered well above the rate
-    most = burst + rate * elapsed  # the bucket's ceiling over the whole window
+    assert refused * 4 > allowed, per_router  # offered above the rate all along
+    most = burst + rate * elapsed  # the bucket's ceiling up to the last admitted call
     assert most * 0.99 <= allowed <= most, (allowed, most, per_router)
 
 
