@@ -48,6 +48,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.planner
+	$(BIN)/python -m benchmarks.tenants
 	$(BIN)/python -m benchmarks.summary
 
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).

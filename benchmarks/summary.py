@@ -544,6 +544,29 @@ def _rss(rss: dict) -> str:
     return str(end.get("VmHWM", "?")) if isinstance(end, dict) else "?"
 
 
+def tenants_section(r: dict) -> str:
+    rows = [
+        [
+            label,
+            round(r["throughput_rps_c32"][label]),
+            round(r["p50_ms_c1"][label], 3),
+            sum(sum(e.values()) for e in r["errors"][label]),
+        ]
+        for label in ("off", "on")
+    ]
+    return "\n\n".join(
+        [
+            "## Tenants, keys and TLS: what trust costs",
+            "`python -m benchmarks.tenants` — the router with API keys, one rate-limit "
+            "decision per call (Lua in Redis), spend charged, TLS to the router and mutual "
+            "TLS to the worker (on), against all of it off; tiny MLP, medians of "
+            f"{r['rounds']} alternated rounds of {r['seconds']} s. {r.get('note', '')}.",
+            table(["trust", "throughput c=32 (req/s)", "p50 c=1 (ms)", "errors"], rows),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
+
+
 SECTIONS = {
     "worker": worker_section,
     "router": router_section,
@@ -556,6 +579,7 @@ SECTIONS = {
     "llm_int4": llm_int4_section,
     "llm_genai_perf": llm_genai_perf_section,
     "planner": planner_section,
+    "tenants": tenants_section,
 }
 
 

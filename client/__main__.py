@@ -1,18 +1,23 @@
 """python -m client {health,metadata,infer} ADDRESS ...: one call from the command line.
 
 `health` exits 0 when grpc.health.v1 answers SERVING (the compose healthchecks use it).
+TLS: --ca (and --cert/--key for a worker's mutual TLS); an API key from MESHSERVE_API_KEY.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import grpc
 import numpy as np
 
 from client.client import Client
-from common import dtypes
+from common import dtypes, tls
+
+API_KEY_VARIABLE = "MESHSERVE_API_KEY"  # the router's tenants: never a flag
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -30,12 +35,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     infer.add_argument("model")
     infer.add_argument("--text", nargs="+")
     infer.add_argument("--timeout", type=float, default=30.0)
+    for p in (health, meta, infer):
+        p.add_argument("--ca", type=Path, help="TLS: trust this CA (PEM)")
+        p.add_argument("--cert", type=Path, help="mutual TLS: this client certificate")
+        p.add_argument("--key", type=Path, help="mutual TLS: its key")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    with Client(args.address, timeout=getattr(args, "timeout", 10.0)) as client:
+    credentials = tls.channel_credentials(args.ca, args.cert, args.key) if args.ca else None
+    with Client(
+        args.address,
+        timeout=getattr(args, "timeout", 10.0),
+        credentials=credentials,
+        api_key=os.environ.get(API_KEY_VARIABLE),
+    ) as client:
         try:
             if args.command == "health":
                 status = client.health(args.service)

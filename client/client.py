@@ -7,6 +7,7 @@ client's default.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
@@ -15,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import codec
 from client.codec import InferResult, InputValue, ModelMetadata, ServerMetadata
-from common import health
+from common import health, tls
 from common.rpc import MAX_MESSAGE_BYTES, message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -25,11 +26,20 @@ class Client:
     """Blocking client. `with Client("host:port") as c: c.infer(...)`."""
 
     def __init__(
-        self, address: str, timeout: float = 30.0, max_message_bytes: int = MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        timeout: float = 30.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """`credentials`: TLS (common.tls.channel_credentials); `api_key`: sent with every
+        call as `authorization: Bearer <key>` (the router's tenants)."""
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
+        self.channel = tls.channel(address, credentials, message_options(max_message_bytes))
+        if api_key:
+            self.channel = grpc.intercept_channel(self.channel, _Bearer(api_key))
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self._metadata: dict[tuple[str, str], ModelMetadata] = {}
 
@@ -95,6 +105,39 @@ class Client:
         meta = self.model_metadata(model, version, timeout)
         inputs, output = codec.text_inputs(meta, text)
         return self.infer(model, inputs, [output], version, timeout=timeout).text(output)
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the API key to every call's metadata."""
+
+    def __init__(self, key: str) -> None:
+        self.metadata = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self.metadata],
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_key(details), request)
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
 
 
 class AsyncClient:

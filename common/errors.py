@@ -19,9 +19,10 @@ log = structlog.get_logger()
 class MeshError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.message = message
+        self.trailers = trailers  # trailing metadata sent with the status (retry-after)
 
 
 class NotFound(MeshError):
@@ -34,6 +35,14 @@ class InvalidArgument(MeshError):
 
 class ResourceExhausted(MeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class Unavailable(MeshError):
@@ -75,7 +84,7 @@ def grpc_errors(
         try:
             return await method(self, request, context)
         except MeshError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, e.trailers)
         except grpc.aio.AbortError:
             raise
         except Exception as e:

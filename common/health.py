@@ -1,4 +1,5 @@
-"""python -m common.health ADDRESS [--service S]: exit 0 when grpc.health.v1 says SERVING.
+"""python -m common.health ADDRESS [--service S] [--ca CA [--cert C --key K]]: exit 0 when
+grpc.health.v1 says SERVING (over TLS with --ca; mutual TLS with --cert/--key too).
 
 What the images' HEALTHCHECKs run: it needs the core install only (no numpy), so the
 router image has it too. `python -m client health` is the same check.
@@ -8,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import tls
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 3.0) -> str:
@@ -26,13 +30,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("address")
     parser.add_argument("--service", default="")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--ca", type=Path, help="TLS: the CA to trust")
+    parser.add_argument("--cert", type=Path, help="mutual TLS: this client's certificate")
+    parser.add_argument("--key", type=Path, help="mutual TLS: its key")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    credentials = tls.channel_credentials(args.ca, args.cert, args.key) if args.ca else None
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with tls.channel(args.address, credentials) as channel:
             status = check(channel, args.service, args.timeout)
     except grpc.RpcError as e:
         print(f"{e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]

@@ -28,7 +28,8 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:calls:{router} (STREAM, router -> ledger): one entry per accounting batch, id
   "{epoch}-{seq}": epoch is the router process's start (unix ms, above any id already
   there), seq counts 1, 2, 3... within the process; field "usage" is JSON
-  {"model|version": [USAGE_FIELDS in order]} (success and revenue negative for a refund;
+  {"model|version": [USAGE_FIELDS in order]} ("model|version|tenant" for a tenant's
+  calls) (success and revenue negative for a refund;
   the token fields negative for a streamed piece whose delivery failed after it was
   recorded), field "at_ms" when the batch closed. A batch of a router that predates token
   pricing has the first five fields only. The ledger applies
@@ -36,8 +37,24 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
 
+Tenants (router/auth.py, router/limits.py; written by `python -m router keys|tenants`, the
+admin role):
+
+- meshserve:tenants (SET, admin -> router, ledger): every tenant name.
+- meshserve:tenant:{tenant} (STRING, admin -> router): TenantPolicy as JSON: the models it
+  may call, its rate limits and monthly spend cap, whether it is an admin.
+- meshserve:apikey:{sha256 hex} (STRING, admin -> router): {"tenant", "key_id",
+  "created_ms"} for one API key, found by the key's SHA-256 (the key itself is never stored).
+- meshserve:apikeys:{tenant} (HASH, admin -> admin): key id -> the key's SHA-256, to list
+  and revoke a tenant's keys.
+- meshserve:limit:{tenant}:rps, meshserve:limit:{tenant}:tpm (HASH, router <-> router):
+  token buckets {"level", "at_us"}, read and written only by router/limits.py's scripts.
+- meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router): micro-USD the tenant was
+  billed this UTC month, for its spend cap.
+
 Everything read from Redis is checked before use (`WorkerInfo.from_json`,
-`DepthSample.decode`, the ledger's `parse_entry`): nothing in it is authenticated yet.
+`DepthSample.decode`, `TenantPolicy.from_json`, the ledger's `parse_entry`); with the ACL
+users of `deploy/redis_acl.py` each role may write only its own keys.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
@@ -98,13 +115,38 @@ def usage_key(router_id: str) -> str:
     return f"{PREFIX}:usage:{router_id}"
 
 
-def model_key(model: str, version: str) -> str:
-    return f"{model}|{version}"
+def model_key(model: str, version: str, tenant: str = "") -> str:
+    """A batch's usage key: "model|version", or "model|version|tenant" for a tenant's calls."""
+    return f"{model}|{version}|{tenant}" if tenant else f"{model}|{version}"
 
 
-def parse_model_key(key: str) -> tuple[str, str]:
-    model, version = key.rsplit("|", 1)
-    return model, version
+def parse_model_key(key: str) -> tuple[str, str, str]:
+    """-> (model, version, tenant); tenant "" when the call had none (auth off)."""
+    parts = key.split("|")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else ""
+
+
+TENANTS = f"{PREFIX}:tenants"
+
+
+def tenant_key(tenant: str) -> str:
+    return f"{PREFIX}:tenant:{tenant}"
+
+
+def api_key_key(key_sha256: str) -> str:
+    return f"{PREFIX}:apikey:{key_sha256}"
+
+
+def tenant_keys_key(tenant: str) -> str:
+    return f"{PREFIX}:apikeys:{tenant}"
+
+
+def limit_key(tenant: str, kind: str) -> str:
+    return f"{PREFIX}:limit:{tenant}:{kind}"
+
+
+def spend_key(tenant: str, month: str) -> str:
+    return f"{PREFIX}:spend:{tenant}:{month}"
 
 
 def usage_field(model: str, version: str, name: str) -> str:

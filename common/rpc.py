@@ -24,8 +24,11 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def new_server(max_message_bytes: int) -> tuple[grpc.aio.Server, HealthServicer]:
-    """A grpc.aio server with health checking and reflection; add the inference service."""
+def new_server(
+    max_message_bytes: int, reflection_on: bool = True
+) -> tuple[grpc.aio.Server, HealthServicer]:
+    """A grpc.aio server with health checking (and reflection, unless asked not to); add
+    the inference service."""
     server = grpc.aio.server(
         options=[
             *message_options(max_message_bytes),
@@ -34,8 +37,19 @@ def new_server(max_message_bytes: int) -> tuple[grpc.aio.Server, HealthServicer]
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([SERVICE, _HEALTH, reflection.SERVICE_NAME], server)
+    if reflection_on:
+        reflection.enable_server_reflection([SERVICE, _HEALTH, reflection.SERVICE_NAME], server)
     return server, health
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def reflection_wanted(host: str, asked: bool | None) -> bool:
+    """Server reflection lists every service and message: on when asked, else only on a
+    server bound to loopback."""
+    return is_loopback(host) if asked is None else asked
 
 
 async def set_serving(health: HealthServicer) -> None:

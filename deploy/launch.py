@@ -22,7 +22,9 @@ from pathlib import Path
 from common import mesh_state
 from common.mesh_state import WorkerInfo
 from deploy import processes, toy_models
+from deploy.certs import MeshCerts, make_certs
 from deploy.processes import LocalMesh
+from deploy.redis_acl import make_users
 from ledger import config as ledger_config
 from ledger import report
 from ledger.store import Store
@@ -56,6 +58,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "ranks, as one replica; its shard set is built into build/tp/ on first use",
     )
     parser.add_argument("--tp-repository", type=Path, default=ROOT / "build" / "tp")
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="ask for API keys (python -m router keys create --tenant T); default: off, "
+        "which is allowed only because this mesh is on 127.0.0.1",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS to the router and mutual TLS to the workers, with the dev CA of "
+        "build/certs (python -m deploy certs makes it on first use)",
+    )
     return parser.parse_args(argv)
 
 
@@ -94,7 +108,13 @@ class Launcher:
             args.log_dir,
             external_redis_url=args.redis_url,
             worker_args=("--providers", args.providers),
+            auth=args.auth,
         )
+        if not args.redis_url:  # the private Redis: ACL users per role, protected mode
+            self.mesh.users = make_users(ROOT / "build" / "secrets")
+        if args.tls:
+            certs = MeshCerts(ROOT / "build" / "certs")
+            self.mesh.certs = certs if certs.complete() else make_certs(certs.root)
         self.ledger_db = args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}"
         self.stopping = False
 
@@ -127,6 +147,27 @@ class Launcher:
         client = self.mesh.redis_client()
         ids: list[str] = client.zrange(mesh_state.WORKERS, 0, -1)  # type: ignore[assignment]
         lines = [f"meshserve is up: router 127.0.0.1:{self.args.port}, redis {self.mesh.redis_url}"]
+        if not self.args.auth:
+            lines += [
+                "!" * 88,
+                "!! AUTH IS OFF: anyone who reaches 127.0.0.1:"
+                f"{self.args.port} is trusted (no API keys, no tenant limits).",
+                "!! Allowed for make run on 127.0.0.1 only; RUN_ARGS=--auth to ask for keys.",
+                "!" * 88,
+            ]
+        else:
+            users = self.mesh.users
+            password = f" --redis-password-file {users.password_file('admin')}" if users else ""
+            lines.append(
+                "auth on: python -m router keys create --tenant T --redis-url "
+                f"{self.mesh.redis_url.replace('redis://', 'redis://admin@')}{password}"
+            )
+        tls_options = headers = ""
+        if self.mesh.certs:
+            lines.append(f"TLS on: clients trust {self.mesh.certs.ca}")
+            tls_options = f", ssl=True, root_certificates='{self.mesh.certs.ca}'"
+        if self.args.auth:
+            headers = ", headers={'authorization': 'Bearer ' + os.environ['MESHSERVE_API_KEY']}"
         for worker_id in ids:
             raw: str | None = client.get(mesh_state.worker_key(worker_id))  # type: ignore[assignment]
             if raw:
@@ -140,12 +181,12 @@ class Launcher:
             f"ledger: {self.ledger_db}",
             f"  report: python -m ledger report --db {self.ledger_db} --plot ledger.png",
             f"logs: {self.args.log_dir}",
-            "call it:",
-            '  python -c "import numpy as np, tritonclient.grpc as t; '
-            f"c = t.InferenceServerClient('127.0.0.1:{self.args.port}'); "
+            "call it" + (" (MESHSERVE_API_KEY set to a key)" if self.args.auth else "") + ":",
+            '  python -c "import os, numpy as np, tritonclient.grpc as t; '
+            f"c = t.InferenceServerClient('127.0.0.1:{self.args.port}'{tls_options}); "
             "x = t.InferInput('INPUT0', [1, 16], 'FP32'); "
             "x.set_data_from_numpy(np.ones((1, 16), np.float32)); "
-            "print(c.infer('mlp', [x]).as_numpy('OUTPUT0'))\"",
+            f"print(c.infer('mlp', [x]{headers}).as_numpy('OUTPUT0'))\"",
             "Ctrl-C stops everything.",
         ]
         return "\n".join(lines)

@@ -19,8 +19,10 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import mesh_state
+from common import mesh_state, tls
 from common.net import free_port as free_port  # re-exported
+from deploy.certs import MeshCerts
+from deploy.redis_acl import RedisUsers, user_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +87,14 @@ class Process:
             self.popen.wait(5)
 
 
-def redis_process(port: int, log_dir: Path) -> Process:
+def redis_process(port: int, log_dir: Path, users: RedisUsers | None = None) -> Process:
+    """A private redis-server on 127.0.0.1 that keeps nothing on disk; with `users`, its ACL
+    users per role (the default user off) and protected mode, from a config file (no
+    password on the command line)."""
+    if users is None:
+        flags = ["--protected-mode", "no"]
+    else:
+        flags = ["--protected-mode", "yes", "--aclfile", str(users.acl_file)]
     return Process(
         "redis",
         [
@@ -98,16 +107,21 @@ def redis_process(port: int, log_dir: Path) -> Process:
             "",
             "--appendonly",
             "no",
-            "--protected-mode",
-            "no",
+            *flags,
         ],
         log_dir / f"redis-{port}.log",
     )
 
 
-def wait_redis(port: int, timeout: float = 10.0) -> None:
+def wait_redis(port: int, timeout: float = 10.0, users: RedisUsers | None = None) -> None:
     deadline = time.monotonic() + timeout
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        socket_timeout=0.5,
+        username="admin" if users else None,
+        password=users.password("admin") if users else None,
+    )
     while time.monotonic() < deadline:
         try:
             if client.ping():
@@ -163,10 +177,15 @@ def ledger_process(redis_url: str, db: str, log_dir: Path, *extra: str) -> Proce
     )
 
 
-def wait_serving(address: str, process: Process, timeout: float = 60.0) -> None:
+def wait_serving(
+    address: str,
+    process: Process,
+    timeout: float = 60.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Until grpc.health.v1 says SERVING; fails early, with the log, if the process died."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not process.alive:
@@ -195,6 +214,9 @@ class LocalMesh:
     router_address: str = ""
     worker_args: tuple[str, ...] = ()
     others: list[Process] = field(default_factory=list)  # ledgers: stopped after the workers
+    auth: bool = False  # the router asks for API keys; off (--no-auth) for tests and make run
+    certs: MeshCerts | None = None  # TLS to the router, mutual TLS router -> workers
+    users: RedisUsers | None = None  # Redis ACL users per role, passwords in files
 
     @property
     def redis_url(self) -> str:
@@ -203,8 +225,8 @@ class LocalMesh:
     def start_redis(self) -> None:
         """Start (or, after a kill, restart on the same port) the private redis-server."""
         self.redis_port = self.redis_port or free_port()
-        self.redis_server = redis_process(self.redis_port, self.log_dir).start()
-        wait_redis(self.redis_port)
+        self.redis_server = redis_process(self.redis_port, self.log_dir, self.users).start()
+        wait_redis(self.redis_port, users=self.users)
 
     def restart_redis(self, down_s: float) -> None:
         """kill -9 the private Redis (it keeps nothing on disk), wait, start it empty."""
@@ -213,30 +235,67 @@ class LocalMesh:
         time.sleep(down_s)
         self.start_redis()
 
-    def redis_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=2)
+    def redis_client(self, user: str = "admin") -> redis.Redis:
+        """A client as `user` (admin: everything) when the Redis has ACL users."""
+        password = self.users.password(user) if self.users else None
+        url = user_url(self.redis_url, user) if self.users else self.redis_url
+        return redis.Redis.from_url(url, password=password, decode_responses=True, socket_timeout=2)
+
+    def _redis_as(self, user: str) -> tuple[str, list[str]]:
+        """The Redis URL and flags a process of role `user` connects with."""
+        if self.users is None:
+            return self.redis_url, []
+        password_file = str(self.users.password_file(user))
+        return user_url(self.redis_url, user), ["--redis-password-file", password_file]
+
+    def worker_credentials(self) -> grpc.ChannelCredentials | None:
+        """What the router presents to the workers (mutual TLS), for tests' direct calls."""
+        c = self.certs
+        return c and tls.channel_credentials(c.ca, c.cert("mesh-client"), c.key("mesh-client"))
+
+    def client_credentials(self) -> grpc.ChannelCredentials | None:
+        """What a client of the router needs to trust its certificate."""
+        return tls.channel_credentials(self.certs.ca) if self.certs else None
 
     def add_worker(self, repository: Path, *extra: str, port: int = 0) -> str:
         port = port or free_port()
         address = f"127.0.0.1:{port}"
+        url, flags = self._redis_as("worker")
+        if self.certs is not None:
+            c = self.certs
+            flags += ["--tls-cert", str(c.cert("worker")), "--tls-key", str(c.key("worker"))]
+            flags += ["--tls-client-ca", str(c.ca)]
         worker = worker_process(
-            repository, port, self.log_dir, self.redis_url, *self.worker_args, *extra
+            repository, port, self.log_dir, url, *flags, *self.worker_args, *extra
         )
         worker.start()
-        wait_serving(address, worker)
+        wait_serving(address, worker, credentials=self.worker_credentials())
         self.workers[address] = worker
         return address
 
-    def start_router(self, *extra: str, port: int = 0) -> str:
+    def spawn_router(self, *extra: str, port: int = 0) -> tuple[str, Process]:
+        """A router over this mesh (auth, TLS and Redis user as the mesh has them), serving."""
         port = port or free_port()
-        self.router_address = f"127.0.0.1:{port}"
-        self.router = router_process(port, self.redis_url, self.log_dir, *extra)
-        self.router.start()
-        wait_serving(self.router_address, self.router)
+        url, flags = self._redis_as("router")
+        if not self.auth:
+            flags.append("--no-auth")
+        if self.certs is not None:
+            c = self.certs
+            flags += ["--tls-cert", str(c.cert("router")), "--tls-key", str(c.key("router"))]
+            flags += ["--mesh-ca", str(c.ca), "--mesh-cert", str(c.cert("mesh-client"))]
+            flags += ["--mesh-key", str(c.key("mesh-client"))]
+        router = router_process(port, url, self.log_dir, *flags, *extra).start()
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, router, credentials=self.client_credentials())
+        return address, router
+
+    def start_router(self, *extra: str, port: int = 0) -> str:
+        self.router_address, self.router = self.spawn_router(*extra, port=port)
         return self.router_address
 
     def start_ledger(self, db: str, *extra: str) -> Process:
-        ledger = ledger_process(self.redis_url, db, self.log_dir, *extra).start()
+        url, flags = self._redis_as("ledger")
+        ledger = ledger_process(url, db, self.log_dir, *flags, *extra).start()
         self.others.append(ledger)
         return ledger
 

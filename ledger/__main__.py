@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -21,6 +22,7 @@ from redis.exceptions import RedisError
 
 from common import logging
 from common.outage import Outage
+from common.redis_auth import read_password
 from ledger import config as ledger_config
 from ledger import report
 from ledger.consumer import Consumer
@@ -44,7 +46,25 @@ GAUGES = {
 }
 
 
-def set_gauges(rows: list[Economics]) -> None:
+# Per tenant and model; tenants are the ones the mesh knows (a batch naming another is
+# quarantined), so the label set stays bounded.
+TENANT_GAUGES = {
+    name: Gauge(f"meshserve_ledger_tenant_{name}", doc, ["tenant", "model"])
+    for name, doc in [
+        ("calls", "Successful calls of the tenant"),
+        ("errors", "Calls of the tenant that failed"),
+        ("prompt_tokens", "Prompt tokens billed to the tenant"),
+        ("completion_tokens", "Completion tokens billed to the tenant"),
+        ("revenue_micro_usd", "Revenue from the tenant (per call + per token)"),
+        ("serving_cost_micro_usd", "Machine time spent on the tenant's calls"),
+    ]
+}
+
+
+def set_gauges(rows: list[Economics], tenants: Sequence[report.TenantUsage] = ()) -> None:
+    for usage in tenants:
+        for name, gauge in TENANT_GAUGES.items():
+            gauge.labels(usage.tenant, usage.model).set(getattr(usage, name))
     for row in rows:
         values = row.as_dict()
         for name, gauge in GAUGES.items():
@@ -88,7 +108,8 @@ class Backoff:
 def run(settings: LedgerSettings) -> int:
     config = ledger_config.load(settings.config)
     store = Store(settings.db)
-    consumer = Consumer(settings.redis_url, store, config)
+    password = read_password(settings.redis_password, settings.redis_password_file)
+    consumer = Consumer(settings.redis_url, store, config, password)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     stop = threading.Event()
@@ -108,7 +129,7 @@ def run(settings: LedgerSettings) -> int:
                 log.debug("ledger_applied", batches=applied)
             redis_state.succeeded()
             if settings.metrics_port:  # otherwise nobody reads the gauges
-                set_gauges(report.build(store, config))
+                set_gauges(report.build(store, config), report.by_tenant(store, config))
             db_state.succeeded()
             return True
         except (RedisError, OSError) as error:
@@ -139,12 +160,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="move the routers' counters into the durable ledger")
     p_run.add_argument("--redis-url")
+    p_run.add_argument(
+        "--redis-password-file", type=Path, help="else MESHSERVE_LEDGER_REDIS_PASSWORD"
+    )
     p_run.add_argument("--interval-seconds", type=float)
     p_run.add_argument("--metrics-port", type=int)
     p_run.add_argument("--log-level")
     p_report = sub.add_parser("report", help="economics per model")
     p_report.add_argument("--model")
     p_report.add_argument("--json", action="store_true")
+    p_report.add_argument(
+        "--tenants", action="store_true", help="revenue, calls, tokens and cost per tenant"
+    )
     p_report.add_argument("--plot", type=Path, help="write a PNG of revenue vs T and cost per call")
     for p in (p_run, p_report):
         p.add_argument("--db")
@@ -164,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             return run(settings)
         config = ledger_config.load(settings.config)
         store = Store(settings.db)
+        if args.tenants:
+            usage = report.by_tenant(store, config)
+            if args.json:
+                print(json.dumps([u.as_dict() for u in usage], indent=2))
+            else:
+                print(report.tenant_text(usage))
+            return 0
         rows = report.build(store, config, args.model)
         if args.json:
             print(json.dumps([e.as_dict() for e in rows], indent=2))

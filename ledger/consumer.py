@@ -14,8 +14,12 @@ add up (success + errors = calls; calls, errors and upstream time >= 0; revenue 
 of success: a negative success is a refund). The token counts may be negative in a batch (a
 streamed piece recorded, then refunded when it could not be delivered). Anything else is
 quarantined in the store with the reason, and the cursor moves past it: one bad entry never
-stops the ledger. A registration that does not parse is skipped with a log line. What this
-cannot catch is a well-formed forgery: that needs credentials on Redis (a separate issue).
+stops the ledger. A registration that does not parse is skipped with a log line; a model
+whose live registrations disagree on its price or training cost keeps the terms recorded
+before (one forged registration does not reprice a model). A batch key
+"model|version|tenant" counts for a tenant the mesh knows (meshserve:tenants), else the
+entry is quarantined. A well-formed forgery is kept out by Redis's ACL users
+(deploy/redis_acl.py): only the router role may append to the streams.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import structlog
 
 from common import mesh_state
 from common.mesh_state import WorkerInfo
+from common.tenancy import TENANT_NAME
 from ledger.config import LedgerConfig
 from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
@@ -42,8 +47,14 @@ def worker_kind(provider: str) -> str:
 MAX_COUNT = 2**53  # any count beyond this is not a batch of one router's flush interval
 
 
-def parse_entry(entry_id: str, fields: dict[str, str], known: set[str] | None = None) -> BatchEntry:
-    """A stream entry -> its batch; ValueError says why it cannot be counted."""
+def parse_entry(
+    entry_id: str,
+    fields: dict[str, str],
+    known: set[str] | None = None,
+    tenants: set[str] | frozenset[str] = frozenset(),
+) -> BatchEntry:
+    """A stream entry -> its batch; ValueError says why it cannot be counted. A key
+    "model|version|tenant" must name a tenant in `tenants`."""
     epoch, _, seq = entry_id.partition("-")
     if set(fields) != {"usage", "at_ms"}:
         raise ValueError(f"fields {sorted(fields)[:8]}, expected ['at_ms', 'usage']")
@@ -56,10 +67,12 @@ def parse_entry(entry_id: str, fields: dict[str, str], known: set[str] | None = 
     usage = {}
     for key, counts in usage_json.items():
         parts = key.split("|")
-        if len(parts) != 2 or not all(0 < len(p) <= mesh_state.MAX_NAME for p in parts):
-            raise ValueError(f"usage key {key[:64]!r} is not 'model|version'")
+        if len(parts) not in (2, 3) or not all(0 < len(p) <= mesh_state.MAX_NAME for p in parts):
+            raise ValueError(f"usage key {key[:64]!r} is not 'model|version[|tenant]'")
         if known is not None and parts[0] not in known:
             raise ValueError(f"model {parts[0][:64]!r} is not one the mesh serves")
+        if len(parts) == 3 and parts[2] not in tenants:
+            raise ValueError(f"tenant {parts[2][:64]!r} is not one the mesh knows")
         lengths = (len(mesh_state.CALL_FIELDS), len(mesh_state.USAGE_FIELDS))
         if (
             not isinstance(counts, list)
@@ -73,15 +86,18 @@ def parse_entry(entry_id: str, fields: dict[str, str], known: set[str] | None = 
             raise ValueError(f"{key[:64]!r}: counts do not add up: {counts}")
         if revenue * success < 0 or (success == 0 and revenue != 0):
             raise ValueError(f"{key[:64]!r}: revenue {revenue} for {success} successes")
-        usage[(parts[0], parts[1])] = counts
+        usage[tuple(parts)] = counts
     return BatchEntry(int(seq or 1), usage, at_ms, int(epoch))
 
 
 def check_entry(
-    entry_id: str, fields: dict[str, str], known: set[str] | None = None
+    entry_id: str,
+    fields: dict[str, str],
+    known: set[str] | None = None,
+    tenants: set[str] | frozenset[str] = frozenset(),
 ) -> BatchEntry | Quarantined:
     try:
-        return parse_entry(entry_id, fields, known)
+        return parse_entry(entry_id, fields, known, tenants)
     except (ValueError, TypeError, AttributeError) as e:
         epoch, _, seq = entry_id.partition("-")
         raw = json.dumps(fields)[:4096]
@@ -90,20 +106,28 @@ def check_entry(
 
 
 class Consumer:
-    def __init__(self, redis_url: str, store: Store, config: LedgerConfig) -> None:
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
+    def __init__(
+        self, redis_url: str, store: Store, config: LedgerConfig, password: str | None = None
+    ) -> None:
+        self.redis = redis.Redis.from_url(
+            redis_url, password=password, decode_responses=True, socket_timeout=5
+        )
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)
         self._cursors: dict[str, tuple[int, int]] = {}
         self._terms: dict[str, tuple[int, ...]] = {}  # model -> (p, T, prices) last recorded
+        self._disputed: set[str] = set()  # models whose live replicas disagree on terms
         self._known: set[str] = set(config.models) | set(store.models())  # served models
         self._refused: set[str] = set()  # registration texts already logged as refused
+        self._tenants: set[str] = set(store.tenants())  # tenants batches may count
 
     def flush(self) -> int:
         """One pass; returns the number of batches applied."""
         applied = 0
         self._record_registry()  # first: the models it names are the ones batches may count
+        tenants: set[str] = self.redis.smembers(mesh_state.TENANTS)  # type: ignore[assignment]
+        self._tenants.update(t for t in tenants if TENANT_NAME.match(t))
         routers: set[str] = self.redis.smembers(mesh_state.ROUTERS)  # type: ignore[assignment]
         for router_id in sorted(routers):
             applied += self._drain(router_id)
@@ -121,7 +145,7 @@ class Consumer:
             good: list[BatchEntry] = []
             bad: list[Quarantined] = []
             for entry_id, fields in raw:  # type: ignore[union-attr]
-                entry = check_entry(entry_id, fields, self._known)
+                entry = check_entry(entry_id, fields, self._known, self._tenants)
                 (bad if isinstance(entry, Quarantined) else good).append(entry)  # type: ignore[arg-type]
             if raw:
                 cursor = self._cursors[router_id] = self.store.apply(
@@ -144,6 +168,7 @@ class Consumer:
             return
         infos = self.redis.mget([mesh_state.worker_key(i) for i in ids])
         spans = []
+        terms_seen: dict[str, set[tuple[int, ...]]] = {}
         for raw in infos:  # type: ignore[union-attr]
             if raw is None:
                 continue
@@ -157,15 +182,25 @@ class Consumer:
             self._known.update(info.models)
             spans.append(WorkerSpan(info.id, info.started_ms, worker_kind(info.provider), now))
             for name, entry in info.models.items():
-                terms = (
-                    entry.price_micro_usd,
-                    entry.training_cost_micro_usd,
-                    entry.price_per_1k_input_tokens_micro_usd,
-                    entry.price_per_1k_output_tokens_micro_usd,
+                terms_seen.setdefault(name, set()).add(
+                    (
+                        entry.price_micro_usd,
+                        entry.training_cost_micro_usd,
+                        entry.price_per_1k_input_tokens_micro_usd,
+                        entry.price_per_1k_output_tokens_micro_usd,
+                    )
                 )
-                if name not in self.config.models and self._terms.get(name) != terms:
-                    self.store.record_model(name, *terms)  # only when they change
-                    self._terms[name] = terms
+        for name, seen in terms_seen.items():
+            if len(seen) > 1:  # replicas disagree: one of them is wrong (or forged)
+                if name not in self._disputed:
+                    self._disputed.add(name)
+                    log.warning("ledger_model_terms_disputed", model=name[:64], terms=sorted(seen))
+                continue
+            self._disputed.discard(name)
+            terms = next(iter(seen))
+            if name not in self.config.models and self._terms.get(name) != terms:
+                self.store.record_model(name, *terms)  # only when they change
+                self._terms[name] = terms
         self.store.record_workers(spans)
 
     def close(self) -> None:

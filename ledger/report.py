@@ -154,6 +154,58 @@ def _token_lines(t: TokenEconomics) -> list[str]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's use of one model: what it was billed and what serving it cost."""
+
+    tenant: str
+    model: str
+    calls: int  # successful calls
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    revenue_micro_usd: int  # per call + per token
+    serving_cost_micro_usd: int  # machine time, by the share of upstream time its calls took
+
+    def as_dict(self) -> dict[str, int | str]:
+        return dataclasses.asdict(self)
+
+
+def by_tenant(store: Store, config: LedgerConfig) -> list[TenantUsage]:
+    usage = store.tenant_usage()
+    total_cost = serving_cost(store.workers(), config.machine_prices)
+    upstream_total = sum(u["upstream_ns"] for u in store.usage().values()) or 1
+    return [
+        TenantUsage(
+            tenant,
+            model,
+            u["success"],
+            u["errors"],
+            u["prompt_tokens"],
+            u["completion_tokens"],
+            u["revenue_micro_usd"] + u["token_revenue_micro_usd"],
+            total_cost * u["upstream_ns"] // upstream_total,
+        )
+        for (tenant, model), u in sorted(usage.items())
+    ]
+
+
+def tenant_text(rows: list[TenantUsage]) -> str:
+    if not rows:
+        return "no tenant calls recorded yet (auth off, or no calls)"
+    lines = [
+        f"{'tenant':20s} {'model':16s} {'calls':>10s} {'errors':>8s} {'tokens in/out':>17s} "
+        f"{'revenue':>14s} {'serving cost':>14s}"
+    ]
+    for r in rows:
+        tokens = f"{r.prompt_tokens:,}/{r.completion_tokens:,}"
+        lines.append(
+            f"{r.tenant:20s} {r.model:16s} {r.calls:>10,} {r.errors:>8,} {tokens:>17s} "
+            f"{usd(r.revenue_micro_usd):>14s} {usd(r.serving_cost_micro_usd):>14s}"
+        )
+    return "\n".join(lines)
+
+
 def one_line(rows: list[Economics]) -> str:
     if not rows:
         return "ledger: no calls recorded"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class LedgerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_LEDGER_")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # the user in it: redis://ledger@host/0
+    redis_password: SecretStr | None = None  # environment only, never a flag
+    redis_password_file: Path | None = None
     db: str = "sqlite:///build/ledger.db"  # or postgresql://user@host:5432/db
     config: Path | None = None  # TOML: machine prices, per-model p and T
     interval_seconds: float = 1.0

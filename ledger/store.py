@@ -59,7 +59,16 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS token_prices (
         model TEXT PRIMARY KEY, per_1k_input_micro_usd BIGINT NOT NULL,
         per_1k_output_micro_usd BIGINT NOT NULL)""",
+    # Per tenant (auth on): the same counts by tenant, model and version; `usage` and
+    # `token_usage` keep the totals over every tenant.
+    """CREATE TABLE IF NOT EXISTS tenant_usage (
+        tenant TEXT NOT NULL, model TEXT NOT NULL, version TEXT NOT NULL,
+        calls BIGINT NOT NULL, success BIGINT NOT NULL, errors BIGINT NOT NULL,
+        revenue_micro_usd BIGINT NOT NULL, upstream_ns BIGINT NOT NULL,
+        prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
+        token_revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (tenant, model, version))""",
 ]
+TENANT_FIELDS = (*CALL_FIELDS, "prompt_tokens", "completion_tokens", "token_revenue_micro_usd")
 
 FIELDS = CALL_FIELDS  # the usage table's count columns; TOKEN_FIELDS are token_usage's
 BUCKET_MS = 10_000  # time series resolution for rates and plots
@@ -68,7 +77,8 @@ BUCKET_MS = 10_000  # time series resolution for rates and plots
 @dataclass(frozen=True)
 class BatchEntry:
     seq: int
-    usage: dict[tuple[str, str], list[int]]  # (model, version) -> counts in USAGE_FIELDS order
+    # (model, version) or (model, version, tenant) -> counts in USAGE_FIELDS order
+    usage: dict[tuple[str, ...], list[int]]
     at_ms: int
     epoch: int = 0
 
@@ -187,8 +197,10 @@ class Store:
                         (router_id, f"{entry.epoch}-{entry.seq}", entry.reason, entry.raw, now_ms),
                     )
                 else:
-                    for (model, version), counts in entry.usage.items():
+                    for (model, version, *tenant), counts in entry.usage.items():
                         self._add_usage(cur, model, version, counts, entry.at_ms)
+                        if tenant:
+                            self._add_tenant_usage(cur, tenant[0], model, version, counts)
                 cursor = entry.id
             if cursor != start:
                 cur.execute(
@@ -220,6 +232,20 @@ class Store:
             "DO UPDATE SET calls = usage_buckets.calls + excluded.calls, "
             "revenue_micro_usd = usage_buckets.revenue_micro_usd + excluded.revenue_micro_usd",
             (model, at_ms // BUCKET_MS, calls[1], revenue),
+        )
+
+    @staticmethod
+    def _add_tenant_usage(
+        cur: _Cursor, tenant: str, model: str, version: str, counts: list[int]
+    ) -> None:
+        by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
+        values = [by_name.get(f, 0) for f in TENANT_FIELDS]
+        sets = ", ".join(f"{f} = tenant_usage.{f} + excluded.{f}" for f in TENANT_FIELDS)
+        marks = ", ".join("?" for _ in range(3 + len(TENANT_FIELDS)))
+        cur.execute(
+            f"INSERT INTO tenant_usage VALUES ({marks}) "
+            f"ON CONFLICT (tenant, model, version) DO UPDATE SET {sets}",
+            (tenant, model, version, *values),
         )
 
     def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
@@ -273,6 +299,20 @@ class Store:
             counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
             counts.update(zip(TOKEN_FIELDS, map(int, r[2:]), strict=True))
         return usage
+
+    def tenant_usage(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(tenant, model) -> TENANT_FIELDS summed over the model's versions."""
+        sums = ", ".join(f"SUM({f})" for f in TENANT_FIELDS)
+        with self.transaction() as cur:
+            rows = cur.execute(
+                f"SELECT tenant, model, {sums} FROM tenant_usage GROUP BY tenant, model"
+            ).all()
+        return {(r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+
+    def tenants(self) -> list[str]:
+        with self.transaction() as cur:
+            rows = cur.execute("SELECT DISTINCT tenant FROM tenant_usage").all()
+        return sorted(r[0] for r in rows)
 
     def token_prices(self) -> dict[str, tuple[int, int]]:
         """model -> (micro-USD per 1k input tokens, per 1k output tokens)."""

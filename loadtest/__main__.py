@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
+import grpc
+
+from client.__main__ import API_KEY_VARIABLE
 from client.client import Client
+from common import tls
 from loadtest import inputs, plots
 from loadtest.runner import Load, closed_loop, measured, open_loop, progress_printer
 
@@ -29,6 +34,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--address", default="127.0.0.1:8001")
+    parser.add_argument(
+        "--ca", type=Path, help="TLS: trust this CA; an API key comes from MESHSERVE_API_KEY"
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--model-version", default="")
     shape = parser.add_mutually_exclusive_group()
@@ -70,8 +78,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def connection(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | None, str | None]:
+    """TLS credentials (--ca) and the API key (MESHSERVE_API_KEY, never a flag)."""
+    credentials = tls.channel_credentials(args.ca) if args.ca else None
+    return credentials, os.environ.get(API_KEY_VARIABLE)
+
+
 def build_requests(args: argparse.Namespace) -> list[bytes]:
-    with Client(args.address, timeout=min(args.timeout, 30.0)) as client:
+    credentials, key = connection(args)
+    with Client(
+        args.address, timeout=min(args.timeout, 30.0), credentials=credentials, api_key=key
+    ) as client:
         meta = client.model_metadata(args.model, args.model_version)
     if args.input_file:
         arrays = inputs.from_file(args.input_file, meta)
@@ -84,6 +101,7 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
 
 
 async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]:
+    credentials, key = connection(args)
     load = Load(
         args.address,
         requests,
@@ -93,6 +111,8 @@ async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]
         args.max_requests,
         min_send_fraction=args.min_send_fraction,
         max_send_lag_ms=args.max_send_lag_ms,
+        credentials=credentials,
+        metadata=(("authorization", f"Bearer {key}"),) if key else (),
     )
     progress = None if args.quiet else progress_printer()
     runs = []

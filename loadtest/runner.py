@@ -27,6 +27,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from common import tls
 from common.rpc import message_options
 from loadtest.stats import Recorder
 
@@ -48,6 +49,8 @@ class Load:
     # has a p99 above max_send_lag_ms.
     min_send_fraction: float = 0.95
     max_send_lag_ms: float = 50.0
+    credentials: grpc.ChannelCredentials | None = None  # TLS (common.tls)
+    metadata: tuple[tuple[str, str], ...] = ()  # sent with every call: an API key
 
 
 class _Run:
@@ -58,7 +61,7 @@ class _Run:
         self.recorder = Recorder()
         self.sent = 0
         self.completed = 0  # including warm-up, for the live rate
-        self.channel = grpc.aio.insecure_channel(load.address, options=message_options())
+        self.channel = tls.aio_channel(load.address, load.credentials, message_options())
         self.call = self.channel.unary_unary(METHOD)
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()
@@ -75,7 +78,7 @@ class _Run:
     async def send(self, body: bytes, started: float, t0: float) -> None:
         """One call; latency from t0 (loop clock), counted if it started in the window."""
         try:
-            await self.call(body, timeout=self.load.timeout)
+            await self.call(body, timeout=self.load.timeout, metadata=self.load.metadata or None)
         except grpc.aio.AioRpcError as e:
             if started >= self.measure_from:
                 self.recorder.error(e.code().name)

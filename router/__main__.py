@@ -1,4 +1,7 @@
-"""python -m router --host 127.0.0.1 --port 8001 --redis-url redis://127.0.0.1:6379/0"""
+"""python -m router --host 127.0.0.1 --port 8001 --redis-url redis://127.0.0.1:6379/0
+
+python -m router keys create|list|revoke --tenant T, python -m router tenants set|list:
+see router/keys.py."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import asyncio
 import sys
 
 from common import logging
+from router import keys
 from router.policy import POLICIES
 from router.server import serve
 from router.settings import RouterSettings
@@ -63,6 +67,29 @@ def parse_args(argv: list[str]) -> RouterSettings:
         "--answer-margin-ms", type=float, help="deadline left below which no OK is sent"
     )
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--metrics-host", help="default 127.0.0.1")
+    parser.add_argument(
+        "--no-auth",
+        dest="auth",
+        action="store_false",
+        default=None,
+        help="serve without API keys: refused unless --host is 127.0.0.1 (make run)",
+    )
+    parser.add_argument("--auth-cache-seconds", type=float)
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--mesh-ca", help="CA of the workers' certificates: mutual TLS to them")
+    parser.add_argument("--mesh-cert", help="the router's client certificate for the workers")
+    parser.add_argument("--mesh-key")
+    parser.add_argument(
+        "--redis-password-file", help="else MESHSERVE_ROUTER_REDIS_PASSWORD, else none"
+    )
+    parser.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gRPC server reflection; default: on only when bound to 127.0.0.1",
+    )
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--log-level")
     args = parser.parse_args(argv)
@@ -70,9 +97,16 @@ def parse_args(argv: list[str]) -> RouterSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("keys", "tenants"):
+        return keys.main(argv)
+    settings = parse_args(argv)
     logging.configure(settings.log_level, settings.log_json)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except ValueError as e:  # a setting the router refuses to start with
+        print(f"meshserve router: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

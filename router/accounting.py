@@ -202,6 +202,7 @@ class Receipt:
     tokens: Tokens = NO_TOKENS
     finish: str | None = None
     call: bool = True  # False: only the tokens of one streamed piece
+    tenant: str = ""  # whose call ("" with auth off)
 
 
 def parse_batch_id(text: str) -> tuple[int, int]:
@@ -221,10 +222,18 @@ class Accounting:
         maintenance_s: float = 1.0,
         retain_max: int = 200_000,
         inflight: Callable[[], int] = lambda: 0,
+        password: str | None = None,
     ) -> None:
         self.redis = aioredis.from_url(
-            redis_url, socket_timeout=1.0, socket_connect_timeout=0.5, decode_responses=True
+            redis_url,
+            password=password,
+            socket_timeout=1.0,
+            socket_connect_timeout=0.5,
+            decode_responses=True,
         )
+        # tenant, tokens, micro-USD of each billed call (and negative for a refund): the
+        # tenant's tokens-per-minute and spend cap (router/auth.py)
+        self.charge: Callable[[str, int, int], None] | None = None
         self.router_id = router_id
         self.wait_s = wait_s
         if when_slow not in WHEN_SLOW:
@@ -264,20 +273,33 @@ class Accounting:
         upstream_ns: int = 0,
         tokens: Tokens = NO_TOKENS,
         finish: str | None = None,
+        tenant: str = "",
     ) -> asyncio.Future:
-        """Count one call; the returned future resolves once its batch is in Redis."""
+        """Count one call (of `tenant`, "" with auth off); the returned future resolves once
+        its batch is in Redis."""
         self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns, tokens, finish)
         batch = self._current
-        key = mesh_state.model_key(model, version)
+        key = mesh_state.model_key(model, version, tenant)
         batch.usage[key].add(ok, price_micro_usd, upstream_ns, tokens, finish)
+        self._charge(tenant, tokens, price_micro_usd if ok else 0)
         return self._recorded(batch)
 
-    def record_tokens(self, model: str, version: str, tokens: Tokens) -> asyncio.Future:
+    def record_tokens(
+        self, model: str, version: str, tokens: Tokens, tenant: str = ""
+    ) -> asyncio.Future:
         """Count the tokens of one streamed piece (the call is counted when it ends)."""
         self.totals[(model, version)].add_tokens(tokens)
         batch = self._current
-        batch.usage[mesh_state.model_key(model, version)].add_tokens(tokens)
+        batch.usage[mesh_state.model_key(model, version, tenant)].add_tokens(tokens)
+        self._charge(tenant, tokens, 0)
         return self._recorded(batch)
+
+    def _charge(self, tenant: str, tokens: Tokens, price: int, sign: int = 1) -> None:
+        if tenant and self.charge is not None:
+            count = tokens.prompt + tokens.completion if sign > 0 else 0  # tokens were used
+            spend = sign * (price + tokens.revenue_micro_usd)
+            if count or spend:
+                self.charge(tenant, count, spend)
 
     def _recorded(self, batch: Batch) -> asyncio.Future:
         self._records += 1
@@ -290,8 +312,9 @@ class Accounting:
         """Turn one recorded success into an error (its client never got the reply)."""
         self.totals[(receipt.model, receipt.version)].refund(receipt)
         self._records += 1
-        key = mesh_state.model_key(receipt.model, receipt.version)
+        key = mesh_state.model_key(receipt.model, receipt.version, receipt.tenant)
         self._current.usage[key].refund(receipt)
+        self._charge(receipt.tenant, receipt.tokens, receipt.price_micro_usd * receipt.call, -1)
         self._wake.set()
 
     async def durable(self, future: asyncio.Future) -> bool:

@@ -47,6 +47,7 @@ from protos.routing_pb2 import InferHeader
 from router import billing, metrics, policy
 from router.accounting import NO_TOKENS, Accounting, Receipt
 from router.affinity import Affinity, session_of
+from router.auth import Auth, Tenant
 from router.registry import Registry, Replica
 
 log = structlog.get_logger()
@@ -68,6 +69,7 @@ class Dispatcher:
         max_inflight_per_model: int = 512,
         answer_margin_s: float = 0.002,
         max_sessions: int = 100_000,
+        auth: Auth | None = None,
     ) -> None:
         if policy_name not in policy.POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")
@@ -81,6 +83,7 @@ class Dispatcher:
         self.max_inflight_per_model = max_inflight_per_model
         self.answer_margin_s = answer_margin_s
         self.affinity = Affinity(max_sessions)
+        self.auth = auth  # tenants: models and limits (None: auth off)
         self._tick = 0
         self._inflight = 0
         self._inflight_by_model: Counter[str] = Counter()
@@ -139,8 +142,11 @@ class Dispatcher:
             metrics.KV_NO_ROOM.inc()  # every replica's cache was full: it waits there
         return by_id[chosen.id]
 
-    async def infer(self, raw: bytes, deadline: float | None) -> tuple[bytes, Receipt | None]:
-        """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based.
+    async def infer(
+        self, raw: bytes, deadline: float | None, tenant: Tenant | None = None
+    ) -> tuple[bytes, Receipt | None]:
+        """Forward one ModelInfer request (serialized); `deadline` is time.monotonic()-based;
+        `tenant` (auth on) must be allowed the model and within its limits.
 
         A success is answered once its record is in Redis (group commit, see accounting).
         Returns the reply and, for a recorded success, the receipt `settle` takes."""
@@ -154,11 +160,13 @@ class Dispatcher:
             ) from None
         model, version = header.model_name, header.model_version
         served = bool(self.registry.replicas_for(model))
-        attempt = _Attempt(session=session_of(header.parameters))
+        attempt = _Attempt(session=session_of(header.parameters), tenant=tenant)
         code = grpc.StatusCode.UNKNOWN  # until the call ends one way or another
         admitted = False
         reply = b""
         try:
+            if tenant is not None and self.auth is not None:
+                await self.auth.admit(tenant, model)
             if served:
                 self.admit(model)
                 admitted = True
@@ -332,8 +340,11 @@ class Dispatcher:
             piece = billing.unary_piece(reply)
             tokens, finish = billing.TokenMeter.of(entry).advance(piece), piece.finish_reason or ""
         upstream_ns = int(attempt.upstream_s * 1e9)
-        future = self.accounting.record(model, version, ok, price, upstream_ns, tokens, finish)
-        return future, Receipt(model, version, price, tokens, finish) if ok else None
+        tenant = attempt.tenant.name if attempt.tenant else ""
+        future = self.accounting.record(
+            model, version, ok, price, upstream_ns, tokens, finish, tenant
+        )
+        return future, Receipt(model, version, price, tokens, finish, tenant=tenant) if ok else None
 
 
 @dataclass
@@ -344,3 +355,4 @@ class _Attempt:
     replica: Replica | None = None
     upstream_s: float = 0.0
     session: str | None = None  # the conversation it belongs to (router.affinity)
+    tenant: Tenant | None = None  # whose call (auth on)

@@ -10,7 +10,8 @@ dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
 
 What Redis holds is checked before it is used: a registration that does not parse as a
 WorkerInfo, or that prices a model differently from the replicas already serving it, is
-ignored with one log line per registration text (nothing in Redis is authenticated yet).
+ignored with one log line per registration text (Redis ACLs limit who may write it; see
+deploy/redis_acl.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
-from common import mesh_state
+from common import mesh_state, tls
 from common.mesh_state import DepthSample, WorkerInfo, now_ms
 from common.outage import Outage
 from router import metrics
@@ -78,11 +79,18 @@ class Registry:
         eject_base_s: float = 1.0,
         eject_max_s: float = 30.0,
         stall_s: float = 1.0,
+        password: str | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.redis = aioredis.from_url(
-            redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+            redis_url,
+            password=password,
+            socket_timeout=0.5,
+            socket_connect_timeout=0.5,
+            decode_responses=True,
         )
         self.channel_options = channel_options
+        self.channel_credentials = channel_credentials  # mutual TLS to the workers
         self.poll_s = poll_s
         self.ttl_s = ttl_s
         self.eject_base_s = eject_base_s
@@ -201,7 +209,7 @@ class Registry:
             asyncio.get_running_loop().create_task(replica.channel.close())
             replica = None
         if replica is None:
-            channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
+            channel = tls.aio_channel(info.address, self.channel_credentials, self.channel_options)
             replica = Replica(info, channel)
             self.replicas[worker_id] = replica
             log.info(

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 
+import redis.asyncio as aioredis
 import structlog
 from prometheus_client import start_http_server
 
-from common import rpc
+from common import rpc, tls
+from common.redis_auth import read_password
 from router.accounting import Accounting
+from router.auth import Auth
 from router.dispatch import Dispatcher
+from router.limits import Limiter
 from router.registry import Registry
 from router.servicer import RouterServicer, handler
 from router.settings import RouterSettings
@@ -19,9 +23,22 @@ log = structlog.get_logger()
 
 async def serve(settings: RouterSettings) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
+    if not settings.auth and not rpc.is_loopback(settings.host):
+        raise ValueError(
+            f"--no-auth is for make run on 127.0.0.1 only; refusing to serve {settings.host} "
+            "without API keys"
+        )
+    password = read_password(settings.redis_password, settings.redis_password_file)
+    mesh_credentials = (
+        tls.channel_credentials(settings.mesh_ca, settings.mesh_cert, settings.mesh_key)
+        if settings.mesh_ca
+        else None
+    )
     registry = Registry(
         settings.redis_url,
         rpc.message_options(settings.max_message_bytes),
+        password=password,
+        channel_credentials=mesh_credentials,
         poll_s=settings.poll_seconds,
         ttl_s=settings.registry_ttl_seconds,
         eject_base_s=settings.eject_base_seconds,
@@ -34,7 +51,25 @@ async def serve(settings: RouterSettings) -> None:
         settings.accounting_wait_seconds,
         settings.accounting_when_slow,
         inflight=lambda: sum(len(r.inflight) for r in registry.replicas.values()),
+        password=password,
     )
+    auth = None
+    if settings.auth:
+        redis = aioredis.from_url(
+            settings.redis_url,
+            password=password,
+            socket_timeout=0.5,
+            socket_connect_timeout=0.5,
+            decode_responses=True,
+        )
+        auth = Auth(redis, Limiter(redis), settings.auth_cache_seconds)
+        accounting.charge = auth.charge
+    else:
+        log.warning(
+            "AUTH_OFF_ANYONE_WHO_REACHES_THIS_PORT_IS_TRUSTED",
+            address=f"{settings.host}:{settings.port}",
+            note="API keys, per-tenant limits and tenant billing are off (make run only)",
+        )
     dispatcher = Dispatcher(
         registry,
         accounting if settings.accounting else None,
@@ -45,13 +80,22 @@ async def serve(settings: RouterSettings) -> None:
         max_inflight_per_model=settings.max_inflight_per_model,
         answer_margin_s=settings.answer_margin_ms / 1000,
         max_sessions=settings.max_sessions,
+        auth=auth,
     )
     await registry.start()
     accounting.start()
+    if auth is not None:
+        auth.limiter.start()
 
-    server, health = rpc.new_server(settings.max_message_bytes)
-    server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher)),))
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    reflection = rpc.reflection_wanted(settings.host, settings.reflection)
+    server, health = rpc.new_server(settings.max_message_bytes, reflection)
+    server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher, auth)),))
+    credentials = (
+        tls.server_credentials(settings.tls_cert, settings.tls_key)
+        if settings.tls_cert and settings.tls_key
+        else None
+    )
+    port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
     await server.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
@@ -61,6 +105,10 @@ async def serve(settings: RouterSettings) -> None:
         router=router_id,
         address=f"{settings.host}:{port}",
         policy=settings.policy,
+        auth=settings.auth,
+        tls=credentials is not None,
+        mesh_tls=mesh_credentials is not None,
+        reflection=reflection,
         replicas=sorted(registry.replicas),
         metrics=f"{settings.metrics_host}:{settings.metrics_port}"
         if settings.metrics_port
@@ -73,5 +121,8 @@ async def serve(settings: RouterSettings) -> None:
     await health.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
     await accounting.close()  # last flush of the usage totals
+    if auth is not None:
+        await auth.limiter.close()
+        await auth.redis.aclose()
     await registry.close()
     log.info("router_stopped", router=router_id)

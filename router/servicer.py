@@ -20,6 +20,7 @@ from common.errors import MeshError, NotFound, UpstreamError, clip, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from router.aggregate import sum_statistics
+from router.auth import Auth, Tenant
 from router.dispatch import Dispatcher
 from router.registry import Registry, Replica
 from router.streams import StreamForwarder
@@ -32,15 +33,32 @@ UPSTREAM_TIMEOUT_S = 10.0
 
 
 class RouterServicer:
-    def __init__(self, registry: Registry, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, registry: Registry, dispatcher: Dispatcher, auth: Auth | None = None
+    ) -> None:
         self.registry = registry
         self.dispatcher = dispatcher
+        self.auth = auth  # None: auth off (make run on 127.0.0.1)
+
+    async def _tenant(self, context: Any, model: str | None = None) -> Tenant | None:
+        """The caller's tenant (UNAUTHENTICATED without a valid key); with `model`, one it
+        may use (PERMISSION_DENIED). None when auth is off."""
+        if self.auth is None:
+            return None
+        tenant = await self.auth.authenticate(context.invocation_metadata())
+        if model is not None:
+            self.auth.authorize(tenant, model)
+        return tenant
+
+    def _allowed(self, tenant: Tenant | None, model: str) -> bool:
+        return tenant is None or tenant.policy.allows(model)
 
     # -- inference -------------------------------------------------------------------------
 
     @grpc_errors
     async def ModelInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        reply, receipt = await self.dispatcher.infer(request, _deadline(context))
+        tenant = await self._tenant(context)
+        reply, receipt = await self.dispatcher.infer(request, _deadline(context), tenant)
         if receipt is not None:
             # Recorded as a success: if the client is gone by the time the reply is sent
             # (cancelled, or its deadline passed), the RPC ends cancelled and is refunded.
@@ -53,7 +71,11 @@ class RouterServicer:
         self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         """Each request forwarded on a worker stream; every response passed on as it comes."""
-        forwarder = StreamForwarder(self.dispatcher, _deadline(context))
+        try:
+            tenant = await self._tenant(context)
+        except MeshError as e:
+            await context.abort(e.code, e.message)
+        forwarder = StreamForwarder(self.dispatcher, _deadline(context), tenant)
         async for response in forwarder.serve(request_iterator):
             yield response
 
@@ -69,6 +91,7 @@ class RouterServicer:
 
     @grpc_errors
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        await self._tenant(context)
         providers = sorted(
             {f"execution_provider/{r.info.provider}" for r in self.registry.replicas.values()}
         )
@@ -80,6 +103,7 @@ class RouterServicer:
 
     @grpc_errors
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+        await self._tenant(context, request.name)
         for replica in self._healthy(self.registry.replicas_for(request.name, request.version)):
             try:
                 reply = await _stub(replica).ModelReady(request, timeout=UPSTREAM_TIMEOUT_S)
@@ -91,19 +115,24 @@ class RouterServicer:
 
     @grpc_errors
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+        await self._tenant(context, request.name)
         return await self._forward("ModelMetadata", request, request.name, request.version)
 
     @grpc_errors
     async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
-        return await self._forward("ModelConfig", request, request.name, request.version)
+        tenant = await self._tenant(context, request.name)
+        reply = await self._forward("ModelConfig", request, request.name, request.version)
+        return Auth.visible_config(tenant, reply)
 
     @grpc_errors
     async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+        tenant = await self._tenant(context)
         versions = {
             (name, v)
             for r in self.registry.replicas.values()
             for name, entry in r.info.models.items()
             for v in entry.versions
+            if self._allowed(tenant, name)
         }
         reply = pb.RepositoryIndexResponse()
         for name, version in sorted(versions):
@@ -112,6 +141,7 @@ class RouterServicer:
 
     @grpc_errors
     async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+        tenant = await self._tenant(context, request.name or None)
         if request.name:
             replicas = self.registry.replicas_for(request.name, request.version)
             if not replicas:
@@ -122,7 +152,12 @@ class RouterServicer:
             *(_stub(r).ModelStatistics(request, timeout=UPSTREAM_TIMEOUT_S) for r in replicas),
             return_exceptions=True,
         )
-        return sum_statistics([r for r in replies if isinstance(r, pb.ModelStatisticsResponse)])
+        summed = sum_statistics([r for r in replies if isinstance(r, pb.ModelStatisticsResponse)])
+        if tenant is not None and not request.name:  # only the models the tenant may use
+            kept = [s for s in summed.model_stats if self._allowed(tenant, s.name)]
+            del summed.model_stats[:]
+            summed.model_stats.extend(kept)
+        return summed
 
     # -- helpers ---------------------------------------------------------------------------
 

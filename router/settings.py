@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.rpc import MAX_MESSAGE_BYTES
@@ -15,7 +16,9 @@ class RouterSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8001
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # the user in it: redis://router@host/0
+    redis_password: SecretStr | None = None  # environment only, never a flag
+    redis_password_file: Path | None = None
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
     policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
     max_sessions: int = Field(100_000, ge=0)  # session affinity LRU size; 0 = no affinity
@@ -38,6 +41,17 @@ class RouterSettings(BaseSettings):
     answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    # Tenants (router/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
+    auth: bool = True
+    auth_cache_seconds: float = Field(1.0, ge=0)  # a revoked key works at most this long
+    # TLS to clients when both are given; mutual TLS to the workers with the mesh CA and
+    # the router's client certificate.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    mesh_ca: Path | None = None
+    mesh_cert: Path | None = None
+    mesh_key: Path | None = None
+    reflection: bool | None = None  # default: on only when bound to 127.0.0.1
     metrics_host: str = "127.0.0.1"
     grace_seconds: float = 10.0
     log_level: str = "info"

@@ -44,13 +44,14 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from common.errors import clip
+from common.errors import MeshError, clip
 from common.mesh_state import ModelEntry
 from protos import grpc_service_pb2 as pb
 from protos.routing_pb2 import InferHeader
 from router import billing, metrics
 from router.accounting import NO_TOKENS, Receipt, Tokens
 from router.affinity import session_of
+from router.auth import Tenant
 from router.billing import Piece
 from router.dispatch import RETRYABLE, UNKNOWN, Dispatcher
 from router.registry import Replica
@@ -111,8 +112,12 @@ class _Item:
 class StreamForwarder:
     """One client's ModelStreamInfer."""
 
-    def __init__(self, dispatcher: Dispatcher, deadline: float | None) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, deadline: float | None, tenant: Tenant | None = None
+    ) -> None:
         self.dispatcher = dispatcher
+        self.tenant = tenant  # whose stream (auth on): each request checked and billed
+        self.tenant_name = tenant.name if tenant else ""
         self.registry = dispatcher.registry
         self.accounting = dispatcher.accounting
         self.deadline = deadline
@@ -184,8 +189,12 @@ class StreamForwarder:
                 item.receipt, future = self._record_end(call, item.code, finish, tokens)
             elif tokens != NO_TOKENS and self.accounting is not None:
                 assert call.entry is not None
-                future = self.accounting.record_tokens(call.model, call.version, tokens)
-                item.receipt = Receipt(call.model, call.version, 0, tokens, call=False)
+                future = self.accounting.record_tokens(
+                    call.model, call.version, tokens, self.tenant_name
+                )
+                item.receipt = Receipt(
+                    call.model, call.version, 0, tokens, call=False, tenant=self.tenant_name
+                )
             else:
                 continue
             if future is not None and future not in futures:
@@ -214,13 +223,14 @@ class StreamForwarder:
         elif ok:
             finish = finish or ""
         upstream_ns = int(call.upstream_s * 1e9)
+        tenant = self.tenant_name
         future = self.accounting.record(
-            call.model, call.version, ok, price, upstream_ns, tokens, finish
+            call.model, call.version, ok, price, upstream_ns, tokens, finish, tenant
         )
         if ok:
-            return Receipt(call.model, call.version, price, tokens, finish), future
+            return Receipt(call.model, call.version, price, tokens, finish, tenant=tenant), future
         if tokens != NO_TOKENS:
-            return Receipt(call.model, call.version, 0, tokens, call=False), future
+            return Receipt(call.model, call.version, 0, tokens, call=False, tenant=tenant), future
         return None, future
 
     def _take_back(self, item: _Item) -> None:
@@ -246,6 +256,12 @@ class StreamForwarder:
         call = _Call(header.id, header.model_name, header.model_version)
         call.session = session_of(header.parameters)
         self.calls.add(call)
+        if self.tenant is not None and self.dispatcher.auth is not None:
+            try:
+                await self.dispatcher.auth.admit(self.tenant, call.model)
+            except MeshError as e:  # not its model, or over a limit: this request only
+                await self._fail(call, e.code, e.message)
+                return
         replicas = self.registry.replicas_for(call.model, call.version)
         found = self.dispatcher.entry(call.model, call.version, None) if replicas else None
         if found is None:

@@ -33,6 +33,20 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--max-bytes-elements", type=int, help="BYTES elements per tensor")
     parser.add_argument("--grace-seconds", type=float)
     parser.add_argument("--redis-url")
+    parser.add_argument(
+        "--redis-password-file", help="else MESHSERVE_WORKER_REDIS_PASSWORD, else none"
+    )
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key")
+    parser.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gRPC server reflection; default: on only when bound to 127.0.0.1",
+    )
+    parser.add_argument(
+        "--tls-client-ca", help="accept only clients with a certificate from this CA (mTLS)"
+    )
     parser.add_argument("--worker-id")
     parser.add_argument("--advertise-address")
     parser.add_argument("--heartbeat-seconds", type=float)

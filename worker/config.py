@@ -13,14 +13,14 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from common import dtypes
+from common.tenancy import PRICE_PER_1K_INPUT as PRICE_PER_1K_INPUT
+from common.tenancy import PRICE_PER_1K_OUTPUT as PRICE_PER_1K_OUTPUT
+from common.tenancy import PRICE_PER_CALL as PRICE_PER_CALL
+from common.tenancy import TRAINING_COST as TRAINING_COST
 from protos import model_config_pb2 as mc
 
-# meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters).
-PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
-# An LLM's prices per 1,000 tokens: prompt (input) and completion (output) tokens.
-PRICE_PER_1K_INPUT = "meshserve.price_per_1k_input_tokens_micro_usd"
-PRICE_PER_1K_OUTPUT = "meshserve.price_per_1k_output_tokens_micro_usd"
-TRAINING_COST = "meshserve.training_cost_micro_usd"
+# meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters); the
+# prices and training cost are in common.tenancy, which hides them from clients.
 EXECUTION_PROVIDER = "meshserve.execution_provider"
 # Adds this many microseconds of waiting to every execution while holding the model
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a

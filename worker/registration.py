@@ -37,9 +37,14 @@ class Registration:
         heartbeat_s: float = 1.0,
         ttl_s: float = 5.0,
         depth_interval_s: float = 0.1,
+        password: str | None = None,
     ) -> None:
         self.redis = aioredis.from_url(
-            redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+            redis_url,
+            password=password,
+            socket_timeout=0.5,
+            socket_connect_timeout=0.5,
+            decode_responses=True,
         )
         self.info = info
         self.depth = depth

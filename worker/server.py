@@ -11,11 +11,18 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from common import rpc
+from common import rpc, tls
 from common.mesh_state import ModelEntry, WorkerInfo, now_ms
+from common.redis_auth import read_password
 from worker import metrics
 from worker.codec import Limits
-from worker.config import PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, PRICE_PER_CALL, TRAINING_COST
+from worker.config import (
+    PRICE_PER_1K_INPUT,
+    PRICE_PER_1K_OUTPUT,
+    PRICE_PER_CALL,
+    TRAINING_COST,
+    ConfigError,
+)
 from worker.registration import Registration
 from worker.repository import Repository
 from worker.roofline import Roofs
@@ -56,7 +63,9 @@ async def serve(settings: WorkerSettings) -> None:
         )
     repository.load()
 
-    server, health = rpc.new_server(settings.max_message_bytes)
+    server, health = rpc.new_server(
+        settings.max_message_bytes, rpc.reflection_wanted(settings.host, settings.reflection)
+    )
     limits = Limits(
         max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
     )
@@ -64,7 +73,14 @@ async def serve(settings: WorkerSettings) -> None:
     servicer = WorkerServicer(repository, limits, roofs)
     server.add_generic_rpc_handlers([handler(servicer)])
     address = f"{settings.host}:{settings.port}"
-    port = server.add_insecure_port(address)
+    credentials = (
+        tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        if settings.tls_cert and settings.tls_key
+        else None
+    )
+    if settings.tls_client_ca and credentials is None:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+    port = tls.add_port(server, address, credentials)
     await server.start()
 
     metrics_address = None
@@ -82,6 +98,7 @@ async def serve(settings: WorkerSettings) -> None:
         metrics=metrics_address,
         models={m.spec.name: m.spec.version for m in repository.all()},
         providers=sorted(repository.providers),
+        tls="mutual" if settings.tls_client_ca else bool(credentials),
     )
 
     registration = None
@@ -95,6 +112,7 @@ async def serve(settings: WorkerSettings) -> None:
             heartbeat_s=settings.heartbeat_seconds,
             ttl_s=settings.registry_ttl_seconds,
             depth_interval_s=settings.depth_interval_seconds,
+            password=read_password(settings.redis_password, settings.redis_password_file),
         )
         registration.start()
         log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.rpc import MAX_MESSAGE_BYTES
@@ -30,7 +31,15 @@ class WorkerSettings(BaseSettings):
     max_bytes_elements: int = 1 << 18
     grace_seconds: float = 10.0
     # Mesh membership: with a Redis URL the worker registers itself for routers to find.
-    redis_url: str | None = None
+    redis_url: str | None = None  # the user in it: redis://worker@host:6379/0
+    redis_password: SecretStr | None = None  # environment only, never a flag
+    redis_password_file: Path | None = None
+    # TLS: serve with this certificate; with a client CA, only clients holding a
+    # certificate from it (the router's mesh certificate) are accepted: mutual TLS.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    reflection: bool | None = None  # gRPC server reflection; default: only on 127.0.0.1
     worker_id: str | None = None  # default: worker-<host>-<port>
     advertise_address: str | None = None  # default: host:port as bound
     heartbeat_seconds: float = 1.0

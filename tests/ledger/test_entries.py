@@ -30,7 +30,8 @@ def test_a_well_formed_batch_and_a_refund_parse() -> None:
     ("entry", "reason"),
     [
         ({"usage": "{not json", "at_ms": "1"}, "Expecting"),
-        (fields({"mlp|1|success": [1, 1, 0, 250, 0]}), "not 'model|version'"),
+        (fields({"mlp|1|success": [1, 1, 0, 250, 0]}), "tenant 'success' is not one"),
+        (fields({"mlp|1|a|b": [1, 1, 0, 250, 0]}), "not 'model|version[|tenant]'"),
         (fields({"ghost|1": [1, 1, 0, 250, 0]}), "not one the mesh serves"),
         (fields({"mlp|1": [1, 2, 0, 500, 0]}), "do not add up"),
         (fields({"mlp|1": [1, 1, 0, -250, 0]}), "revenue"),

@@ -119,3 +119,33 @@ def test_tokens_are_stored_per_model_version_exactly_once(ledger_store: Store) -
     assert sum(r for _, _, r in ledger_store.buckets("smollm2")) == 25
     ledger_store.record_model("smollm2", 0, 1_000_000, 50, 200)
     assert ledger_store.token_prices() == {"smollm2": (50, 200)}
+
+
+def test_tenant_usage_and_gauges(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import generate_latest
+
+    from ledger.__main__ import set_gauges
+    from ledger.config import LedgerConfig
+    from ledger.report import by_tenant, tenant_text
+
+    store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    store.apply(
+        "r",
+        [
+            BatchEntry(
+                1, {("mlp", "1", "acme"): [2, 2, 0, 500, 10], ("mlp", "1"): [1, 1, 0, 250, 5]}, 1
+            ),
+            BatchEntry(2, {("mlp", "1", "acme"): [1, 0, 1, 0, 5]}, 2),
+        ],
+        3,
+    )
+    assert store.usage()[("mlp", "1")]["success"] == 3  # every tenant's and none
+    rows = by_tenant(store, LedgerConfig())
+    assert [(r.tenant, r.model, r.calls, r.errors, r.revenue_micro_usd) for r in rows] == [
+        ("acme", "mlp", 2, 1, 500)
+    ]
+    assert "acme" in tenant_text(rows)
+    set_gauges([], rows)
+    text = generate_latest().decode()
+    assert 'meshserve_ledger_tenant_revenue_micro_usd{model="mlp",tenant="acme"} 500.0' in text
+    store.close()

