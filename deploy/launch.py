@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common import mesh_state
 from common.mesh_state import WorkerInfo
-from deploy import processes, toy_models
+from deploy import models, processes
 from deploy.certs import MeshCerts, make_certs
 from deploy.processes import LocalMesh
 from deploy.redis_acl import make_users
@@ -73,34 +73,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_minilm(repository: Path) -> None:
-    """MiniLM fp32 + int8 (behind the accuracy gate) into the repository, once: the export,
-    quantization and evaluation take about half a minute; later runs reuse the folder."""
-    print(f"building MiniLM fp32 + int8 into {repository}/minilm (once, ~30 s)", flush=True)
-    command = [
-        sys.executable,
-        "-m",
-        "quantize",
-        "build-repository",
-        "--output",
-        str(repository),
-        "--model",
-        "minilm",
-        "--recipe",
-        "encoder-int8-dynamic",
-    ]
-    if subprocess.run(command, cwd=ROOT).returncode != 0:
-        print("MiniLM was not built (see above); serving the toy models only", flush=True)
-
-
-def build_smollm2(repository: Path) -> None:
-    """SmolLM2-135M int8 for the LLM engine (behind the accuracy gate), once: ~2 minutes."""
-    print(f"building SmolLM2 int8 for the LLM engine into {repository}/smollm2 (once, ~2 min)")
-    command = [sys.executable, "-m", "quantize", "build-llm", "--output", str(repository)]
-    if subprocess.run(command, cwd=ROOT).returncode != 0:
-        print("SmolLM2 was not built (see above); serving without an LLM", flush=True)
-
-
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -120,13 +92,7 @@ class Launcher:
 
     def start(self) -> None:
         args = self.args
-        if not (args.model_repository / "mlp" / "config.pbtxt").exists():
-            print(f"building the model repository in {args.model_repository}")
-            toy_models.build(args.model_repository)
-        if not (args.model_repository / "minilm" / "config.pbtxt").exists():
-            build_minilm(args.model_repository)
-        if not (args.model_repository / "smollm2" / "config.pbtxt").exists():
-            build_smollm2(args.model_repository)
+        models.build(args.model_repository)
         if not args.redis_url:
             self.mesh.start_redis()
         ports = args.worker_ports or [processes.free_port() for _ in range(args.workers)]

@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
+from client.__main__ import API_KEY_VARIABLE
+from common import tls
 from loadtest import plots
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop, open_loop
@@ -34,6 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--llm", action="store_true", required=True, help="this mode")
     parser.add_argument("--address", default="127.0.0.1:8001")
+    parser.add_argument(
+        "--ca", type=Path, help="TLS: trust this CA; an API key comes from MESHSERVE_API_KEY"
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--model-version", default="")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -138,6 +144,8 @@ def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
         return_token_counts=args.return_token_counts,
         min_send_fraction=args.min_send_fraction,
         max_send_lag_ms=args.max_send_lag_ms,
+        credentials=tls.channel_credentials(args.ca) if args.ca else None,
+        api_key=os.environ.get(API_KEY_VARIABLE),
     )
     return load, {**described, "sampling": {**sampling, "max_tokens": args.max_tokens}}
 

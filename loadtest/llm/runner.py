@@ -16,6 +16,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 
+import grpc
 from tokenizers import Tokenizer
 
 from loadtest.llm.prompts import Prompt
@@ -42,6 +43,8 @@ class LLMLoad:
     progress_seconds: float = 1.0
     min_send_fraction: float = 0.95
     max_send_lag_ms: float = 50.0
+    credentials: grpc.ChannelCredentials | None = None  # TLS (common.tls)
+    api_key: str | None = None  # sent as `authorization: Bearer <key>` (the router's tenants)
 
     def requests(self) -> list[tuple[pb.ModelInferRequest, str]]:
         """One request per prompt, built once; the run cycles through them."""
@@ -65,7 +68,7 @@ class _Run:
         self.load, self.label, self.progress = load, label, progress
         self.recorder = LLMRecorder(load.tokenizer)
         self.requests = itertools.cycle(load.requests())
-        self.streams = Streams(load.address)
+        self.streams = Streams(load.address, load.credentials, load.api_key)
         self.sent = self.completed = self.pieces_seen = 0
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()

@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from client import codec
+from common import tls
 from common.rpc import message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -80,9 +81,15 @@ def _bytes(data: bytes) -> np.ndarray:
 class Streams:
     """The channel every request's stream shares."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=message_options())
+    def __init__(
+        self,
+        address: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.channel = tls.aio_channel(address, credentials, message_options())
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def close(self) -> None:
         await self.channel.close()
@@ -98,7 +105,7 @@ class Streams:
         """Send `request` on its own stream and time every response until the final one;
         `on_piece` is called as each non-empty piece arrives (a live progress count)."""
         out = Outcome(start)
-        call = self.stub.ModelStreamInfer(timeout=timeout)
+        call = self.stub.ModelStreamInfer(timeout=timeout, metadata=self.metadata)
         try:
             await call.write(request)
             while True:

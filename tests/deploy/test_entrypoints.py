@@ -20,8 +20,10 @@ from pydantic_settings import BaseSettings
 
 import client.__main__
 import common.health
+import deploy.models
 import ledger.__main__
 import loadtest.__main__
+import loadtest.llm.cli
 import quantize.__main__
 import router.__main__
 import worker.__main__
@@ -34,11 +36,14 @@ DEPLOY = compose_check.DEPLOY
 CLIS: dict[str, Callable[[list[str]], object]] = {
     "worker": worker.__main__.parse_args,
     "router": router.__main__.parse_args,
-    "loadtest": loadtest.__main__.parse_args,
+    "loadtest": lambda argv: (  # --llm is a mode with a parser of its own
+        loadtest.llm.cli.parse_args if "--llm" in argv else loadtest.__main__.parse_args
+    )(argv),
     "client": client.__main__.parse_args,
     "common.health": common.health.parse_args,
     "ledger": ledger.__main__.parse_args,
     "quantize": quantize.__main__.parse_args,
+    "deploy.models": deploy.models.parse_args,
 }
 SETTINGS: dict[str, type[BaseSettings]] = {
     "MESHSERVE_WORKER_": WorkerSettings,
@@ -56,6 +61,8 @@ ROLES = {
     "loadtest": ({"loadtest"}, "loadtest"),
     "build": ({"build"}, "quantize"),
 }
+# What else a role's image may start as a compose service (its CMD is the first).
+ALSO_STARTS = {"build": {"deploy.models"}}
 SERVES_GRPC = {"router", "worker"}
 COMPOSE_FILES = sorted({name for files in compose_check.VARIANTS for name in files})
 
@@ -117,7 +124,8 @@ def test_compose_commands_are_real_clis(name: str) -> None:
             started.add(module)
             dockerfile = spec.get("build", {}).get("dockerfile")
             if dockerfile:
-                assert ROLES[dockerfile.removeprefix("deploy/Dockerfile.")][1] == module, where
+                role = dockerfile.removeprefix("deploy/Dockerfile.")
+                assert module == ROLES[role][1] or module in ALSO_STARTS.get(role, ()), where
         test = spec.get("healthcheck", {}).get("test")
         if test and test[1] == "python":
             check_cli(test[1:], f"{where} healthcheck")
@@ -130,7 +138,7 @@ def test_compose_commands_are_real_clis(name: str) -> None:
             if dockerfile:
                 assert (compose_check.ROOT / dockerfile).exists(), f"{where}: no {dockerfile}"
     if name == "compose.yaml":
-        assert started == {"worker", "router", "loadtest"}
+        assert started == {"worker", "router", "loadtest", "deploy.models"}
         assert services["loadtest"]["profiles"] == ["loadtest"]
         assert sum(s.startswith("worker-") for s in services) == 3
 

@@ -176,6 +176,7 @@ def test_router_and_plain_worker_serve_with_their_extras_alone(
                 str(router_port),
                 "--redis-url",
                 mesh.redis_url,
+                "--no-auth",
             ],
             tmp_path / "router.log",
         ).start()
