@@ -7,8 +7,8 @@ import asyncio
 import sys
 
 from common import logging
+from router import processes
 from router.policy import POLICIES
-from router.server import serve
 from router.settings import RouterSettings
 
 
@@ -20,6 +20,12 @@ def parse_args(argv: list[str]) -> RouterSettings:
     )
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        help="router processes sharing the port (SO_REUSEPORT), each with its own router id "
+        "(<router-id>-<i>) and metrics port (<metrics-port>+i); 1 = this process serves",
+    )
     parser.add_argument("--redis-url")
     parser.add_argument("--router-id")
     parser.add_argument(
@@ -72,6 +78,10 @@ def parse_args(argv: list[str]) -> RouterSettings:
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(sys.argv[1:] if argv is None else argv)
     logging.configure(settings.log_level, settings.log_json)
+    if settings.processes > 1:
+        return processes.supervise(settings)
+    from router.server import serve
+
     asyncio.run(serve(settings))
     return 0
 

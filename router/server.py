@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import structlog
 from prometheus_client import start_http_server
@@ -17,7 +18,7 @@ from router.settings import RouterSettings
 log = structlog.get_logger()
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = None) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
     registry = Registry(
         settings.redis_url,
@@ -49,13 +50,17 @@ async def serve(settings: RouterSettings) -> None:
     await registry.start()
     accounting.start()
 
-    server, health = rpc.new_server(settings.max_message_bytes)
+    # SO_REUSEPORT only for this router's own processes (see router.processes): a router
+    # started alone on a taken port fails, as before.
+    server, health = rpc.new_server(settings.max_message_bytes, reuse_port=settings.shared_port)
     server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher)),))
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     await rpc.set_serving(health)
+    if on_ready is not None:
+        on_ready()
     log.info(
         "router_ready",
         router=router_id,

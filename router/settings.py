@@ -15,6 +15,8 @@ class RouterSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8001
+    processes: int = Field(1, ge=1)  # router processes sharing the port (SO_REUSEPORT)
+    shared_port: bool = False  # bind with SO_REUSEPORT: set by --processes for its processes
     redis_url: str = "redis://127.0.0.1:6379/0"
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
     policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
