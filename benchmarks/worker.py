@@ -1,4 +1,6 @@
-"""Worker throughput and latency on a tiny MLP: batching on vs off, against a bare server.
+"""Worker throughput and latency on a tiny MLP: batching on vs off, against a bare server,
+and the batching delay (500 us, the toy `mlp`'s) applied only while a batch runs (now)
+against waiting it out even when idle (before: `meshserve.batch_delay_when_idle`).
 
     python benchmarks/worker.py [--seconds 5]
 
@@ -28,9 +30,13 @@ from benchmarks.common import (
 )
 from deploy import toy_models
 
+DELAY_500US = "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 500 }\n"
 CONFIGS = {
     "mlp_batching": "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 0 }\n",
     "mlp_no_batching": "max_batch_size: 64\n",
+    "mlp_delay_500us": DELAY_500US,
+    "mlp_delay_500us_when_idle": DELAY_500US
+    + 'parameters { key: "meshserve.batch_delay_when_idle" value { string_value: "true" } }\n',
 }
 CONCURRENCY = [1, 8, 32]
 
@@ -72,7 +78,7 @@ def main() -> None:
     def at(key: str, c: int) -> dict:
         return next(r for r in results[key] if r["concurrency"] == c)
 
-    summary = {
+    summary: dict[str, dict] = {
         f"c{c}": {
             "batching_rps": at("worker/mlp_batching", c)["throughput_rps"],
             "no_batching_rps": at("worker/mlp_no_batching", c)["throughput_rps"],
@@ -82,8 +88,27 @@ def main() -> None:
                 / at("bare_grpc_aio", c)["throughput_rps"],
                 2,
             ),
+            "delay_rps": at("worker/mlp_delay_500us", c)["throughput_rps"],
+            "delay_when_idle_rps": at("worker/mlp_delay_500us_when_idle", c)["throughput_rps"],
+            "delay_p50_ms": at("worker/mlp_delay_500us", c)["p50_ms"],
+            "delay_when_idle_p50_ms": at("worker/mlp_delay_500us_when_idle", c)["p50_ms"],
+            "bare_p50_ms": at("bare_grpc_aio", c)["p50_ms"],
+            "delay_p50_over_bare": round(
+                at("worker/mlp_delay_500us", c)["p50_ms"] / at("bare_grpc_aio", c)["p50_ms"], 2
+            ),
+            "delay_rps_over_when_idle": round(
+                at("worker/mlp_delay_500us", c)["throughput_rps"]
+                / at("worker/mlp_delay_500us_when_idle", c)["throughput_rps"],
+                2,
+            ),
         }
         for c in CONCURRENCY
+    }
+    summary["target"] = {
+        "rule": "500 us delay: c=1 p50 within 1.2x of bare grpc.aio; c=32 throughput not "
+        "below waiting out the delay when idle (the rule before)",
+        "met": summary["c1"]["delay_p50_over_bare"] <= 1.2
+        and summary["c32"]["delay_rps_over_when_idle"] >= 1.0,
     }
     path = write_result(
         "worker",
