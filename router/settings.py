@@ -21,7 +21,7 @@ class RouterSettings(BaseSettings):
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
     policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
     max_sessions: int = Field(100_000, ge=0)  # session affinity LRU size; 0 = no affinity
-    poll_seconds: float = 0.05  # registry and depth refresh
+    poll_seconds: float = 1.0  # full registry read: the safety net under pushed events
     registry_ttl_seconds: float = 5.0
     sample_max_age_ms: int = 1000  # an older depth sample counts as unknown
     default_timeout_seconds: float = 60.0  # for callers that set no deadline

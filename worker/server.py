@@ -70,6 +70,7 @@ async def serve(settings: WorkerSettings) -> None:
             depth_interval_s=settings.depth_interval_seconds,
         )
         registration.start()
+        servicer.on_request = registration.activity
         log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
 
     stop = rpc.stop_on_signals()
