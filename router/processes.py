@@ -17,8 +17,10 @@ router instead of restarting in a loop.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
 import signal
+import sys
 import threading
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
@@ -31,6 +33,7 @@ from router.settings import RouterSettings
 log = structlog.get_logger()
 
 POLL_S = 0.5
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def child_settings(settings: RouterSettings, index: int) -> RouterSettings:
@@ -46,9 +49,18 @@ def child_settings(settings: RouterSettings, index: int) -> RouterSettings:
     )
 
 
+def _die_with_parent() -> None:
+    """SIGTERM this process when the supervisor dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so no router process outlives it holding the port."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _run_child(settings: RouterSettings, ready: EventType) -> None:
     from router.server import serve  # imported here: the supervisor itself needs no gRPC
 
+    _die_with_parent()
     logging.configure(settings.log_level, settings.log_json)
     asyncio.run(serve(settings, on_ready=ready.set))
 
