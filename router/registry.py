@@ -4,9 +4,9 @@ Pushed, with a slow poll as the safety net: the router subscribes to the workers
 events (mesh_state.REGISTRY_EVENTS) and applies each as it comes: a depth sample updates
 its replica (a worker it does not know yet is read from Redis), a join reads that one
 registration, a leave (the worker drains) removes its replica at once, letting the calls in
-flight to it finish. Every `poll_s` (and on each (re)subscription,
-for what was published while it was not listening) it reads every registration and depth,
-as it did 20 times a second before: the cost of an idle mesh no longer grows with polls.
+flight to it finish. Every `poll_s` (1 s), and on each (re)subscription for what was
+published while it was not listening, it reads every registration and depth, as it did 20
+times a second before: the cost of an idle mesh no longer grows with polls.
 
 One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
 worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
