@@ -174,13 +174,9 @@ def refresh_cost(tmp: Path, n: int = 50) -> dict[str, float]:
     finally:
         fakes.close()
         mesh.stop()
-    return {
-        "refresh_ms": round(per_refresh * 1000, 3),
-        "before_refreshes_per_s": 20.0,
-        "after_refreshes_per_s": 1.0,
-        "before_core_share": round(per_refresh * 20, 4),
-        "after_core_share": round(per_refresh * 1, 4),
-    }
+    # Measured in this process, beside the fakes' writer thread: an upper bound on what a
+    # router process pays per read (the phases above measure the routers themselves).
+    return {"refresh_ms": round(per_refresh * 1000, 3), "before_per_s": 20.0, "after_per_s": 1.0}
 
 
 def main() -> None:
