@@ -29,10 +29,13 @@ test: $(STUBS)
 $(MODELS)/mlp/config.pbtxt: deploy/toy_models.py $(STUBS)
 	$(BIN)/python -m deploy.toy_models $(MODELS)
 
-# The whole mesh: private Redis, $(WORKERS) workers, the router on 127.0.0.1:8001.
+# The whole mesh: private Redis, $(WORKERS) workers, $(ROUTER_PROCESSES) router processes on
+# 127.0.0.1:8001 (one port, SO_REUSEPORT).
 WORKERS ?= 2
+ROUTER_PROCESSES ?= 2
 run: $(STUBS) $(MODELS)/mlp/config.pbtxt
-	$(BIN)/python -m deploy.launch --workers $(WORKERS) --model-repository $(MODELS) $(RUN_ARGS)
+	$(BIN)/python -m deploy.launch --workers $(WORKERS) --router-processes $(ROUTER_PROCESSES) \
+		--model-repository $(MODELS) $(RUN_ARGS)
 
 lint: $(STUBS)
 	$(BIN)/ruff check .

@@ -144,3 +144,25 @@ def model_successes(address: str, model: str) -> int:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10)
     return sum(s.inference_stats.success.count for s in reply.model_stats)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, as /proc shows them now."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pids[i]}/task").iterdir():
+                pids += [int(p) for p in (task / "children").read_text().split()]
+        i += 1
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes used so far (those still running)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / ticks

@@ -22,6 +22,11 @@ Every key, its type, its writer -> its readers, and what it holds:
   "depth:kv_percent:redis_ms", each replica's share of the two lists and when (Redis's own
   clock) it was written; a share older than the registry TTL (a dead replica) is dropped
   and left out of the sums by the next write. A draining worker removes its share.
+- meshserve:registry:events (PUB/SUB channel, worker -> router): changes pushed as they
+  happen, so a router need not poll (see `RegistryEvent`): "join {id}" when a worker
+  (re-)registers, "leave {id}" when it deregisters, "depth {id} {sample}" with each new
+  depth sample (DepthSample.encode, also written to the depth key). Nothing is kept: a
+  router that was not subscribed reads the keys above (its slow poll, and on subscribing).
 - meshserve:usage:{router} (HASH, router -> ledger, tests): "{model}|{version}|{field}" ->
   the router's cumulative count since it started.
 - meshserve:routers (SET, router -> ledger, tests): router ids that have written usage.
@@ -70,6 +75,7 @@ from dataclasses import asdict, dataclass, field
 PREFIX = "meshserve"
 WORKERS = f"{PREFIX}:workers"
 ROUTERS = f"{PREFIX}:routers"
+REGISTRY_EVENTS = f"{PREFIX}:registry:events"
 # The counts of one model version, in this order wherever they travel as a list (batches).
 # Calls: calls, success, errors, revenue_micro_usd (per-call price), upstream_ns. Tokens (LLM
 # models): prompt and completion tokens billed, their revenue at the per-1k-token prices, and
@@ -294,3 +300,32 @@ class DepthSample:
         if min(parts) < 0 or sample.kv_used > sample.kv_total:
             raise ValueError(f"a negative or inconsistent depth sample: {text[:64]!r}")
         return sample
+
+
+@dataclass(frozen=True)
+class RegistryEvent:
+    """One message on REGISTRY_EVENTS: kind "join", "leave" or "depth", the worker id, and
+    for "depth" the sample's text (checked with DepthSample.decode where it is used)."""
+
+    kind: str
+    worker_id: str
+    sample: str = ""
+
+    KINDS = ("join", "leave", "depth")
+
+    def encode(self) -> str:
+        return f"{self.kind} {self.worker_id} {self.sample}".rstrip()
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> RegistryEvent:
+        """ValueError unless "join|leave {id}" or "depth {id} {sample}"."""
+        if isinstance(text, bytes):
+            text = text.decode()
+        kind, _, rest = text.partition(" ")
+        if kind == "depth":
+            worker_id, _, sample = rest.rpartition(" ")
+        else:
+            worker_id, sample = rest, ""
+        if kind not in cls.KINDS or not worker_id or (kind == "depth") != bool(sample):
+            raise ValueError(f"registry event {text[:64]!r}: expected join|leave ID, depth ID S")
+        return cls(kind, worker_id, sample)

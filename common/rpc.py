@@ -25,15 +25,16 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 
 
 def new_server(
-    max_message_bytes: int, reflection_on: bool = True
+    max_message_bytes: int, reflection_on: bool = True, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, HealthServicer]:
     """A grpc.aio server with health checking (and reflection, unless asked not to); add
-    the inference service."""
+    the inference service.
+
+    Without `reuse_port` a taken port is an error, not a silent second listener; with it
+    (SO_REUSEPORT), several processes that all ask for it share the port and the kernel
+    spreads their connections (the router's `--processes`)."""
     server = grpc.aio.server(
-        options=[
-            *message_options(max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a taken port is an error, not a silent second listener
-        ]
+        options=[*message_options(max_message_bytes), ("grpc.so_reuseport", int(reuse_port))]
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

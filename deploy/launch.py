@@ -36,6 +36,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.launch", description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--port", type=int, default=8001, help="the router's port")
+    parser.add_argument(
+        "--router-processes",
+        type=int,
+        default=1,
+        help="router processes sharing the port (python -m router --processes)",
+    )
     parser.add_argument("--worker-ports", type=int, nargs="*", help="default: free ports")
     parser.add_argument("--redis-url", help="default: a private redis-server on a free port")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "build" / "models")
@@ -103,7 +109,7 @@ class Launcher:
             self.mesh.add_worker(args.model_repository, *metrics, port=port)
         for spec in args.tp_group:
             self.mesh.add_worker(*tp_group(spec, args.tp_repository))
-        extra = ["--policy", args.policy]
+        extra = ["--policy", args.policy, "--processes", str(args.router_processes)]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
         self.mesh.start_router(*extra, port=args.port)

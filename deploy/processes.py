@@ -48,12 +48,13 @@ class Process:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    cwd: Path = ROOT  # `python -m` runs the packages found here (a benchmark's other commit)
 
     def start(self) -> Process:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.popen = subprocess.Popen(
             self.args,
-            cwd=ROOT,
+            cwd=self.cwd,
             env={**os.environ, **self.env},
             stdout=self.log.open("a"),
             stderr=subprocess.STDOUT,

@@ -46,6 +46,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--max-requests", type=int, default=10_000_000, help="per point")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="TCP connections to spread the calls over (a router of several processes)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--input-file", type=Path, help=".npz or .json inputs")
     source.add_argument("--text", nargs="+", help="one request per string (BYTES input)")
@@ -113,6 +119,7 @@ async def run_all(args: argparse.Namespace, requests: list[bytes]) -> list[dict]
         max_send_lag_ms=args.max_send_lag_ms,
         credentials=credentials,
         metadata=(("authorization", f"Bearer {key}"),) if key else (),
+        connections=args.connections,
     )
     progress = None if args.quiet else progress_printer()
     runs = []

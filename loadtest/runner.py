@@ -1,4 +1,5 @@
-"""The two load shapes, on one grpc.aio channel, sending pre-serialized requests.
+"""The two load shapes, on one grpc.aio channel (or `connections` channels, each its own TCP
+connection, the callers spread over them), sending pre-serialized requests.
 
 - closed loop: `concurrency` callers, each sends its next request when the last returns.
   Throughput at a given concurrency; latency as a caller that waits sees it.
@@ -51,6 +52,10 @@ class Load:
     max_send_lag_ms: float = 50.0
     credentials: grpc.ChannelCredentials | None = None  # TLS (common.tls)
     metadata: tuple[tuple[str, str], ...] = ()  # sent with every call: an API key
+    # TCP connections the calls are spread over: a server of several processes sharing one
+    # port (SO_REUSEPORT) gets each connection on one process.
+    connections: int = 1
+    channel_options: tuple[tuple[str, str | int], ...] = ()  # e.g. a client-side lb policy
 
 
 class _Run:
@@ -61,8 +66,15 @@ class _Run:
         self.recorder = Recorder()
         self.sent = 0
         self.completed = 0  # including warm-up, for the live rate
-        self.channel = tls.aio_channel(load.address, load.credentials, message_options())
-        self.call = self.channel.unary_unary(METHOD)
+        # A local subchannel pool each: channels to one address otherwise share a connection.
+        options = [*message_options(), *load.channel_options]
+        if load.connections > 1:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channels = [
+            tls.aio_channel(load.address, load.credentials, options)
+            for _ in range(max(1, load.connections))
+        ]
+        self.calls = [channel.unary_unary(METHOD) for channel in self.channels]
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()
         self.measure_from = self.start + load.warmup
@@ -78,7 +90,9 @@ class _Run:
     async def send(self, body: bytes, started: float, t0: float) -> None:
         """One call; latency from t0 (loop clock), counted if it started in the window."""
         try:
-            await self.call(body, timeout=self.load.timeout, metadata=self.load.metadata or None)
+            await self.calls[self.sent % len(self.calls)](
+                body, timeout=self.load.timeout, metadata=self.load.metadata or None
+            )
         except grpc.aio.AioRpcError as e:
             if started >= self.measure_from:
                 self.recorder.error(e.code().name)
@@ -115,7 +129,8 @@ class _Run:
         finally:
             if ticker:
                 ticker.cancel()
-            await self.channel.close()
+            for channel in self.channels:
+                await channel.close()
         seconds = min(self.load.duration, max(1e-9, self.loop.time() - self.measure_from))
         if self.progress:
             rate = self.recorder.count / seconds

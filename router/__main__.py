@@ -10,9 +10,8 @@ import asyncio
 import sys
 
 from common import logging
-from router import keys
+from router import keys, processes
 from router.policy import POLICIES
-from router.server import serve
 from router.settings import RouterSettings
 
 
@@ -24,6 +23,12 @@ def parse_args(argv: list[str]) -> RouterSettings:
     )
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        help="router processes sharing the port (SO_REUSEPORT), each with its own router id "
+        "(<router-id>-<i>) and metrics port (<metrics-port>+i); 1 = this process serves",
+    )
     parser.add_argument("--redis-url")
     parser.add_argument("--router-id")
     parser.add_argument(
@@ -102,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         return keys.main(argv)
     settings = parse_args(argv)
     logging.configure(settings.log_level, settings.log_json)
+    if settings.processes > 1:
+        return processes.supervise(settings)
+    from router.server import serve
+
     try:
         asyncio.run(serve(settings))
     except ValueError as e:  # a setting the router refuses to start with

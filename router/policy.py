@@ -2,9 +2,11 @@
 
 `load` turns what the router knows about a replica into one number: the queue depth the
 worker last published, plus the calls this router sent it after that sample was taken (the
-sample cannot include them yet). A sample older than `max_age_ms` counts as unknown and only
-the router's own in-flight calls remain: acting on stale least-loaded data makes every router
-herd onto the same replica (Mitzenmacher, "How useful is old information?").
+sample cannot include them yet), and never less than this router's own calls in flight to
+it: samples arrive within a millisecond now (pushed), and a sample that fresh does not show
+the calls still on their way to the worker either. A sample older than `max_age_ms` counts
+as unknown and only the router's own in-flight calls remain: acting on stale least-loaded
+data makes every router herd onto the same replica (Mitzenmacher, "How useful is old information?").
 
 KV cache (replicas serving an LLM engine publish the KV tokens their running sequences hold
 and their budget): `kv_free` is the budget left as last sampled. An engine admits a
@@ -21,7 +23,7 @@ long as it is a candidate with room; otherwise the policy decides as if there we
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("p2c", "p2c_depth", "least_loaded", "round_robin", "random")
@@ -45,13 +47,14 @@ class Candidate:
 def load(
     depth: int | None,
     sampled_ms: int | None,
-    inflight_started_ms: Iterable[int],
+    inflight_started_ms: Collection[int],
     now_ms: int,
     max_age_ms: int,
 ) -> int:
+    own = len(inflight_started_ms)
     if depth is None or sampled_ms is None or now_ms - sampled_ms > max_age_ms:
-        return sum(1 for _ in inflight_started_ms)
-    return depth + sum(1 for t in inflight_started_ms if t > sampled_ms)
+        return own
+    return max(own, depth + sum(1 for t in inflight_started_ms if t > sampled_ms))
 
 
 def kv_free(

@@ -1,4 +1,12 @@
-"""The router's view of the mesh, refreshed from Redis; the last known view when Redis is down.
+"""The router's view of the mesh, kept from Redis; the last known view when Redis is down.
+
+Pushed, with a slow poll as the safety net: the router subscribes to the workers' registry
+events (mesh_state.REGISTRY_EVENTS) and applies each as it comes: a depth sample updates
+its replica (a worker it does not know yet is read from Redis), a join reads that one
+registration, a leave (the worker drains) removes its replica at once, letting the calls in
+flight to it finish. Every `poll_s` (1 s), and on each (re)subscription for what was
+published while it was not listening, it reads every registration and depth, as it did 20
+times a second before: the cost of an idle mesh no longer grows with polls.
 
 One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
 worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
@@ -17,9 +25,12 @@ deploy/redis_acl.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
@@ -28,12 +39,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from common import mesh_state, tls
-from common.mesh_state import DepthSample, WorkerInfo, now_ms
+from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
 from router import metrics
 
 log = structlog.get_logger()
 
+HOUSEKEEPING_S = 0.05  # ejected replicas' health checks, stalled replicas' probes
+LEAVE_GRACE_S = 30.0  # for the calls in flight to a worker that deregistered (it drains)
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -74,7 +87,7 @@ class Registry:
         self,
         redis_url: str,
         channel_options: list[tuple[str, int]],
-        poll_s: float = 0.05,
+        poll_s: float = 1.0,
         ttl_s: float = 5.0,
         eject_base_s: float = 1.0,
         eject_max_s: float = 30.0,
@@ -102,29 +115,106 @@ class Registry:
         )
         self._tokens = itertools.count()
         self._refused: dict[str, str] = {}  # worker id -> registration text refused last
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
+        self._refreshing = asyncio.Lock()
+        self._fetching: set[str] = set()  # worker ids whose registration is being read
+        self._left: dict[str, str] = {}  # worker id -> registration text it deregistered
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._poll()),
+            loop.create_task(self._housekeeping()),
+            loop.create_task(self._listen()),
+        ]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, *self._checks, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._checks, return_exceptions=True)
         for replica in self.replicas.values():
             await replica.channel.close()
         await self.redis.aclose()
 
-    async def _loop(self) -> None:
+    async def _poll(self) -> None:
+        """The safety net: a full read of the registry every `poll_s`."""
         while True:
             await asyncio.sleep(self.poll_s)
             await self.refresh()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
             self._check_ejected()
             self._check_stalled()
 
+    async def _listen(self) -> None:
+        """Apply the workers' registry events as they come; subscribe again after a Redis
+        error, then read the whole registry for what was missed meanwhile."""
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(mesh_state.REGISTRY_EVENTS)
+                await self.refresh()
+                while True:
+                    message = await pubsub.get_message(timeout=self.poll_s)
+                    if message is not None:
+                        self._on_event(message["data"])
+            except (RedisError, OSError) as e:
+                self.redis_state.failed(e)
+                await asyncio.sleep(min(self.poll_s, 0.5))
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+    def _on_event(self, data: str) -> None:
+        try:
+            event = RegistryEvent.decode(data)
+        except ValueError as e:
+            log.warning("registry_event_refused", reason=str(e)[:200])
+            return
+        replica = self.replicas.get(event.worker_id)
+        if event.kind == "depth" and replica is not None:
+            replica.last_seen = time.monotonic()
+            self._observe(replica, event.sample)
+        elif event.kind == "leave":
+            if replica is not None:  # it said so itself: no new calls; those in flight finish
+                # A registry read under way may still hold this registration: not again.
+                self._left[event.worker_id] = replica.info_json
+                self._spawn(self._remove(event.worker_id, "deregistered", abandon=False))
+        elif event.worker_id not in self._fetching:  # a join, or depth of a worker not known
+            if event.kind == "join":
+                self._left.pop(event.worker_id, None)
+            self._fetching.add(event.worker_id)
+            self._spawn(self._fetch(event.worker_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _fetch(self, worker_id: str) -> None:
+        """Read one worker's registration and depth (it joined, or sent a depth unknown)."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(mesh_state.worker_key(worker_id))
+                pipe.get(mesh_state.depth_key(worker_id))
+                info_json, depth = await pipe.execute()
+        except (RedisError, OSError) as e:
+            self.redis_state.failed(e)
+            return
+        finally:
+            self._fetching.discard(worker_id)
+        if info_json is not None:
+            self._upsert(worker_id, info_json, depth)
+
     async def refresh(self) -> None:
+        async with self._refreshing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         try:
             cutoff = now_ms() - int(self.ttl_s * 1000)
             ids = await self.redis.zrangebyscore(mesh_state.WORKERS, cutoff, "+inf")
@@ -144,6 +234,7 @@ class Registry:
             for replica in self.replicas.values():
                 replica.last_seen = now
         self.redis_state.succeeded()
+        self._left = {i: text for i, text in self._left.items() if i in ids}
         seen = set()
         for worker_id, info_json, depth in zip(ids, infos, depths, strict=True):
             if info_json is None:
@@ -158,7 +249,7 @@ class Registry:
         """Admit or refresh one registration; False when it is refused."""
         replica = self.replicas.get(worker_id)
         if replica is None or replica.info_json != info_json:
-            if self._refused.get(worker_id) == info_json:
+            if info_json in (self._refused.get(worker_id), self._left.get(worker_id)):
                 return False
             try:
                 info = WorkerInfo.from_json(info_json)
@@ -174,15 +265,22 @@ class Registry:
             replica.info_json = info_json
         replica.last_seen = time.monotonic()
         if depth is not None:
-            try:
-                replica.sample = DepthSample.decode(depth)
-            except ValueError:
-                replica.sample = None  # unknown depth: only our own in-flight calls count
-                metrics.forget_replica(worker_id)
-            else:
-                s = replica.sample
-                metrics.observe_sample(worker_id, s.depth, s.kv_used, s.kv_total)
+            self._observe(replica, depth)
         return True
+
+    @staticmethod
+    def _observe(replica: Replica, text: str) -> None:
+        """A depth sample, unless one taken later is already known (an event can overtake
+        a registry read that was under way)."""
+        try:
+            sample = DepthSample.decode(text)
+        except ValueError:
+            replica.sample = None  # unknown depth: only our own in-flight calls count
+            metrics.forget_replica(replica.id)
+            return
+        if replica.sample is None or sample.at_ms >= replica.sample.at_ms:
+            replica.sample = sample
+            metrics.observe_sample(replica.id, sample.depth, sample.kv_used, sample.kv_total)
 
     def _check_prices(self, info: WorkerInfo) -> None:
         """A model costs the same on every replica: a registration that disagrees with the
@@ -223,13 +321,18 @@ class Registry:
         replica.info = info
         return replica
 
-    async def _remove(self, worker_id: str, reason: str) -> None:
-        replica = self.replicas.pop(worker_id)
+    async def _remove(self, worker_id: str, reason: str, abandon: bool = True) -> None:
+        """Forget a replica. Its calls in flight are abandoned (retried elsewhere), or for a
+        worker that deregistered (it drains), left up to LEAVE_GRACE_S to finish."""
+        replica = self.replicas.pop(worker_id, None)
+        if replica is None:
+            return
         replica.dropped = True
         metrics.forget_replica(worker_id)
         log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
-        self._abandon(replica)
-        await replica.channel.close(grace=1.0)
+        if abandon:
+            self._abandon(replica)
+        await replica.channel.close(grace=1.0 if abandon else LEAVE_GRACE_S)
 
     @staticmethod
     def _abandon(replica: Replica) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -21,7 +22,7 @@ from router.settings import RouterSettings
 log = structlog.get_logger()
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = None) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
     if not settings.auth and not rpc.is_loopback(settings.host):
         raise ValueError(
@@ -88,7 +89,11 @@ async def serve(settings: RouterSettings) -> None:
         auth.limiter.start()
 
     reflection = rpc.reflection_wanted(settings.host, settings.reflection)
-    server, health = rpc.new_server(settings.max_message_bytes, reflection)
+    # SO_REUSEPORT only for this router's own processes (see router.processes): a router
+    # started alone on a taken port fails, as before.
+    server, health = rpc.new_server(
+        settings.max_message_bytes, reflection, reuse_port=settings.shared_port
+    )
     server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher, auth)),))
     credentials = (
         tls.server_credentials(settings.tls_cert, settings.tls_key)
@@ -100,6 +105,8 @@ async def serve(settings: RouterSettings) -> None:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     await rpc.set_serving(health)
+    if on_ready is not None:
+        on_ready()
     log.info(
         "router_ready",
         router=router_id,

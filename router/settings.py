@@ -19,10 +19,12 @@ class RouterSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"  # the user in it: redis://router@host/0
     redis_password: SecretStr | None = None  # environment only, never a flag
     redis_password_file: Path | None = None
+    processes: int = Field(1, ge=1)  # router processes sharing the port (SO_REUSEPORT)
+    shared_port: bool = False  # bind with SO_REUSEPORT: set by --processes for its processes
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
     policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
     max_sessions: int = Field(100_000, ge=0)  # session affinity LRU size; 0 = no affinity
-    poll_seconds: float = 0.05  # registry and depth refresh
+    poll_seconds: float = 1.0  # full registry read: the safety net under pushed events
     registry_ttl_seconds: float = 5.0
     sample_max_age_ms: int = 1000  # an older depth sample counts as unknown
     default_timeout_seconds: float = 60.0  # for callers that set no deadline

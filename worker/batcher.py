@@ -1,10 +1,17 @@
 """Dynamic batching: concurrent requests for one model version become one session run.
 
 Requests wait in a bounded queue. An executor takes the oldest request, adds every queued
-request with the same non-batch shapes until `max_batch_size` rows, waits up to
-`max_queue_delay_us` (counted from the oldest request's arrival) for more, runs the merged
-batch once on a thread (onnxruntime releases the GIL), and splits the outputs back.
-While one batch runs, the next one gathers. `instance_count` executors share the queue.
+request with the same non-batch shapes until `max_batch_size` rows, runs the merged batch
+once on a thread (onnxruntime releases the GIL), and splits the outputs back.
+`instance_count` executors share the queue.
+
+No delay on an idle model: when no batch of the model is running, the executor runs what
+is queued at once (waiting could gain nothing: no one else is using the model, and the
+requests that arrive while this batch runs form the next one). Only while another batch
+runs does it wait, up to `max_queue_delay_us` from the oldest request's arrival, for more
+requests, stopping early when that batch ends, the batch is full or reaches a preferred
+size. A model whose config sets `meshserve.batch_delay_when_idle: "true"` waits out the
+delay even when idle (Triton's rule).
 
 A thread hop costs tens of microseconds, more than a tiny model's whole run. So a batch whose
 recent runs took under INLINE_BELOW_NS (moving average) runs on the event loop itself;
@@ -25,7 +32,7 @@ import numpy as np
 import structlog
 
 from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
-from worker.config import SIMULATED_COMPUTE_US, ModelSpec
+from worker.config import DELAY_WHEN_IDLE, SIMULATED_COMPUTE_US, ModelSpec
 from worker.stats import ModelStats
 
 log = structlog.get_logger()
@@ -66,6 +73,7 @@ class Batcher:
         self._batched = spec.max_batch_size > 0
         self._merge = spec.dynamic_batching
         self._delay_ns = spec.max_queue_delay_us * 1000
+        self._delay_when_idle = spec.parameters.get(DELAY_WHEN_IDLE) == "true"
         self._preferred = set(spec.preferred_batch_sizes)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
@@ -155,7 +163,8 @@ class Batcher:
             keep.extend(self._queue)
             self._queue = keep
             remaining = deadline - time.perf_counter_ns()
-            if rows >= limit or rows in self._preferred or remaining <= 0:
+            idle = not self._running and not self._delay_when_idle
+            if rows >= limit or rows in self._preferred or remaining <= 0 or idle:
                 break
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
@@ -171,6 +180,7 @@ class Batcher:
             await self._settle(batch, list(dict.fromkeys(n for p in batch for n in p.outputs)))
         finally:
             self._running -= len(batch)
+            self._arrived.set()  # an executor waiting while this batch ran may go now
 
     async def _settle(self, batch: list[_Pending], names: list[str]) -> None:
         """Run the batch and resolve its callers. When a merged batch fails on its input

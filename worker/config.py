@@ -26,6 +26,10 @@ EXECUTION_PROVIDER = "meshserve.execution_provider"
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
 # machine whose few cores cannot also host real compute for several replicas.
 SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
+# "true": a batch waits out max_queue_delay_microseconds for more requests even when nothing
+# else of the model runs (Triton's rule, and meshserve's before it ran idle requests at once;
+# see worker/batcher.py). "false", the default: the delay applies only while a batch runs.
+DELAY_WHEN_IDLE = "meshserve.batch_delay_when_idle"
 # Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
 # the tokens. The worker then adds a BYTES input TEXT; the graph's token inputs become its
 # optional alternative.
@@ -211,6 +215,13 @@ def _check_parameters(config: mc.ModelConfig) -> None:
                     f"model {config.name!r}: parameter {key} must be a non-negative integer, "
                     f"got {raw!r}"
                 )
+    if DELAY_WHEN_IDLE in config.parameters:
+        raw = config.parameters[DELAY_WHEN_IDLE].string_value
+        if raw not in ("true", "false"):
+            raise ConfigError(
+                f"model {config.name!r}: parameter {DELAY_WHEN_IDLE} must be true or false, "
+                f"got {raw!r}"
+            )
 
 
 def add_index_bounds(config: mc.ModelConfig, bounds: Mapping[str, int]) -> None:

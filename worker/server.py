@@ -115,6 +115,7 @@ async def serve(settings: WorkerSettings) -> None:
             password=read_password(settings.redis_password, settings.redis_password_file),
         )
         registration.start()
+        servicer.on_request = registration.activity
         log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
 
     stop = rpc.stop_on_signals()

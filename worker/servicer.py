@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -43,6 +43,9 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.limits = limits or codec.Limits()
         self.roofs = roofs or Roofs()
         self.ready = False  # set once every model is loaded and warm; cleared on drain
+        # Told of every request as it starts (the registration publishes the depth change
+        # at once instead of polling an idle worker for it).
+        self.on_request: Callable[[], None] = lambda: None
 
     @grpc_errors
     async def ServerLive(self, request, context):  # type: ignore[no-untyped-def]
@@ -103,6 +106,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidArgument(f"the request is not a valid ModelInferRequest ({request.error})")
         structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
         model = self.repository.get(request.model_name, request.model_version)
+        self.on_request()
         start = time.perf_counter_ns()
         ok = False
         try:
@@ -154,6 +158,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             yield await self._infer(request)
             return
         structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
+        self.on_request()
         llm, spec = model.llm, model.spec
         start = time.perf_counter_ns()
         ok = False

@@ -148,3 +148,9 @@ def test_preferred_replica_full_or_gone_falls_back_to_p2c() -> None:
     c = kv((0, 10), (3, 4000))
     assert choose("p2c", c, rng, 0, need=50, preferred="w0").id == "w1"  # full
     assert choose("p2c", c, rng, 0, need=50, preferred="w7").id == "w1"  # gone
+
+
+def test_load_is_never_below_the_routers_own_calls_in_flight() -> None:
+    # A sample taken after three of our calls started that shows only one of them (the
+    # others are still on their way to the worker): our three count.
+    assert load(1, 1000, [900, 950, 990], now_ms=1001, max_age_ms=500) == 3

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.mesh_state import DepthSample, WorkerInfo
+from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo
 
 GOOD = {
     "id": "w1",
@@ -78,3 +78,22 @@ def test_a_depth_sample_is_two_counts() -> None:
     for text in ("-1:1000", "x:1", "3"):
         with pytest.raises(ValueError):
             DepthSample.decode(text)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        RegistryEvent("join", "worker-127.0.0.1-9001"),
+        RegistryEvent("leave", "a worker id with spaces"),
+        RegistryEvent("depth", "w 1", DepthSample(3, 1234, 10, 100).encode()),
+    ],
+)
+def test_registry_events_round_trip(event: RegistryEvent) -> None:
+    assert RegistryEvent.decode(event.encode()) == event
+    assert RegistryEvent.decode(event.encode().encode()) == event
+
+
+@pytest.mark.parametrize("text", ["", "join", "join ", "quit w1", "depth w1", "depth  5:6"])
+def test_registry_events_that_do_not_parse_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="expected join"):
+        RegistryEvent.decode(text)

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from worker.batcher import Batcher
-from worker.config import ModelSpec, TensorSpec
+from worker.config import DELAY_WHEN_IDLE, ModelSpec, TensorSpec
 from worker.stats import ModelStats
 
 
 def make_spec(
-    max_batch: int = 8, delay_us: int = 20_000, merge: bool = True, queue: int = 64
+    max_batch: int = 8,
+    delay_us: int = 20_000,
+    merge: bool = True,
+    queue: int = 64,
+    instances: int = 1,
+    parameters: dict[str, str] | None = None,
 ) -> ModelSpec:
     return ModelSpec(
         name="double",
@@ -27,7 +33,8 @@ def make_spec(
         max_queue_delay_us=delay_us,
         preferred_batch_sizes=(),
         max_queue_size=queue,
-        instance_count=1,
+        instance_count=instances,
+        parameters=parameters or {},
     )
 
 
@@ -193,3 +200,77 @@ def test_cancelled_request_is_skipped() -> None:
         assert stats.inference_count == 1
 
     asyncio.run(_with_batcher(make_spec(delay_us=50_000), model, body))
+
+
+def one() -> dict[str, np.ndarray]:
+    return {"x": np.ones((1, 2), np.float32)}
+
+
+def test_an_idle_model_does_not_wait_out_the_delay() -> None:
+    """Nothing else runs: waiting could gain nothing, so the request runs at once (the
+    delay here is 5 s; the whole test takes milliseconds unless the batcher waits)."""
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> float:
+        t0 = time.monotonic()
+        for _ in range(3):
+            await batcher.submit(one(), ["y"])
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(_with_batcher(make_spec(delay_us=5_000_000), model, body))
+    assert elapsed < 2.5
+    assert model.batches == [(1, 2)] * 3
+
+
+def test_requests_that_arrive_while_a_batch_runs_form_the_next_batch() -> None:
+    hold = threading.Event()
+    model = Model(hold)
+
+    async def body(batcher: Batcher, stats: ModelStats) -> float:
+        t0 = time.monotonic()
+        first = asyncio.ensure_future(batcher.submit(one(), ["y"]))
+        await asyncio.sleep(0.05)  # running (on the thread), held by the model
+        later = [asyncio.ensure_future(batcher.submit(one(), ["y"])) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        hold.set()
+        await asyncio.gather(first, *later)
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(_with_batcher(make_spec(delay_us=5_000_000), model, body))
+    assert model.batches == [(1, 2), (3, 2)]
+    assert elapsed < 2.5  # the three had waited already: they ran when the first ended
+
+
+def test_while_another_instance_runs_the_delay_gathers_more() -> None:
+    """Two instances, one busy: the other waits (up to the delay) for more requests rather
+    than running one at a time, and goes as soon as the busy one ends."""
+    hold = threading.Event()
+    model = Model(hold)
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        first = asyncio.ensure_future(batcher.submit(one(), ["y"]))
+        await asyncio.sleep(0.05)  # instance 1 runs it, held
+        second = asyncio.ensure_future(batcher.submit(one(), ["y"]))
+        await asyncio.sleep(0.05)  # instance 2 took it and waits: instance 1 is busy
+        third = asyncio.ensure_future(batcher.submit(one(), ["y"]))
+        await asyncio.sleep(0.05)
+        hold.set()
+        await asyncio.gather(first, second, third)
+
+    spec = make_spec(delay_us=5_000_000, instances=2)
+    asyncio.run(_with_batcher(spec, model, body))
+    assert sorted(model.batches) == [(1, 2), (2, 2)]
+
+
+def test_delay_when_idle_waits_out_the_delay() -> None:
+    """meshserve.batch_delay_when_idle: true keeps Triton's rule: even alone, a request
+    waits max_queue_delay for company."""
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> float:
+        t0 = time.monotonic()
+        await batcher.submit(one(), ["y"])
+        return time.monotonic() - t0
+
+    spec = make_spec(delay_us=300_000, parameters={DELAY_WHEN_IDLE: "true"})
+    assert asyncio.run(_with_batcher(spec, model, body)) >= 0.3

@@ -78,9 +78,13 @@ def test_config_values_are_kept(tmp_path: Path) -> None:
             'value { string_value: "0.2" } }',
             "price_per_1k_output_tokens_micro_usd must be a non-negative integer",
         ),
+        (
+            'parameters { key: "meshserve.batch_delay_when_idle" value { string_value: "yes" } }',
+            "batch_delay_when_idle must be true or false, got 'yes'",
+        ),
         ("max_batch_size: [", "not a valid ModelConfig"),
     ],
-    ids=["datatype", "dims", "name", "price", "token-price", "syntax"],
+    ids=["datatype", "dims", "name", "price", "token-price", "delay-when-idle", "syntax"],
 )
 def test_bad_config_is_refused(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(cfg.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
