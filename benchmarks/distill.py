@@ -24,13 +24,12 @@ from benchmarks.common import ROOT, machine, write_result
 from quantize import distill, evaluate, pipeline
 from quantize.recipes import DECODER, ENCODER, distill_recipe
 
-CACHE = ROOT / "build" / "quantize"
 TEACHER_INT8 = {ENCODER: "encoder-int8-dynamic", DECODER: "decoder-int8-weight-only"}
 TARGET_SPEEDUP = 4.0
 TARGET_COSINE = 0.95
 
 
-def artifacts(model: str) -> dict[str, pipeline.Artifact]:
+def artifacts(model: str, cache: Path) -> dict[str, pipeline.Artifact]:
     kind = pipeline.source(model).kind
     layers = distill.DEFAULTS[kind].layers
     names = {
@@ -39,10 +38,10 @@ def artifacts(model: str) -> dict[str, pipeline.Artifact]:
         "student fp32": distill_recipe(kind, layers, False).name,
         "student int8": distill_recipe(kind, layers, True).name,
     }
-    out = {"teacher fp32": pipeline.export_model(model, CACHE)}
+    out = {"teacher fp32": pipeline.export_model(model, cache)}
     for label, recipe in list(names.items())[1:]:
         t0 = time.perf_counter()
-        out[label] = pipeline.quantize_model(model, recipe, CACHE)
+        out[label] = pipeline.quantize_model(model, recipe, cache)
         print(f"{model} {label} ({recipe}): ready in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -53,9 +52,9 @@ def gate(recipe: str, metrics: dict) -> dict:
     return {"recipe": recipe, "accepted": not failures, "failures": failures}
 
 
-def bench_model(model: str, repeats: int) -> dict:
+def bench_model(model: str, repeats: int, cache: Path) -> dict:
     kind = pipeline.source(model).kind
-    found = artifacts(model)
+    found = artifacts(model, cache)
     recipes = {label: a.folder.name.removeprefix("engine-") for label, a in found.items()}
     paths = {label: a.model for label, a in found.items()}
     teacher = found["teacher fp32"]
@@ -113,8 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", nargs="+", default=["minilm"], choices=sorted(pipeline.SOURCES))
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
     args = parser.parse_args()
-    models = {m: bench_model(m, args.repeats) for m in args.model}
+    models = {m: bench_model(m, args.repeats, args.cache) for m in args.model}
     path: Path = write_result(
         "distill",
         {"benchmark": "distill", "machine": machine(), "repeats": args.repeats, "models": models},

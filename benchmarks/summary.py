@@ -503,9 +503,7 @@ def distill_section(r: dict) -> str:
                 ]
             )
         parts.append(
-            table(
-                ["file", "MB", "b1 ms", "b16 ms", "b16 speedup", first, second, "gate"], rows
-            )
+            table(["file", "MB", "b1 ms", "b16 ms", "b16 speedup", first, second, "gate"], rows)
         )
         if "target" in m:
             t = m["target"]

@@ -125,11 +125,12 @@ DISTILLED_ENCODER_GATE = (
     Threshold("min_cosine", ">=", 0.85),
     Threshold("triplet_order_kept", ">=", 1.0),
 )
-# A decoder student with fewer layers predicts the teacher's next token where the teacher
-# is confident (names, facts in the set: "Paris"), and drifts elsewhere; greedy text then
-# leaves the teacher's after a few tokens. The bar says it still speaks the teacher's
-# distribution: top-1 agreement on the teacher's own continuations >= 0.5 and KL <= 1.5
-# nats (an untrained cut of the teacher is far off: KL ~5); greedy match is reported.
+# A decoder student with fewer layers can follow the teacher's next token where the
+# teacher is confident (facts in the set: "Paris") and drift elsewhere; its greedy text
+# then leaves the teacher's after a few tokens, so greedy match is reported, not gated.
+# The bar asks that it still speaks the teacher's distribution: top-1 agreement on the
+# teacher's own continuations >= 0.5 and KL <= 1.5 nats. These two values are a stated
+# first bar, not yet measured on a trained SmolLM2 student (see distill.DEFAULTS).
 DISTILLED_DECODER_GATE = (
     Threshold("top1_agreement", ">=", 0.5),
     Threshold("kl_divergence", "<=", 1.5),
