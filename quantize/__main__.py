@@ -73,6 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True)
     p.add_argument("--layers", type=int, required=True, help="the student's layers (K)")
     p.add_argument("--steps", type=int, help="training steps (default: the model's plan)")
+    p.add_argument(
+        "--generated-per-topic",
+        type=int,
+        help="training sentences SmolLM2 writes per topic (default 8; 0: reference text only)",
+    )
     p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
     p = sub.add_parser("build-repository")
     p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
@@ -140,6 +145,7 @@ def distill(args: argparse.Namespace) -> int:
             args.steps,
             on_step,
             lambda: bar.advance(text),
+            args.generated_per_topic,
         )
         bar.update(text, total=1, completed=1)
     console.print(f"student: {student.model}")

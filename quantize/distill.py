@@ -269,9 +269,11 @@ def training_text(
     if path.exists():
         return list(json.loads(path.read_text())["texts"])
     torch.set_num_threads(THREADS)
-    model, tokenizer = generator()
     count = PER_TOPIC if per_topic is None else per_topic
-    generated = teacher_sentences(model, tokenizer, count, progress=progress)
+    generated: list[str] = []
+    if count:
+        model, tokenizer = generator()
+        generated = teacher_sentences(model, tokenizer, count, progress=progress)
     reference = reference_sentences()
     texts = held_out(list(dict.fromkeys(generated + reference)))
     body = {

@@ -181,16 +181,21 @@ def _write_model(model: Source, loaded: weights.Loaded, tmp: Path) -> None:
 STUDENT_FILE = "student.json"  # how a student was trained: its plan, text and losses
 
 
-def training_text(cache: Path, progress: Callable[[], None] | None = None) -> list[str]:
-    """Distillation text for every student, built once into CACHE/distill/text.json:
-    sentences the smollm2 source writes, and Python's language reference."""
+def training_text(
+    cache: Path, per_topic: int | None = None, progress: Callable[[], None] | None = None
+) -> list[str]:
+    """Distillation text for every student, built once into CACHE/distill/text-g<N>.json:
+    N sentences per topic that the smollm2 source writes (default distill.PER_TOPIC; 0:
+    none, SmolLM2 is not even loaded), and Python's language reference."""
+    count = distill.PER_TOPIC if per_topic is None else per_topic
 
     def generator() -> tuple[LlamaDecoder, Tokenizer]:
         loaded = source("smollm2").load()
         assert isinstance(loaded.model, LlamaDecoder)
         return loaded.model, loaded.tokenizer
 
-    return distill.training_text(cache / "distill" / "text.json", generator, progress=progress)
+    path = cache / "distill" / f"text-g{count}.json"
+    return distill.training_text(path, generator, count, progress)
 
 
 def distill_model(
@@ -200,6 +205,7 @@ def distill_model(
     steps: int | None = None,
     on_step: distill.StepCallback | None = None,
     on_text: Callable[[], None] | None = None,
+    per_topic: int | None = None,
 ) -> Artifact:
     """The fp32 student of `layers` layers, trained against the teacher and exported to
     CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan;
@@ -222,7 +228,7 @@ def distill_model(
         raise BuildError(str(e)) from e
     except distill.DistillError as e:
         raise BuildError(f"model {name!r}: {e}") from e
-    texts = training_text(cache, on_text)
+    texts = training_text(cache, per_topic, on_text)
     started = time.perf_counter()
     try:
         trained = distill.train(
