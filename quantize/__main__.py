@@ -151,7 +151,16 @@ def distill(args: argparse.Namespace) -> int:
     console.print(f"student: {student.model}")
     verdicts = []
     with progress() as bar:
-        step(bar, f"int8 on {names[0]}", pipeline.quantize_model, args.model, names[1], args.cache)
+        step(
+            bar,
+            f"int8 on {names[0]}",
+            pipeline.quantize_model,
+            args.model,
+            names[1],
+            args.cache,
+            False,
+            args.steps,
+        )
         for name in names:
             verdict = evaluate_with_bar(bar, args.model, name, args)
             show_verdict(verdict)
