@@ -48,6 +48,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.ledger
 	$(BIN)/python -m benchmarks.mlserver
 	$(BIN)/python -m benchmarks.quantize
+	$(BIN)/python -m benchmarks.distill
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.planner

@@ -6,6 +6,10 @@
     quantize          CACHE/<model>/fp32 -> CACHE/<model>/<recipe>
     evaluate          gate CACHE/<model>/<recipe> against fp32; report in REPORTS/<model>/;
                       exit 1 when the gate refuses it
+    distill           a student of the teacher with --layers K of its layers, trained here
+                      (--steps S; resumable), exported, int8 on top, both gated against
+                      the fp32 teacher and the accepted ones added to OUTPUT/<model>/ as
+                      further versions; exit 1 when the gate refuses either
     build-repository  all of the above for every model and recipe asked for, then a Triton
                       repository OUTPUT/<model>/{1 = fp32, 2.. = accepted recipes}; exit 1
                       when any recipe was refused (the accepted ones are still installed)
@@ -20,10 +24,17 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from quantize import pipeline
-from quantize.recipes import RECIPES
+from quantize.recipes import RECIPES, distill_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(stderr=True)
@@ -58,6 +69,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recipe", default="decoder-int8-weight-only", help="a decoder recipe or fp32")
     p.add_argument("--name", default="smollm2", help="the served model name")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p = sub.add_parser("distill", help="a smaller student of the teacher (quantize/distill.py)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--layers", type=int, required=True, help="the student's layers (K)")
+    p.add_argument("--steps", type=int, help="training steps (default: the model's plan)")
+    p.add_argument(
+        "--generated-per-topic",
+        type=int,
+        help="training sentences SmolLM2 writes per topic (default 8; 0: reference text only)",
+    )
+    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
     p = sub.add_parser("build-repository")
     p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
     p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
@@ -86,6 +107,75 @@ def show_verdict(v: pipeline.Verdict) -> None:
 
 def _brief(metrics: dict) -> str:
     return ", ".join(f"{k} {val:.4f}" for k, val in metrics.items())
+
+
+def training_progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.5f}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def distill(args: argparse.Namespace) -> int:
+    """Train (or reuse) the student, int8 on top, gate both, add the accepted ones."""
+    model = pipeline.source(args.model)
+    if args.layers < 1:
+        raise pipeline.BuildError(f"--layers {args.layers}: a student needs at least 1 layer")
+    if args.steps is not None and args.steps < 0:
+        raise pipeline.BuildError(f"--steps {args.steps}: expected a count >= 0")
+    names = [distill_recipe(model.kind, args.layers, int8).name for int8 in (False, True)]
+    with training_progress() as bar:
+        text = bar.add_task("training text (once)", total=None, loss=0.0)
+        train = bar.add_task(f"distill {args.model} -> {args.layers} layers", total=1, loss=0.0)
+
+        def on_step(done: int, total: int, loss: float) -> None:
+            bar.update(train, completed=done, total=total, loss=loss)
+
+        student = pipeline.distill_model(
+            args.model,
+            args.layers,
+            args.cache,
+            args.steps,
+            on_step,
+            lambda: bar.advance(text),
+            args.generated_per_topic,
+        )
+        bar.update(text, total=1, completed=1)
+    console.print(f"student: {student.model}")
+    verdicts = []
+    with progress() as bar:
+        step(
+            bar,
+            f"int8 on {names[0]}",
+            pipeline.quantize_model,
+            args.model,
+            names[1],
+            args.cache,
+            False,
+            args.steps,
+        )
+        for name in names:
+            verdict = evaluate_with_bar(bar, args.model, name, args)
+            show_verdict(verdict)
+            verdicts.append(verdict)
+    accepted = [v.recipe.name for v in verdicts if v.accepted]
+    for v in verdicts:
+        console.print(f"report: {args.reports / args.model / v.recipe.name}.md")
+    if accepted:
+        versions = pipeline.add_versions(args.model, accepted, args.cache, args.output)
+        console.print(
+            f"{args.output / args.model}: " + ", ".join(f"{v}={lab}" for v, lab in versions.items())
+        )
+    else:
+        console.print(f"[red]nothing added to {args.output / args.model}[/red]")
+    return 0 if len(accepted) == len(verdicts) else 1
 
 
 def evaluate_with_bar(bar: Progress, model: str, recipe: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -159,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{args.recipe}: {metrics}")
         console.print(f"{args.name}: {path}")
         return 0
+    if args.command == "distill":
+        return distill(args)
     if args.command == "evaluate":
         with progress() as bar:
             verdict = evaluate_with_bar(bar, args.model, args.recipe, args)
@@ -170,11 +262,9 @@ def run(args: argparse.Namespace) -> int:
 
 def build_repository(args: argparse.Namespace) -> int:
     models = [pipeline.source(m) for m in args.model]
-    for r in args.recipe or []:
-        if r not in RECIPES:
-            raise pipeline.BuildError(f"unknown recipe {r!r}; known recipes: {sorted(RECIPES)}")
+    chosen = {r: pipeline.recipe_named(r) for r in args.recipe or []}
     plan = {
-        m.name: [r for r in args.recipe if RECIPES[r].kind == m.kind]
+        m.name: [r for r in args.recipe if chosen[r].kind == m.kind]
         if args.recipe
         else list(m.recipes)
         for m in models

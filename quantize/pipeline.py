@@ -13,15 +13,16 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
+from tokenizers import Tokenizer
 
 from protos import model_config_pb2 as mc
-from quantize import evaluate, export, llm_graph, report, weights
+from quantize import distill, evaluate, export, llm_graph, report, weights
 from quantize.models import LlamaDecoder
-from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe
+from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe, lookup
 from worker import config as cfg
 
 MAX_POSITIONS = 8192  # SmolLM2's trained context; the serving limit is max_model_len
@@ -88,10 +89,18 @@ def source(name: str) -> Source:
     return SOURCES[name]
 
 
-def recipe_for(model: Source, name: str) -> Recipe:
-    recipe = RECIPES.get(name)
+def recipe_named(name: str) -> Recipe:
+    recipe = lookup(name)
     if recipe is None:
-        raise BuildError(f"unknown recipe {name!r}; known recipes: {sorted(RECIPES)}")
+        raise BuildError(
+            f"unknown recipe {name!r}; known recipes: {sorted(RECIPES)} "
+            "(or <encoder|decoder>-distill-l<K>[-int8] for a student of K layers)"
+        )
+    return recipe
+
+
+def recipe_for(model: Source, name: str) -> Recipe:
+    recipe = recipe_named(name)
     if recipe.kind != model.kind:
         raise BuildError(
             f"recipe {name!r} is for {recipe.kind} models; {model.name!r} is an {model.kind}"
@@ -151,35 +160,144 @@ def export_model(name: str, cache: Path, force: bool = False) -> Artifact:
     except weights.MissingWeights as e:
         raise BuildError(str(e)) from e
 
+    _staged(artifact.folder, lambda tmp: _write_model(model, loaded, tmp))
+    return artifact
+
+
+def _write_model(model: Source, loaded: weights.Loaded, tmp: Path) -> None:
+    """tokenizer.json and model.onnx of a torch model (the teacher or a student) into tmp."""
+    loaded.tokenizer.no_padding()
+    loaded.tokenizer.save(str(tmp / TOKENIZER_FILE))
+    if model.kind == DECODER:  # what the LLM engine serves
+        assert isinstance(loaded.model, LlamaDecoder)
+        llm_graph.save(llm_graph.build(loaded.model, MAX_POSITIONS), tmp / MODEL_FILE)
+        return
+    try:
+        export.export(loaded.model, tmp / MODEL_FILE)
+    except export.ExportError as e:
+        raise BuildError(f"model {model.name!r}: {e}") from e
+
+
+STUDENT_FILE = "student.json"  # how a student was trained: its plan, text and losses
+
+
+def training_text(
+    cache: Path, per_topic: int | None = None, progress: Callable[[], None] | None = None
+) -> list[str]:
+    """Distillation text for every student, built once into CACHE/distill/text-g<N>.json:
+    N sentences per topic that the smollm2 source writes (default distill.PER_TOPIC; 0:
+    none, SmolLM2 is not even loaded), and Python's language reference."""
+    count = distill.PER_TOPIC if per_topic is None else per_topic
+
+    def generator() -> tuple[LlamaDecoder, Tokenizer]:
+        loaded = source("smollm2").load()
+        assert isinstance(loaded.model, LlamaDecoder)
+        return loaded.model, loaded.tokenizer
+
+    path = cache / "distill" / f"text-g{count}.json"
+    return distill.training_text(path, generator, count, progress)
+
+
+def distill_model(
+    name: str,
+    layers: int,
+    cache: Path,
+    steps: int | None = None,
+    on_step: distill.StepCallback | None = None,
+    on_text: Callable[[], None] | None = None,
+    per_topic: int | None = None,
+) -> Artifact:
+    """The fp32 student of `layers` layers, trained against the teacher and exported to
+    CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan;
+    training resumes from CACHE/<name>/distill-l<layers>.pt after an interruption)."""
+    model = source(name)
+    recipe = recipe_for(model, f"{model.kind}-distill-l{layers}")
+    artifact = artifact_for(cache, name, recipe.name)
+    plan = distill.plan_for(model.kind, layers, steps)
+    record = artifact.folder / STUDENT_FILE
+    if (
+        artifact.exists()
+        and record.exists()
+        and json.loads(record.read_text())["plan"] == asdict(plan)
+    ):
+        return artifact
+    try:
+        loaded = model.load()
+        kept = distill.kept_layers(loaded.model.config.layers, layers)  # type: ignore[union-attr, arg-type]
+    except weights.MissingWeights as e:
+        raise BuildError(str(e)) from e
+    except distill.DistillError as e:
+        raise BuildError(f"model {name!r}: {e}") from e
+    texts = training_text(cache, per_topic, on_text)
+    started = time.perf_counter()
+    try:
+        trained = distill.train(
+            loaded.model,
+            loaded.tokenizer,
+            texts,
+            plan,
+            cache / name / f"distill-l{layers}.pt",
+            on_step,
+        )
+    except distill.DistillError as e:
+        raise BuildError(f"model {name!r}: {e}") from e
+    body = {
+        "teacher": name,
+        "plan": asdict(plan),
+        "kept_layers": kept,
+        "texts": len(texts),
+        "text_sha256": distill.digest(texts),
+        "loss_first": trained.losses[0] if trained.losses else None,
+        "loss_last": trained.losses[-1] if trained.losses else None,
+        "losses": [round(x, 5) for x in trained.losses],
+        "resumed_from_step": trained.resumed_from,
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "torch_threads": distill.THREADS,
+    }
+
     def write(tmp: Path) -> None:
-        loaded.tokenizer.no_padding()
-        loaded.tokenizer.save(str(tmp / TOKENIZER_FILE))
-        if model.kind == DECODER:  # what the LLM engine serves
-            assert isinstance(loaded.model, LlamaDecoder)
-            llm_graph.save(llm_graph.build(loaded.model, MAX_POSITIONS), tmp / MODEL_FILE)
-            return
-        try:
-            export.export(loaded.model, tmp / MODEL_FILE)
-        except export.ExportError as e:
-            raise BuildError(f"model {name!r}: {e}") from e
+        _write_model(model, weights.Loaded(trained.student, loaded.tokenizer), tmp)
+        (tmp / STUDENT_FILE).write_text(json.dumps(body, indent=1) + "\n")
 
     _staged(artifact.folder, write)
     return artifact
 
 
-def quantize_model(name: str, recipe_name: str, cache: Path, force: bool = False) -> Artifact:
+def quantize_model(
+    name: str,
+    recipe_name: str,
+    cache: Path,
+    force: bool = False,
+    steps: int | None = None,
+    on_step: distill.StepCallback | None = None,
+) -> Artifact:
+    """CACHE/<name>/<recipe>: the recipe applied to the fp32 export, or for a distillation
+    recipe, the trained student (`steps`, `on_step`), with the recipe's int8 on top."""
     model = source(name)
     recipe = recipe_for(model, recipe_name)
-    parent = export_model(name, cache)
+    if recipe.student_layers is not None:
+        parent = distill_model(name, recipe.student_layers, cache, steps, on_step)
+    else:
+        parent = export_model(name, cache)
+    if recipe.apply is None:  # the student itself
+        return parent
+    apply = recipe.apply
     artifact = artifact_for(cache, name, recipe.name)
-    if artifact.exists() and not force:
+    lineage = parent.folder / STUDENT_FILE  # a student's int8 follows its retraining
+    fresh = not lineage.exists() or (
+        (artifact.folder / STUDENT_FILE).exists()
+        and (artifact.folder / STUDENT_FILE).read_bytes() == lineage.read_bytes()
+    )
+    if artifact.exists() and fresh and not force:
         return artifact
     _quiet_quantizers()
 
     def write(tmp: Path) -> None:
         shutil.copy(parent.tokenizer, tmp / TOKENIZER_FILE)
+        if lineage.exists():
+            shutil.copy(lineage, tmp / STUDENT_FILE)
         try:
-            recipe.apply(parent.model, tmp / MODEL_FILE)
+            apply(parent.model, tmp / MODEL_FILE)
         except Exception as e:  # onnxruntime's quantizers raise anything
             raise BuildError(f"recipe {recipe.name!r} failed on {name!r}: {e}") from e
 
@@ -217,8 +335,6 @@ def evaluate_model(
                 f"{a.model} does not exist; run `python -m quantize quantize --model {name} "
                 f"--recipe {recipe.name}` first"
             )
-    from tokenizers import Tokenizer
-
     tokenizer = Tokenizer.from_file(str(parent.tokenizer))
     start = time.perf_counter()
     if model.kind == ENCODER:
@@ -301,6 +417,38 @@ def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> 
 
     _staged(output / name, write)
     return versions
+
+
+def installed_versions(output: Path, name: str) -> dict[int, str]:
+    """{version: label} of OUTPUT/<name>/ as its config.pbtxt records them; {} if absent."""
+    path = output / name / "config.pbtxt"
+    if not path.exists():
+        return {}
+    config = text_format.Parse(path.read_text(), mc.ModelConfig())
+    prefix = "meshserve.version."
+    return {
+        int(k.removeprefix(prefix)): v.string_value
+        for k, v in config.parameters.items()
+        if k.startswith(prefix)
+    }
+
+
+def add_versions(name: str, labels: list[str], cache: Path, output: Path) -> dict[int, str]:
+    """OUTPUT/<name>/ with `labels` as further versions after those it already has (one
+    rename, as install_model); nothing is written when `labels` adds nothing."""
+    have = installed_versions(output, name)
+    new = [label for label in labels if label not in have.values()]
+    if have and not new:
+        return have
+    keep = [have[v] for v in sorted(have) if have[v] != FP32]
+    for label in keep:
+        if not artifact_for(cache, name, label).exists():
+            raise BuildError(
+                f"{output / name} has version {label!r}, which is not in the cache {cache}; "
+                "rebuild it there (python -m quantize build-repository) or choose another "
+                "--output"
+            )
+    return install_model(name, keep + new, cache, output)
 
 
 def summary(verdicts: list[Verdict], versions: dict[str, dict[int, str]]) -> dict:

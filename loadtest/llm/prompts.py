@@ -11,12 +11,13 @@ N / 1.3 words). Either way the server's `prompt_tokens` is what the report count
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from common.corpus import python_reference
 
 TOKENS_PER_WORD = 1.3
 
@@ -64,9 +65,7 @@ def from_file(path: Path) -> list[Prompt]:
 
 def corpus() -> str:
     """About 460 KB of English prose and code from Python's own language reference."""
-    from pydoc_data.topics import topics
-
-    return re.sub(r"\s+", " ", " ".join(topics[k] for k in sorted(topics)))
+    return python_reference()
 
 
 def lengths(mean: int, stddev: float, count: int, seed: int = 0) -> list[int]:

@@ -1,0 +1,126 @@
+"""Distillation beside quantization: teacher fp32 / int8 against student fp32 / int8.
+
+    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30]
+
+Per model: size, onnxruntime CPU latency (MiniLM: one forward pass of 16-token sentences
+at batch 1 and 16; SmolLM2: one engine decode step at batch 1 and 16), all four measured
+in alternation, and the gate's metrics of each against the fp32 teacher with the verdict
+of its own recipe's gate. The students are the default plans of quantize/distill.py,
+trained (under the bench lock) on first use into build/quantize and reused after.
+Target (issue 16, MiniLM): student int8 >= 4x teacher fp32 at batch 16 with mean cosine
+>= 0.95 and the evaluation set's rankings kept. Writes benchmarks/results/distill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from benchmarks.common import ROOT, machine, write_result
+from quantize import distill, evaluate, pipeline
+from quantize.recipes import DECODER, ENCODER, distill_recipe
+
+TEACHER_INT8 = {ENCODER: "encoder-int8-dynamic", DECODER: "decoder-int8-weight-only"}
+TARGET_SPEEDUP = 4.0
+TARGET_COSINE = 0.95
+
+
+def artifacts(model: str, cache: Path) -> dict[str, pipeline.Artifact]:
+    kind = pipeline.source(model).kind
+    layers = distill.DEFAULTS[kind].layers
+    names = {
+        "teacher fp32": pipeline.FP32,
+        "teacher int8": TEACHER_INT8[kind],
+        "student fp32": distill_recipe(kind, layers, False).name,
+        "student int8": distill_recipe(kind, layers, True).name,
+    }
+    out = {"teacher fp32": pipeline.export_model(model, cache)}
+    for label, recipe in list(names.items())[1:]:
+        t0 = time.perf_counter()
+        out[label] = pipeline.quantize_model(model, recipe, cache)
+        print(f"{model} {label} ({recipe}): ready in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def gate(recipe: str, metrics: dict) -> dict:
+    r = pipeline.recipe_named(recipe)
+    failures = [t.describe(metrics[t.metric]) for t in r.gate if not t.passes(metrics[t.metric])]
+    return {"recipe": recipe, "accepted": not failures, "failures": failures}
+
+
+def bench_model(model: str, repeats: int, cache: Path) -> dict:
+    kind = pipeline.source(model).kind
+    found = artifacts(model, cache)
+    recipes = {label: a.folder.name.removeprefix("engine-") for label, a in found.items()}
+    paths = {label: a.model for label, a in found.items()}
+    teacher = found["teacher fp32"]
+    tokenizer = Tokenizer.from_file(str(teacher.tokenizer))
+    vocab = tokenizer.get_vocab_size()
+    latency: dict[str, dict] = {}
+    for batch in (1, 16):
+        if kind == ENCODER:
+            latency[f"batch_{batch}"] = evaluate.encoder_latency(paths, batch, vocab, repeats)
+        else:
+            steps = evaluate.decoder_latency(paths, batch, vocab, max(3, repeats // 3))
+            latency[f"batch_{batch}"] = {k: v["decode_step_ms"] for k, v in steps.items()}
+    metrics, verdicts = {}, {}
+    for label, path in list(paths.items())[1:]:
+        if kind == ENCODER:
+            m = evaluate.evaluate_encoder(teacher.model, path, tokenizer, "CPUExecutionProvider")
+        else:
+            m = evaluate.evaluate_decoder(teacher.model, path, tokenizer, "CPUExecutionProvider")
+        metrics[label] = m
+        verdicts[label] = gate(recipes[label], m)
+        print(f"{model} {label}: {m} {verdicts[label]}")
+    speedup = {
+        batch: {k: round(per["teacher fp32"] / v, 2) for k, v in per.items()}
+        for batch, per in latency.items()
+    }
+    student_file = found["student fp32"].folder / pipeline.STUDENT_FILE
+    student = json.loads(student_file.read_text())
+    result = {
+        "kind": kind,
+        "recipes": recipes,
+        "size_bytes": {k: p.stat().st_size for k, p in paths.items()},
+        "latency_ms": latency,
+        "latency_measures": "one forward pass of 16-token sentences"
+        if kind == ENCODER
+        else "one engine decode step (one new token per row after 32 cached)",
+        "speedup_vs_teacher_fp32": speedup,
+        "metrics": metrics,
+        "gate": verdicts,
+        "student": {k: v for k, v in student.items() if k != "losses"},
+    }
+    if kind == ENCODER:
+        s = metrics["student int8"]
+        result["target"] = {
+            "speedup_batch_16": speedup["batch_16"]["student int8"],
+            "mean_cosine": s["mean_cosine"],
+            "triplet_order_kept": s["triplet_order_kept"],
+            "met": speedup["batch_16"]["student int8"] >= TARGET_SPEEDUP
+            and s["mean_cosine"] >= TARGET_COSINE
+            and s["triplet_order_kept"] == 1.0,
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", nargs="+", default=["minilm"], choices=sorted(pipeline.SOURCES))
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
+    args = parser.parse_args()
+    models = {m: bench_model(m, args.repeats, args.cache) for m in args.model}
+    path: Path = write_result(
+        "distill",
+        {"benchmark": "distill", "machine": machine(), "repeats": args.repeats, "models": models},
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""Distillation: a student with the teacher's architecture and fewer layers, trained here.
+
+- The student keeps `K` of the teacher's layers, evenly spaced from the first to the last
+  (MiniLM 6 -> 3 keeps 0, 2, 5; DistilBERT keeps every other one), and starts from their
+  weights; the embeddings (and SmolLM2's tied LM head) are the teacher's and stay frozen,
+  so the student learns only what the missing layers did.
+- An encoder student matches the teacher's sentence embeddings (1 - cosine), and,
+  with `intermediate_weight`, each kept layer's hidden states (MSE).
+- A decoder student matches the teacher's next-token distributions: KL(teacher || student)
+  at temperature TEMPERATURE over every position, times T^2 (Hinton et al.).
+- Training text, no download (`training_text`): sentences of Python's language reference
+  (`common.corpus`) and sentences the SmolLM2 teacher writes about everyday topics; any
+  text that is, or holds, a sentence or prompt of quantize/evalset/ is dropped (held out).
+- Deterministic: a fixed seed, and step i's batch is drawn from (seed, i) alone, so a run
+  resumed from its checkpoint (saved every SAVE_EVERY steps) continues the same sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from common.corpus import python_reference
+from quantize import evaluate
+from quantize.models import BertEncoder, LlamaDecoder, bert_inputs, mean_pool
+from quantize.recipes import DECODER, ENCODER
+
+log = structlog.get_logger(__name__)
+
+SEED = 0
+TEMPERATURE = 2.0
+SAVE_EVERY = 25
+WARMUP = 10
+THREADS = 2
+
+StepCallback = Callable[[int, int, float], None]  # (step done, total steps, loss)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a student is trained with; a checkpoint resumes only under the same plan."""
+
+    kind: str
+    layers: int
+    steps: int
+    batch: int
+    lr: float
+    max_tokens: int
+    seed: int = SEED
+    temperature: float = TEMPERATURE  # decoders
+    intermediate_weight: float = 0.0  # encoders: weight of the per-layer hidden-state MSE
+
+
+# Measured once (benchmarks/results/distill.json): MiniLM's 200 steps on the reference text
+# alone (--generated-per-topic 0) reach training loss 0.024 yet mean cosine 0.70 on the
+# evaluation set: refused. The generated everyday sentences (PER_TOPIC) were not run on
+# the real models here for lack of CPU time; SmolLM2's plan is an unmeasured first guess.
+DEFAULTS = {
+    ENCODER: Plan(ENCODER, 3, steps=200, batch=32, lr=2e-4, max_tokens=64),
+    DECODER: Plan(DECODER, 15, steps=150, batch=8, lr=1e-4, max_tokens=48),
+}
+
+
+def plan_for(kind: str, layers: int, steps: int | None = None) -> Plan:
+    base = DEFAULTS[kind]
+    return replace(base, layers=layers, steps=base.steps if steps is None else steps)
+
+
+class DistillError(Exception):
+    """A student that cannot be built as asked; the message says why and what would work."""
+
+
+# ---- the student ---------------------------------------------------------------------
+
+
+def kept_layers(teacher_layers: int, k: int) -> list[int]:
+    """`k` of the teacher's layer indices, evenly spaced, first and last included."""
+    if not 1 <= k < teacher_layers:
+        raise DistillError(
+            f"a student of {k} layers: expected 1..{teacher_layers - 1} layers, fewer than "
+            f"the teacher's {teacher_layers}"
+        )
+    if k == 1:
+        return [teacher_layers - 1]
+    return sorted({round(i * (teacher_layers - 1) / (k - 1)) for i in range(k)})
+
+
+def make_student(teacher: nn.Module, k: int) -> nn.Module:
+    """The teacher's class with `k` layers, initialised from the kept layers' weights."""
+    assert isinstance(teacher, BertEncoder | LlamaDecoder)
+    kept = kept_layers(teacher.config.layers, k)
+    student = type(teacher)(replace(teacher.config, layers=k))  # type: ignore[arg-type]
+    state = {}
+    for name, value in teacher.state_dict().items():
+        if name.startswith("layers."):
+            index, _, rest = name.removeprefix("layers.").partition(".")
+            if int(index) in kept:
+                state[f"layers.{kept.index(int(index))}.{rest}"] = value.clone()
+        else:
+            state[name] = value.clone()
+    student.load_state_dict(state, strict=True)
+    return student
+
+
+def trainable(student: nn.Module) -> list[nn.Parameter]:
+    """Everything but the embeddings (and the LM head tied to them), which stay the
+    teacher's: 12M of MiniLM's 22M parameters, 28M of SmolLM2's 135M."""
+    frozen = {"word.weight", "position.weight", "token_type.weight", "embed.weight"}
+    frozen |= {"lm_head.weight"}
+    return [p for n, p in student.named_parameters() if n not in frozen]
+
+
+# ---- losses --------------------------------------------------------------------------
+
+
+def encoder_states(
+    model: BertEncoder, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The sentence embedding and every layer's hidden states (BertEncoder.forward's steps)."""
+    x, bias = bert_inputs(model, ids, mask)
+    hidden = []
+    for layer in model.layers:
+        x = layer(x, bias)
+        hidden.append(x)
+    return mean_pool(x, mask), hidden
+
+
+def encoder_loss(
+    teacher: BertEncoder,
+    student: BertEncoder,
+    kept: list[int],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    intermediate_weight: float,
+) -> torch.Tensor:
+    with torch.no_grad():
+        target, target_hidden = encoder_states(teacher, ids, mask)
+    embedding, hidden = encoder_states(student, ids, mask)
+    loss = (1.0 - (embedding * target).sum(-1)).mean()  # both unit length
+    if intermediate_weight:
+        m = mask[..., None].to(embedding.dtype)
+        per_layer = [
+            (((h - target_hidden[t]) ** 2) * m).sum() / (m.sum() * h.shape[-1])
+            for h, t in zip(hidden, kept, strict=True)
+        ]
+        loss = loss + intermediate_weight * torch.stack(per_layer).mean()
+    return loss
+
+
+def decoder_loss(
+    teacher: LlamaDecoder,
+    student: LlamaDecoder,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions at `temperature`, times T^2,
+    averaged over the real (unpadded) positions."""
+    with torch.no_grad():
+        target = teacher(ids, mask, *teacher.empty_cache(ids.shape[0]))[0]
+    logits = student(ids, mask, *student.empty_cache(ids.shape[0]))[0]
+    t = nn.functional.log_softmax(target / temperature, dim=-1)
+    s = nn.functional.log_softmax(logits / temperature, dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1)
+    m = mask.to(kl.dtype)
+    return (kl * m).sum() / m.sum() * temperature**2
+
+
+# ---- training text -------------------------------------------------------------------
+
+TOPICS = (
+    "food", "cooking", "sports", "music", "the weather", "animals", "pets", "travel",
+    "the stock market", "banking", "computers", "passwords", "phones", "movies", "books",
+    "a library", "school", "science", "space", "the ocean", "a city", "a village", "cars",
+    "bicycles", "trains", "health", "running", "a hospital", "gardening", "a family",
+    "friendship", "work", "shopping", "clothes", "art", "history", "a holiday", "rain",
+    "winter", "a birthday", "coffee", "a restaurant", "the news", "politics", "a museum",
+    "a river", "mountains", "a farm",
+)  # fmt: skip
+PER_TOPIC = 8  # 384 generated sentences: 6 batches of 64, ~1 minute on 2 idle cores
+GENERATION_PROMPT = (
+    "<|im_start|>user\nWrite one short, simple sentence about {topic}.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def reference_sentences(min_words: int = 5, max_words: int = 40) -> list[str]:
+    """Prose sentences of Python's language reference (no code, no tables)."""
+    out = []
+    for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", python_reference()):
+        letters = sum(c.isalpha() or c == " " for c in s)
+        if min_words <= len(s.split()) <= max_words and letters > 0.9 * len(s):
+            out.append(s)
+    return out
+
+
+@torch.no_grad()
+def teacher_sentences(
+    generator: LlamaDecoder,
+    tokenizer: Tokenizer,
+    per_topic: int,
+    new_tokens: int = 24,
+    seed: int = SEED,
+    progress: Callable[[], None] | None = None,
+) -> list[str]:
+    """`per_topic` sampled sentences for each topic (temperature 0.9, top-k 50); the first
+    sentence of each answer. All prompts go in batches of 64 rows, left-padded (the
+    decoder takes positions from the mask)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        tokenizer.encode(GENERATION_PROMPT.format(topic=t)).ids
+        for t in TOPICS
+        for _ in range(per_topic)
+    ]
+    out = []
+    for first in range(0, len(prompts), 64):
+        chunk = prompts[first : first + 64]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        keys, values = generator.empty_cache(len(chunk))
+        rows: list[list[int]] = [[] for _ in chunk]
+        for _ in range(new_tokens):
+            logits, keys, values = generator(ids, mask, keys, values)
+            top, index = (logits[:, -1] / 0.9).topk(50, dim=-1)
+            ids = index.gather(-1, torch.multinomial(top.softmax(-1), 1, generator=g))
+            mask = torch.cat((mask, torch.ones_like(ids)), dim=1)
+            for row, token in zip(rows, ids[:, 0].tolist(), strict=True):
+                row.append(token)
+        for row in rows:
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            sentence = re.split(r"(?<=[.!?])\s|\n", text)[0].strip()
+            if len(sentence.split()) >= 3:
+                out.append(sentence)
+        if progress:
+            progress()
+    return out
+
+
+def _normal(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def held_out(texts: Sequence[str]) -> list[str]:
+    """`texts` less any that is, or contains, an evaluation sentence or prompt."""
+    evalset = [_normal(s) for s in evaluate.load_set(ENCODER)["sentences"]]
+    evalset += [_normal(p) for p in evaluate.load_set(DECODER)["prompts"]]
+    evalset = [e for e in evalset if e]
+    return [t for t in texts if not any(e in _normal(t) for e in evalset)]
+
+
+def training_text(
+    path: Path,
+    generator: Callable[[], tuple[LlamaDecoder, Tokenizer]],
+    per_topic: int | None = None,
+    progress: Callable[[], None] | None = None,
+) -> list[str]:
+    """The training sentences, built once into `path` (JSON) and reused; `per_topic`
+    generated sentences per topic (default PER_TOPIC)."""
+    if path.exists():
+        return list(json.loads(path.read_text())["texts"])
+    torch.set_num_threads(THREADS)
+    count = PER_TOPIC if per_topic is None else per_topic
+    generated: list[str] = []
+    if count:
+        model, tokenizer = generator()
+        generated = teacher_sentences(model, tokenizer, count, progress=progress)
+    reference = reference_sentences()
+    texts = held_out(list(dict.fromkeys(generated + reference)))
+    body = {
+        "about": "Distillation training text: sentences SmolLM2 wrote about everyday topics, "
+        "and prose sentences of Python's language reference (pydoc_data). Held out: "
+        "anything that is or contains a sentence or prompt of quantize/evalset/.",
+        "generated": len(generated),
+        "reference": len(reference),
+        "texts": texts,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    tmp.replace(path)
+    return texts
+
+
+# ---- training ------------------------------------------------------------------------
+
+
+@dataclass
+class Trained:
+    student: nn.Module
+    losses: list[float]  # per step, from step 1
+    resumed_from: int  # 0 when trained from the start
+
+
+def tokenize(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    return [e.ids[:max_tokens] for e in tokenizer.encode_batch(list(texts))]
+
+
+def batch_at(rows: list[list[int]], plan: Plan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch (right-padded ids and mask), a function of (seed, step) alone."""
+    rng = np.random.default_rng([plan.seed, step])
+    picks = rng.choice(len(rows), size=min(plan.batch, len(rows)), replace=False)
+    chosen = [rows[i] for i in picks]
+    width = max(len(r) for r in chosen)
+    ids = torch.zeros((len(chosen), width), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(chosen):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def digest(texts: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+
+
+def _save(path: Path, body: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(body, tmp)
+    tmp.replace(path)
+
+
+def train(
+    teacher: nn.Module,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    plan: Plan,
+    checkpoint: Path | None = None,
+    on_step: StepCallback | None = None,
+) -> Trained:
+    """Train a `plan.layers`-layer student of `teacher` for `plan.steps` steps; with
+    `checkpoint`, save there every SAVE_EVERY steps and resume from it (same plan and
+    text; more steps than it holds continue it)."""
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(plan.seed)
+    teacher.eval()
+    student = make_student(teacher, plan.layers)
+    kept = kept_layers(teacher.config.layers, plan.layers)  # type: ignore[union-attr, arg-type]
+    optimizer = torch.optim.AdamW(trainable(student), lr=plan.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / WARMUP)
+    )
+    rows = [r for r in tokenize(tokenizer, texts, plan.max_tokens) if r]
+    if not rows:
+        raise DistillError("no training text: every sentence was empty after tokenizing")
+    identity = {**asdict(plan), "steps": None, "text": digest(texts)}
+    losses: list[float] = []
+    start = 0
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["identity"] == identity and saved["step"] <= plan.steps:
+            student.load_state_dict(saved["student"])
+            optimizer.load_state_dict(saved["optimizer"])
+            schedule.load_state_dict(saved["schedule"])
+            losses, start = list(saved["losses"]), int(saved["step"])
+            log.info("distill_resumed", checkpoint=str(checkpoint), step=start)
+        else:
+            log.info("distill_checkpoint_ignored", checkpoint=str(checkpoint), reason="other plan")
+    student.train()
+    for step in range(start, plan.steps):
+        ids, mask = batch_at(rows, plan, step)
+        if plan.kind == ENCODER:
+            loss = encoder_loss(teacher, student, kept, ids, mask, plan.intermediate_weight)  # type: ignore[arg-type]
+        else:
+            loss = decoder_loss(teacher, student, ids, mask, plan.temperature)  # type: ignore[arg-type]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        nn.utils.clip_grad_norm_(trainable(student), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        done = step + 1
+        if checkpoint is not None and (done % SAVE_EVERY == 0 or done == plan.steps):
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            _save(
+                checkpoint,
+                {
+                    "identity": identity,
+                    "step": done,
+                    "student": student.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(),
+                    "losses": losses,
+                },
+            )
+        if on_step:
+            on_step(done, plan.steps, losses[-1])
+    return Trained(student.eval(), losses, start)
+
+
+def evaluation_loss(
+    teacher: nn.Module, student: nn.Module, tokenizer: Tokenizer, texts: Sequence[str], plan: Plan
+) -> float:
+    """The training loss over `texts` in one batch, without gradients (to compare students)."""
+    kept = kept_layers(teacher.config.layers, plan.layers)  # type: ignore[union-attr, arg-type]
+    rows = [r for r in tokenize(tokenizer, texts, plan.max_tokens) if r]
+    whole = replace(plan, batch=len(rows))
+    ids, mask = batch_at(rows, whole, 0)
+    with torch.no_grad():
+        if plan.kind == ENCODER:
+            return float(encoder_loss(teacher, student, kept, ids, mask, plan.intermediate_weight))  # type: ignore[arg-type]
+        return float(decoder_loss(teacher, student, ids, mask, plan.temperature))  # type: ignore[arg-type]

@@ -1,0 +1,149 @@
+"""Distillation on tiny random teachers: the student learns, resumes, and faces the gate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantize import __main__ as cli
+from quantize import distill, evaluate, pipeline
+from quantize.recipes import DISTILLED_ENCODER_GATE, lookup
+from tests.quantize.conftest import tiny_minilm, tiny_smollm2
+
+TEXTS = distill.reference_sentences()[:200]
+
+
+def run(tmp_path: Path, *argv: str) -> int:
+    return cli.main(
+        ["--cache", str(tmp_path / "cache"), "--reports", str(tmp_path / "reports"), *argv]
+    )
+
+
+def test_kept_layers_are_evenly_spaced_first_and_last_included() -> None:
+    assert distill.kept_layers(6, 3) == [0, 2, 5]
+    assert distill.kept_layers(30, 15) == [0, 2, 4, 6, 8, 10, 12, 14, 17, 19, 21, 23, 25, 27, 29]
+    assert distill.kept_layers(2, 1) == [1]
+    with pytest.raises(
+        distill.DistillError, match=r"expected 1..5 layers, fewer than the teacher's 6"
+    ):
+        distill.kept_layers(6, 6)
+
+
+def test_student_starts_from_the_kept_layers_of_the_teacher() -> None:
+    teacher = tiny_smollm2().model
+    student = distill.make_student(teacher, 1)
+    assert len(student.layers) == 1  # type: ignore[arg-type]
+    torch.testing.assert_close(student.layers[0].q.weight, teacher.layers[1].q.weight)  # type: ignore[index]
+    torch.testing.assert_close(student.embed.weight, teacher.embed.weight)
+    frozen = {id(p) for p in (student.embed.weight, student.lm_head.weight)}
+    assert all(id(p) not in frozen for p in distill.trainable(student))
+
+
+def test_distill_recipe_names_resolve_for_any_layer_count() -> None:
+    r = lookup("encoder-distill-l2-int8")
+    assert r is not None and r.student_layers == 2 and r.apply is not None
+    assert r.gate == DISTILLED_ENCODER_GATE
+    fp32 = lookup("decoder-distill-l7")
+    assert fp32 is not None and fp32.student_layers == 7 and fp32.apply is None
+    assert lookup("encoder-distill-l0") is None and lookup("encoder-distill") is None
+
+
+@pytest.mark.parametrize("make", [tiny_minilm, tiny_smollm2], ids=["encoder", "decoder"])
+def test_a_distilled_tiny_model_improves_its_loss(make) -> None:  # type: ignore[no-untyped-def]
+    loaded = make()
+    kind = "encoder" if make is tiny_minilm else "decoder"
+    plan = replace(distill.plan_for(kind, 1, 30), batch=16, lr=3e-3)
+    held = TEXTS[:48]
+    untrained = distill.make_student(loaded.model, 1)
+    before = distill.evaluation_loss(loaded.model, untrained, loaded.tokenizer, held, plan)
+    trained = distill.train(loaded.model, loaded.tokenizer, TEXTS[48:], plan)
+    after = distill.evaluation_loss(loaded.model, trained.student, loaded.tokenizer, held, plan)
+    assert after < 0.5 * before, (before, after)
+    assert len(trained.losses) == 30 and trained.resumed_from == 0
+
+
+def test_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path) -> None:
+    loaded = tiny_minilm()
+    plan = replace(distill.plan_for("encoder", 1, 12), batch=8, lr=3e-3)
+    whole = distill.train(loaded.model, loaded.tokenizer, TEXTS, plan)
+    checkpoint = tmp_path / "student.pt"
+    first = distill.train(loaded.model, loaded.tokenizer, TEXTS, replace(plan, steps=5), checkpoint)
+    assert first.resumed_from == 0 and len(first.losses) == 5
+    rest = distill.train(loaded.model, loaded.tokenizer, TEXTS, plan, checkpoint)
+    assert rest.resumed_from == 5
+    assert rest.losses == pytest.approx(whole.losses, rel=1e-4)
+    other = distill.train(
+        loaded.model, loaded.tokenizer, TEXTS[1:], replace(plan, steps=2), checkpoint
+    )
+    assert other.resumed_from == 0  # other text: a fresh start, not someone else's student
+
+
+def test_training_text_holds_out_the_evaluation_sets() -> None:
+    sentence = evaluate.load_set("encoder")["sentences"][0]
+    prompt = evaluate.load_set("decoder")["prompts"][0]
+    texts = ["Keep me.", sentence, f"Before. {sentence.upper()} after", f"{prompt} Paris."]
+    assert distill.held_out(texts) == ["Keep me."]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.usefixtures("tiny_sources")
+def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(distill, "PER_TOPIC", 1)  # the tiny decoder writes 48 "sentences"
+    out = tmp_path / "repo"
+    build = ("build-repository", "--output", str(out), "--model", "minilm", "--recipe")
+    assert run(tmp_path, *build, "encoder-copy") == 0
+    before = snapshot(out)
+    distill_l1 = ("distill", "--model", "minilm", "--layers", "1", "--output", str(out))
+    assert run(tmp_path, *distill_l1, "--steps", "0") == 1  # deliberately undertrained
+    err = " ".join(capsys.readouterr().err.split())
+    assert "REFUSED" in err and "nothing added to" in err
+    assert snapshot(out) == before  # a refusal writes nothing to the repository
+    for recipe in ("encoder-distill-l1", "encoder-distill-l1-int8"):
+        report = json.loads((tmp_path / f"reports/minilm/{recipe}.json").read_text())
+        assert report["verdict"] == "refused" and report["failures"]
+        assert report["gate"][0] == {"metric": "mean_cosine", "op": ">=", "threshold": 0.95}
+    text = json.loads((tmp_path / "cache/distill/text-g1.json").read_text())
+    assert text["generated"] > 0 and text["texts"] == distill.held_out(text["texts"])
+
+    # what an accepted student gets: further versions after those the repository has
+    assert pipeline.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
+        1: "fp32",
+        2: "encoder-copy",
+        3: "encoder-distill-l1",
+    }
+    assert pipeline.installed_versions(out, "minilm")[3] == "encoder-distill-l1"
+    assert (out / "minilm" / "3" / "model.onnx").exists()
+    student = json.loads((tmp_path / "cache/minilm/encoder-distill-l1/student.json").read_text())
+    assert student["kept_layers"] == [1] and student["plan"]["steps"] == 0
+
+
+@pytest.mark.usefixtures("tiny_sources")
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ("0", "--layers 0: a student needs at least 1 layer"),
+        ("2", "expected 1..1 layers, fewer than the teacher's 2"),
+    ],
+)
+def test_a_student_as_big_as_the_teacher_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layers: str, message: str
+) -> None:
+    out = tmp_path / "repo"
+    assert (
+        run(tmp_path, "distill", "--model", "minilm", "--layers", layers, "--output", str(out)) == 2
+    )
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not out.exists() and not (tmp_path / "cache" / "distill").exists()
