@@ -252,12 +252,19 @@ def test_worker_metrics_count_tokens_time_and_kv(served) -> None:  # type: ignor
     assert delta("meshserve_worker_time_to_first_token_seconds_count", ("model", MODEL)) == 1
     # one observation per later piece: 9 tokens after the first, one or more per piece
     assert 1 <= delta("meshserve_worker_inter_token_seconds_count", ("model", MODEL)) <= 9
-    assert after[("meshserve_worker_kv_cache_tokens", (*key, ("state", "total")))] > 0
-    assert after[("meshserve_worker_kv_cache_tokens", (*key, ("state", "used")))] == 0
-    assert after[("meshserve_worker_sequences", (*key, ("state", "running")))] == 0
+
+    def now(name: str, *labels: tuple[str, str]) -> float:
+        return after[(name, tuple(sorted(labels)))]
+
+    assert now("meshserve_worker_kv_cache_tokens", *key, ("state", "total")) > 0
+    assert now("meshserve_worker_kv_cache_tokens", *key, ("state", "used")) == 0
+    assert now("meshserve_worker_sequences", *key, ("state", "running")) == 0
     loaded = [k for k in after if k[0] == "meshserve_worker_model_loaded"]
     assert loaded == [
-        ("meshserve_worker_model_loaded", (*key, ("provider", "CPUExecutionProvider")))
+        (
+            "meshserve_worker_model_loaded",
+            tuple(sorted((*key, ("provider", "CPUExecutionProvider")))),
+        )
     ]
     # labels name served models only
     models = {dict(labels).get("model") for _, labels in after} - {None}
