@@ -57,9 +57,10 @@ def settle_on(store: Store, expected: tuple[int, int], timeout: float = 15.0) ->
 async def impatient_clients(
     address: str, calls: int, seed: int, max_seconds: float = 40.0
 ) -> dict[str, Counter[str]]:
-    """`calls` ModelInfer calls, 8 at a time: half to `mlp` with deadlines of 1-20 ms, half
+    """`calls` ModelInfer calls, 8 at a time: half to `mlp` with deadlines of 1-60 ms, half
     to `mlp_slow`, each cancelled by its client after 1-20 ms. Returns what the clients saw:
-    model -> status name -> count."""
+    model -> status name -> count. (Deadlines reach 60 ms so that some calls succeed on a
+    slow or busy machine too: at 1-20 ms an AVX2-only 2-core box saw 1-6 of 250 succeed.)"""
     rng = random.Random(seed)
     seen: dict[str, Counter[str]] = {"mlp": Counter(), "mlp_slow": Counter()}
     next_i = 0
@@ -92,11 +93,10 @@ async def impatient_clients(
             nonlocal next_i
             while next_i < calls and time.monotonic() < stop_at:
                 i, next_i = next_i, next_i + 1
-                wait_s = rng.uniform(0.001, 0.020)
                 if i % 2:
-                    seen["mlp"][await with_deadline(i, wait_s)] += 1
+                    seen["mlp"][await with_deadline(i, rng.uniform(0.001, 0.060))] += 1
                 else:
-                    seen["mlp_slow"][await cancelled(i, wait_s)] += 1
+                    seen["mlp_slow"][await cancelled(i, rng.uniform(0.001, 0.020))] += 1
 
         await asyncio.gather(*(caller() for _ in range(8)))
     return seen
@@ -109,9 +109,11 @@ def billed_per_model(store: Store) -> dict[str, int]:
 def test_deadlines_and_cancels_bill_exactly_what_the_clients_got(
     mesh: Mesh, tmp_path: Path
 ) -> None:
-    # The margin must cover a reply's trip back to the client: a few ms on this shared
-    # 2-core machine under load (the default, 2 ms, is for an unloaded client).
-    router, store = start(mesh, tmp_path, "--answer-margin-ms", "5")
+    # The margin must cover a reply's trip back to the client, into its event loop: HTTP/2
+    # has no ack, so a reply sent with less left may land after the client's deadline and be
+    # billed though the client saw DEADLINE_EXCEEDED. On this 2-core machine, loaded, that
+    # trip took over 5 ms (69 billed, 68 received); the default, 2 ms, is for an idle client.
+    router, store = start(mesh, tmp_path, "--answer-margin-ms", "20")
     seen = asyncio.run(impatient_clients(router, 1000, seed=8))
     fast, slow = seen["mlp"], seen["mlp_slow"]
     # The mix the test is about did happen: successes, expired deadlines and cancels.
