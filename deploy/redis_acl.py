@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REGISTRY = ("meshserve:workers", "meshserve:worker:*", "meshserve:depth:*")
+SCALE = ("meshserve:scale:*",)  # per-model queue and KV lists for KEDA (worker/scaling.py)
+EVENTS = "meshserve:registry:events"  # the registry's pub/sub channel (common/mesh_state.py)
 TENANT_RECORDS = ("meshserve:tenants", "meshserve:tenant:*", "meshserve:apikey:*")
 
 
@@ -30,13 +32,20 @@ class Role:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     commands: tuple[str, ...]
+    channels: tuple[str, ...] = ()  # pub/sub channels it may publish or subscribe to
 
 
 ROLES = {
     "worker": Role(
         reads=(),
-        writes=REGISTRY,
-        commands=("set", "exists", "del", "zadd", "zrem", "multi", "exec"),
+        writes=(*REGISTRY, *SCALE),
+        # EVALSHA runs the scaling script, whose commands are checked too
+        commands=(
+            *("set", "exists", "del", "zadd", "zrem", "multi", "exec", "publish"),
+            *("evalsha", "eval", "script|load", "time", "hset", "hdel", "hgetall"),
+            *("llen", "ltrim", "rpush", "pexpire"),
+        ),
+        channels=(EVENTS,),
     ),
     "router": Role(
         reads=(*REGISTRY, *TENANT_RECORDS, "meshserve:ledger:ack:*"),
@@ -66,7 +75,10 @@ ROLES = {
             "incrby",
             "expire",
             "exists",
+            "subscribe",
+            "unsubscribe",
         ),
+        channels=(EVENTS,),
     ),
     "ledger": Role(
         reads=(*REGISTRY, "meshserve:routers", "meshserve:tenants"),
@@ -85,8 +97,9 @@ def acl_line(user: str, password: str, role: Role | None, split: bool) -> str:
         keys = [f"%R~{p}" for p in role.reads] + [f"~{p}" for p in role.writes]
     else:
         keys = [f"~{p}" for p in (*role.reads, *role.writes)]
+    channels = " ".join(["resetchannels", *(f"&{c}" for c in role.channels)])
     commands = " ".join(f"+{c}" for c in (*COMMON, *role.commands))
-    return f"user {user} on #{digest} resetkeys {' '.join(keys)} -@all {commands}"
+    return f"user {user} on #{digest} resetkeys {' '.join(keys)} {channels} -@all {commands}"
 
 
 @dataclass(frozen=True)
