@@ -24,6 +24,8 @@ TEST_CONFIGS = {
         "max_batch_size: 8\n"
         "dynamic_batching {\n  max_queue_delay_microseconds: 500000\n"
         "  default_queue_policy { max_queue_size: 2 }\n}\n"
+        # Triton's rule (wait out the delay even when idle) holds requests in the queue
+        'parameters { key: "meshserve.batch_delay_when_idle" value { string_value: "true" } }\n'
     ),
     # No merging at all: each request is its own execution.
     "mlp_unbatched": "max_batch_size: 16\n",
