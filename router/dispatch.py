@@ -36,7 +36,6 @@ from common.errors import (
     DeadlineExceeded,
     InvalidArgument,
     MeshError,
-    NotFound,
     ResourceExhausted,
     Unavailable,
     UpstreamError,
@@ -257,9 +256,7 @@ class Dispatcher:
     ) -> bytes:
         replicas = self.registry.replicas_for(model, version)
         if not replicas:
-            known = sorted({m for r in self.registry.replicas.values() for m in r.info.models})
-            what = f"model {clip(model)}" + (f" version {clip(version)}" if version else "")
-            raise NotFound(f"no replica serves {what}; the mesh serves {clip(str(known), 200)}")
+            raise self.registry.unserved(model, version)
         tried: set[str] = set()
         while True:
             pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]

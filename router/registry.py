@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from common import mesh_state, tls
+from common.errors import MeshError, NotFound, Unavailable, clip
 from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
 from router import metrics
@@ -46,6 +47,7 @@ from router import metrics
 log = structlog.get_logger()
 
 HOUSEKEEPING_S = 0.05  # ejected replicas' health checks, stalled replicas' probes
+MAX_LEFT = 10_000  # models remembered as served once (see Registry.unserved)
 LEAVE_GRACE_S = 30.0  # for the calls in flight to a worker that deregistered (it drains)
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -110,6 +112,7 @@ class Registry:
         self.eject_max_s = eject_max_s
         self.stall_s = stall_s
         self.replicas: dict[str, Replica] = {}
+        self.left: dict[str, float] = {}  # model -> when its last replica known here left
         self.redis_state = Outage(
             "redis_unreachable_using_last_known_registry", "redis_reconnected"
         )
@@ -328,6 +331,11 @@ class Registry:
         if replica is None:
             return
         replica.dropped = True
+        now = time.monotonic()
+        for model in replica.info.models:
+            self.left[model] = now
+        while len(self.left) > MAX_LEFT:  # oldest first (insertion order)
+            del self.left[next(iter(self.left))]
         metrics.forget_replica(worker_id)
         log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
         if abandon:
@@ -341,6 +349,20 @@ class Registry:
         for call in list(replica.calls):
             replica.abandoned.add(call)
             call.cancel()
+
+    def unserved(self, model: str, version: str = "") -> MeshError:
+        """The error for a call no replica can take: UNAVAILABLE for a model whose last
+        replica left (a restart, a scale-down: retry), NOT_FOUND for one never served."""
+        what = f"model {clip(model)}" + (f" version {clip(version)}" if version else "")
+        left = self.left.get(model)
+        served = any(model in r.info.models for r in self.replicas.values())
+        if left is not None and not served:  # served, but not this version: NOT_FOUND
+            return Unavailable(
+                f"no replica serves {what} now: the last one left "
+                f"{time.monotonic() - left:.1f} s ago; retry later"
+            )
+        known = sorted({m for r in self.replicas.values() for m in r.info.models})
+        return NotFound(f"no replica serves {what}; the mesh serves {clip(str(known), 200)}")
 
     def replicas_for(self, model: str, version: str = "") -> list[Replica]:
         return [

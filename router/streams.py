@@ -265,10 +265,8 @@ class StreamForwarder:
         replicas = self.registry.replicas_for(call.model, call.version)
         found = self.dispatcher.entry(call.model, call.version, None) if replicas else None
         if found is None:
-            what = f"model {clip(call.model)}" + (
-                f" version {clip(call.version)}" if call.version else ""
-            )
-            await self._fail(call, grpc.StatusCode.NOT_FOUND, f"no replica serves {what}")
+            error = self.registry.unserved(call.model, call.version)
+            await self._fail(call, error.code, error.message)
             return
         call.entry, call.version = found
         if billing.priced_per_token(call.entry):
