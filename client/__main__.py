@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -36,15 +35,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     infer.add_argument("--text", nargs="+")
     infer.add_argument("--timeout", type=float, default=30.0)
     for p in (health, meta, infer):
-        p.add_argument("--ca", type=Path, help="TLS: trust this CA (PEM)")
-        p.add_argument("--cert", type=Path, help="mutual TLS: this client certificate")
-        p.add_argument("--key", type=Path, help="mutual TLS: its key")
+        tls.add_client_arguments(p)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    credentials = tls.channel_credentials(args.ca, args.cert, args.key) if args.ca else None
+    credentials = tls.client_credentials(args)
     with Client(
         args.address,
         timeout=getattr(args, "timeout", 10.0),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,15 +29,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("address")
     parser.add_argument("--service", default="")
     parser.add_argument("--timeout", type=float, default=3.0)
-    parser.add_argument("--ca", type=Path, help="TLS: the CA to trust")
-    parser.add_argument("--cert", type=Path, help="mutual TLS: this client's certificate")
-    parser.add_argument("--key", type=Path, help="mutual TLS: its key")
+    tls.add_client_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    credentials = tls.channel_credentials(args.ca, args.cert, args.key) if args.ca else None
+    credentials = tls.client_credentials(args)
     try:
         with tls.channel(args.address, credentials) as channel:
             status = check(channel, args.service, args.timeout)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import grpc
@@ -70,3 +71,15 @@ def channel(
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, credentials, options=options)
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ca (TLS), --cert/--key (mutual TLS): what a CLI that calls the mesh takes."""
+    parser.add_argument("--ca", type=Path, help="TLS: trust this CA (PEM)")
+    parser.add_argument("--cert", type=Path, help="mutual TLS: this client's certificate")
+    parser.add_argument("--key", type=Path, help="mutual TLS: its key")
+
+
+def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """The channel credentials add_client_arguments' flags ask for; None: plaintext."""
+    return channel_credentials(args.ca, args.cert, args.key) if args.ca else None

@@ -75,19 +75,22 @@ _NVIDIA_ACHIEVABLE = {"compute": 0.78, "bandwidth": 0.88}
 # assumed for every GPU profile). A decode step in a CUDA graph pays far less of it.
 _GPU_CALL_OVERHEAD_S = 2.3e-3
 
+# H200 and H100 (SXM) share the Hopper tensor cores: the same dense peaks by dtype.
+_HOPPER_FLOPS = {
+    "fp32": 67 * TERA,
+    "fp16": 989.5 * TERA,
+    "bf16": 989.5 * TERA,
+    "int8": 1979 * TERA,
+    "int4": 1979 * TERA,
+}
+
 NAMED: dict[str, Profile] = {
     p.name: p
     for p in (
         Profile(
             "H200",
             memory_bandwidth=4.8 * TERA,
-            flops={
-                "fp32": 67 * TERA,
-                "fp16": 989.5 * TERA,
-                "bf16": 989.5 * TERA,
-                "int8": 1979 * TERA,
-                "int4": 1979 * TERA,
-            },
+            flops=_HOPPER_FLOPS,
             memory_bytes=141 * 10**9,
             interconnect_bandwidth=900 * GIGA,
             call_overhead_s=_GPU_CALL_OVERHEAD_S,
@@ -101,13 +104,7 @@ NAMED: dict[str, Profile] = {
         Profile(
             "H100",
             memory_bandwidth=3.35 * TERA,
-            flops={
-                "fp32": 67 * TERA,
-                "fp16": 989.5 * TERA,
-                "bf16": 989.5 * TERA,
-                "int8": 1979 * TERA,
-                "int4": 1979 * TERA,
-            },
+            flops=_HOPPER_FLOPS,
             memory_bytes=80 * 10**9,
             interconnect_bandwidth=900 * GIGA,
             call_overhead_s=_GPU_CALL_OVERHEAD_S,
