@@ -15,7 +15,11 @@ delay even when idle (Triton's rule).
 
 A thread hop costs tens of microseconds, more than a tiny model's whole run. So a batch whose
 recent runs took under INLINE_BELOW_NS (moving average) runs on the event loop itself;
-anything slower goes to the thread so the loop keeps serving gRPC meanwhile.
+anything slower goes to the thread so the loop keeps serving gRPC meanwhile. Such a batch,
+for an idle model, runs on the submitting task itself: no hand-off to an executor task and
+back (two task switches). Nothing can arrive while it runs (it holds the loop), so there
+was nothing to merge it with; requests whose handlers were already waiting to run each
+take this path in turn.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ class _Pending:
     signature: tuple
     future: asyncio.Future
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+def _heavy(batch: list[_Pending]) -> bool:
+    """Many BYTES elements cost Python work per element (str conversion): never inline."""
+    return any(
+        a.dtype == object and a.size > HEAVY_OBJECTS for p in batch for a in p.inputs.values()
+    )
 
 
 def signature(inputs: dict[str, np.ndarray], batched: bool) -> tuple:
@@ -114,9 +125,24 @@ class Batcher:
             signature(inputs, self._batched),
             asyncio.get_running_loop().create_future(),
         )
-        self._queue.append(pending)
-        self._arrived.set()
+        if self._idle() and self._inline([pending]):
+            # Nothing queued or running and the run is short: run it here, on the caller's
+            # task, sparing the two task switches of a hand-off to an executor and back.
+            await self._execute([pending])
+        else:
+            self._queue.append(pending)
+            self._arrived.set()
         return await pending.future  # type: ignore[no-any-return]
+
+    def _idle(self) -> bool:
+        """Nothing queued, gathering or running, and no rule to wait when idle."""
+        waits = self._merge and self._delay_when_idle
+        return not (self._queue or self._gathering or self._running or waits)
+
+    def _inline(self, batch: list[_Pending]) -> bool:
+        """Whether the batch runs on the event loop (see the module docstring): recent runs
+        were short and it is not heavy."""
+        return self._infer_ns_avg < INLINE_BELOW_NS and not self._simulated_s and not _heavy(batch)
 
     async def close(self) -> None:
         """Stop taking requests; wait for queued and running ones to finish."""
@@ -218,10 +244,7 @@ class Batcher:
         # thread for good: a model that looks only moderately slow there is re-timed inline
         # now and then, and inline timings decide.
         probe = avg < PROBE_BELOW_NS and self._calls % PROBE_EVERY == 1
-        # Many BYTES elements cost Python work per element (str conversion): never inline.
-        heavy = any(
-            a.dtype == object and a.size > HEAVY_OBJECTS for p in batch for a in p.inputs.values()
-        )
+        heavy = _heavy(batch)
         if (avg < INLINE_BELOW_NS or probe) and not heavy:
             out = self._run_batch(batch, names)
             measured = out[1][1]

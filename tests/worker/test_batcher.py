@@ -274,3 +274,38 @@ def test_delay_when_idle_waits_out_the_delay() -> None:
 
     spec = make_spec(delay_us=300_000, parameters={DELAY_WHEN_IDLE: "true"})
     assert asyncio.run(_with_batcher(spec, model, body)) >= 0.3
+
+
+def test_an_idle_fast_model_runs_on_the_callers_task() -> None:
+    """Once timed as fast (inline), a request to an idle model runs on the task that
+    submitted it: no hand-off to an executor task and back. A slow model (timed on the
+    thread) still goes through the executor."""
+    ran_on: list[asyncio.Task | None] = []
+
+    def model(names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            ran_on.append(asyncio.current_task())
+        except RuntimeError:  # on the executor's thread: no event loop there
+            ran_on.append(None)
+        return [feeds["x"] * 2]
+
+    async def body(batcher: Batcher, stats: ModelStats) -> asyncio.Task | None:
+        for _ in range(3):  # the first run is on the thread (unknown cost), then inline
+            await batcher.submit(one(), ["y"])
+        ran_on.clear()
+        result = await batcher.submit(one(), ["y"])
+        np.testing.assert_array_equal(result["y"], one()["x"] * 2)
+        return asyncio.current_task()
+
+    stats = ModelStats()
+
+    async def run() -> asyncio.Task | None:
+        batcher = Batcher(make_spec(delay_us=5_000_000), model, stats, 64)
+        try:
+            return await body(batcher, stats)
+        finally:
+            await batcher.close()
+
+    caller = asyncio.run(run())
+    assert ran_on == [caller]
+    assert stats.execution_count == 4
