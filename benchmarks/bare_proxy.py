@@ -1,7 +1,7 @@
-"""The floor for any Python gRPC router: grpc.aio passing ModelInfer bytes to one upstream,
-with no balancing, accounting, metrics or failover.
+"""The floor for any Python gRPC router: grpc.aio passing ModelInfer bytes to its upstreams
+(gRPC's own round robin), with no balancing policy, accounting, metrics or failover.
 
-    python benchmarks/bare_proxy.py UPSTREAM_ADDRESS PORT
+    python benchmarks/bare_proxy.py UPSTREAM[,UPSTREAM...] PORT [--uvloop]
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
 async def main(upstream: str, port: int) -> None:
-    channel = grpc.aio.insecure_channel(upstream)
+    channel = grpc.aio.insecure_channel(
+        "ipv4:" + upstream, options=[("grpc.lb_policy_name", "round_robin")]
+    )
     infer = channel.unary_unary(METHOD)
 
     async def model_infer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -42,4 +44,9 @@ async def main(upstream: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+    if "--uvloop" in sys.argv[3:]:
+        import uvloop
+
+        uvloop.run(main(sys.argv[1], int(sys.argv[2])))
+    else:
+        asyncio.run(main(sys.argv[1], int(sys.argv[2])))

@@ -6,6 +6,9 @@ Paths, each at concurrency 1, 8 and 32 (closed loop, the `mlp` toy model, batch 
 - direct: the client balances over both workers itself (gRPC round_robin);
 - nginx: nginx-light, `grpc_pass` to both workers (round robin, keepalive upstream
   connections), 2 worker processes: the floor a proxy written in C sets;
+- python-floor: benchmarks/bare_proxy.py, grpc.aio passing the bytes on with gRPC's round
+  robin and nothing else (no policy, accounting, metrics, failover): what any Python gRPC
+  proxy costs, so what the router's own work adds is told apart from what Python costs;
 - router-1, router-2: `python -m router --processes 1|2`, with p2c and accounting on.
 
 The client spreads its calls over up to 8 TCP connections, so that a server of several
@@ -22,6 +25,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,9 +110,11 @@ def point(address: str, request: bytes, c: int, seconds: float, pids: dict[str, 
     before = {part: cpu_seconds(p) for part, p in pids.items()}
     result = measured(asyncio.run(runner.closed_loop(load, c)))
     wall = seconds + 1.0
-    result["cpu_cores"] = {
-        part: round((cpu_seconds(p) - before[part]) / wall, 2) for part, p in pids.items()
-    }
+    used = {part: cpu_seconds(p) - before[part] for part, p in pids.items()}
+    result["cpu_cores"] = {part: round(s / wall, 2) for part, s in used.items()}
+    # Warm-up included: its calls are assumed to come at the measured rate.
+    calls = result["throughput_rps"] * wall
+    result["proxy_cpu_us_per_call"] = round(used["proxy"] / calls * 1e6) if calls else None
     result.pop("cdf", None)
     return result
 
@@ -148,6 +154,18 @@ def run(tmp: Path, seconds: float) -> dict[str, list[dict]]:
         measure("direct", "ipv4:" + ",".join(workers), [])
         with nginx(tmp, workers) as (address, pid):
             measure("nginx", address, process_tree(pid))
+        port = free_port()
+        floor = subprocess.Popen(
+            [sys.executable, "benchmarks/bare_proxy.py", ",".join(workers), str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_ready(f"127.0.0.1:{port}")
+            measure("python-floor", f"127.0.0.1:{port}", [floor.pid])
+        finally:
+            floor.terminate()
+            floor.wait(10)
         for n in (1, 2):
             address = mesh.start_router("--processes", str(n))
             assert mesh.router is not None and mesh.router.popen is not None
@@ -167,15 +185,26 @@ def summarise(results: dict[str, list[dict]]) -> dict:
     for c in CONCURRENCY:
         nginx_row = at("nginx", c)
         row: dict = {
-            label: {"rps": at(label, c)["throughput_rps"], "p50_ms": at(label, c)["p50_ms"]}
+            label: {
+                "rps": at(label, c)["throughput_rps"],
+                "p50_ms": at(label, c)["p50_ms"],
+                "proxy_cpu_us_per_call": at(label, c)["proxy_cpu_us_per_call"],
+            }
             for label in results
         }
-        for label in ("router-1", "router-2"):
+        floor_row = at("python-floor", c)
+        for label in ("python-floor", "router-1", "router-2"):
             r = at(label, c)
             row[f"{label}_over_nginx_rps"] = round(
                 r["throughput_rps"] / nginx_row["throughput_rps"], 2
             )
             row[f"{label}_over_nginx_p50"] = round(r["p50_ms"] / nginx_row["p50_ms"], 2)
+        for label in ("router-1", "router-2"):
+            r = at(label, c)
+            row[f"{label}_over_floor_rps"] = round(
+                r["throughput_rps"] / floor_row["throughput_rps"], 2
+            )
+            row[f"{label}_over_floor_p50"] = round(r["p50_ms"] / floor_row["p50_ms"], 2)
         summary[f"c{c}"] = row
     best = {
         c: max(("router-1", "router-2"), key=lambda lb: at(lb, c)["throughput_rps"])
@@ -197,6 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         results = run(Path(tmp), args.seconds)
     summary = summarise(results)
@@ -208,6 +238,7 @@ def main() -> None:
             "client": f"loadtest closed loop, up to {MAX_CONNECTIONS} connections",
             "seconds_per_point": args.seconds,
             "machine": machine(),
+            "loadavg": {"before": load_before, "after": os.getloadavg()},
             "results": results,
             "summary": summary,
         },
