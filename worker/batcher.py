@@ -15,11 +15,10 @@ delay even when idle (Triton's rule).
 
 A thread hop costs tens of microseconds, more than a tiny model's whole run. So a batch whose
 recent runs took under INLINE_BELOW_NS (moving average) runs on the event loop itself;
-anything slower goes to the thread so the loop keeps serving gRPC meanwhile. Such a batch,
-for an idle model, runs on the submitting task itself: no hand-off to an executor task and
-back (two task switches). Nothing can arrive while it runs (it holds the loop), so there
-was nothing to merge it with; requests whose handlers were already waiting to run each
-take this path in turn.
+anything slower goes to the thread so the loop keeps serving gRPC meanwhile. For an idle
+model such a batch runs on the task of the request that found it idle (see `_lead`): no
+hand-off to an executor task and back; the requests whose handlers were waiting on the
+loop behind it join its batch.
 """
 
 from __future__ import annotations
@@ -88,6 +87,7 @@ class Batcher:
         self._preferred = set(spec.preferred_batch_sizes)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
+        self._leading = False  # a caller runs the next batch on its own task (see _lead)
         self._gathering = 0  # taken off the queue into a batch that has not started yet
         self._running = 0
         self._closed = False
@@ -125,19 +125,40 @@ class Batcher:
             signature(inputs, self._batched),
             asyncio.get_running_loop().create_future(),
         )
-        if self._idle() and self._inline([pending]):
-            # Nothing queued or running and the run is short: run it here, on the caller's
-            # task, sparing the two task switches of a hand-off to an executor and back.
-            await self._execute([pending])
-        else:
-            self._queue.append(pending)
+        lead = self._idle() and self._inline([pending])
+        self._queue.append(pending)
+        if lead:
+            await self._lead(pending)
+        elif not self._leading:
             self._arrived.set()
         return await pending.future  # type: ignore[no-any-return]
 
+    async def _lead(self, pending: _Pending) -> None:
+        """Run the batch `pending` heads on this (the caller's) task, sparing the hand-off
+        to an executor task and back. It yields to the loop once first: handlers already
+        waiting there queue their requests behind it, without waking an executor, and
+        join the batch."""
+        self._leading = True
+        try:
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pending.future.cancel()  # skipped by whoever runs the queue
+                raise
+            if self._queue and self._queue[0] is pending and not (self._gathering or self._running):
+                batch = await self._gather()  # no wait inside: nothing is running
+                self._gathering -= len(batch)
+                await self._execute(batch)
+        finally:
+            self._leading = False
+            if self._queue:  # another shape, or a request that came after the batch formed
+                self._arrived.set()
+
     def _idle(self) -> bool:
-        """Nothing queued, gathering or running, and no rule to wait when idle."""
+        """Nothing queued, gathering, running or led, and no rule to wait when idle."""
         waits = self._merge and self._delay_when_idle
-        return not (self._queue or self._gathering or self._running or waits)
+        busy = self._queue or self._gathering or self._running or self._leading
+        return not (busy or waits)
 
     def _inline(self, batch: list[_Pending]) -> bool:
         """Whether the batch runs on the event loop (see the module docstring): recent runs
@@ -206,7 +227,8 @@ class Batcher:
             await self._settle(batch, list(dict.fromkeys(n for p in batch for n in p.outputs)))
         finally:
             self._running -= len(batch)
-            self._arrived.set()  # an executor waiting while this batch ran may go now
+            if self._queue or self._gathering:  # an executor waiting may go now
+                self._arrived.set()
 
     async def _settle(self, batch: list[_Pending], names: list[str]) -> None:
         """Run the batch and resolve its callers. When a merged batch fails on its input

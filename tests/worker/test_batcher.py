@@ -309,3 +309,21 @@ def test_an_idle_fast_model_runs_on_the_callers_task() -> None:
     caller = asyncio.run(run())
     assert ran_on == [caller]
     assert stats.execution_count == 4
+
+
+def test_requests_waiting_behind_an_idle_fast_models_leader_join_its_batch() -> None:
+    """Six handlers ready at once on an idle, fast model: the first runs the batch on its
+    own task, after the other five queued theirs behind it: one run of six rows."""
+    model = Model()
+
+    async def body(batcher: Batcher, stats: ModelStats) -> None:
+        for _ in range(3):  # timed as fast: runs inline from now on
+            await batcher.submit(one(), ["y"])
+        arrays = [np.full((1, 2), i, np.float32) for i in range(6)]
+        results = await asyncio.gather(*(batcher.submit({"x": a}, ["y"]) for a in arrays))
+        for a, r in zip(arrays, results, strict=True):
+            np.testing.assert_array_equal(r["y"], a * 2)
+        assert stats.execution_count == 4
+
+    asyncio.run(_with_batcher(make_spec(delay_us=5_000_000), model, body))
+    assert model.batches[-1] == (6, 2)
