@@ -15,9 +15,11 @@ from deploy.processes import free_port
 
 # Test-only models: the MLP under configs that make batching and backpressure observable.
 TEST_CONFIGS = {
-    # Holds requests long enough that concurrent calls always meet in one batch.
+    # Holds requests long enough that concurrent calls always meet in one batch (Triton's
+    # rule: even the first, on an idle model, waits out the delay).
     "mlp_batched": (
         "max_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 200000 }\n"
+        'parameters { key: "meshserve.batch_delay_when_idle" value { string_value: "true" } }\n'
     ),
     # Two waiting requests at most; a long delay keeps them waiting.
     "mlp_tiny_queue": (

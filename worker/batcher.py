@@ -135,13 +135,22 @@ class Batcher:
 
     async def _lead(self, pending: _Pending) -> None:
         """Run the batch `pending` heads on this (the caller's) task, sparing the hand-off
-        to an executor task and back. It yields to the loop once first: handlers already
-        waiting there queue their requests behind it, without waking an executor, and
-        join the batch."""
+        to an executor task and back. It yields to the loop first, again as long as each
+        yield brought more requests (they queue behind it without waking an executor and
+        join the batch) and the batch and the delay allow: alone, one yield; in a burst,
+        the burst."""
         self._leading = True
+        deadline = pending.enqueued_ns + self._delay_ns
         try:
             try:
-                await asyncio.sleep(0)
+                seen = 0
+                while (
+                    len(self._queue) > seen
+                    and len(self._queue) < self.spec.max_batch_size
+                    and (not seen or time.perf_counter_ns() < deadline)
+                ):
+                    seen = len(self._queue)
+                    await asyncio.sleep(0)
             except asyncio.CancelledError:
                 pending.future.cancel()  # skipped by whoever runs the queue
                 raise
