@@ -34,8 +34,9 @@ LEASE_TTL_S / 2 while calls come, or its own charges, every CHARGE_EVERY_S): cal
 in that staleness window are still charged in full, so the tenant waits longer after (tpm)
 or is billed past its cap by at most those calls (spend).
 
-Refused: RESOURCE_EXHAUSTED naming the limit, and `retry-after` (seconds) in the trailing
-metadata: when the bucket has a token again, or the first of next month. Tokens and spend are
+Refused: RESOURCE_EXHAUSTED naming the limit, and `retry-after` (seconds) and `limit` in the
+trailing metadata (on a stream, in that request's error response's parameters): when the
+bucket has a token again, or the first of next month. Tokens and spend are
 charged in the background (`charge`, written every CHARGE_EVERY_S): the call's answer does
 not wait for them. A Redis that is down does not stop the mesh: calls are admitted
 (fail open, logged once per outage), as the router keeps serving from its last known
@@ -83,7 +84,8 @@ end
 
 # KEYS: rps bucket, tpm bucket, spend counter. ARGV: rps, burst, tpm, spend cap, tokens
 # wanted, tokens given back (an expired lease's rest).
-# -> {1, '', 0, tokens granted (0..wanted)}, or {0, limit, retry after in ms, 0}
+# -> {1, '', 0, tokens granted (0..wanted)}, or {0, limit, retry after in ms, 0}, or
+# {1, 'rps', ms until the next token, granted}: the bucket is empty after these.
 LEASE = (
     _REFILL
     + """
@@ -105,6 +107,8 @@ if verdict == nil and rps > 0 and want > 0 then
   if granted < 1 then
     granted = 0
     verdict = {0, 'rps', math.ceil((1 - level) / (rps / 1e6) / 1000), 0}
+  elseif level - granted < 1 then
+    verdict = {1, 'rps', math.ceil((1 - level + granted) / (rps / 1e6) / 1000), granted}
   end
 end
 if rps > 0 and (granted > 0 or back > 0) then
@@ -233,8 +237,12 @@ class Limiter:
             return False
         if rps:
             lease.tokens -= 1
-        if lease.renewing is None and (
-            (rps and 2 * lease.tokens <= lease.granted) or now >= lease.until - LEASE_TTL_S / 2
+        bucket_empty = lease.refused == "rps" and now < lease.refused_until
+        half_used = rps and 2 * lease.tokens <= lease.granted
+        if (
+            lease.renewing is None
+            and not bucket_empty  # the call after the last token renews, when one is due
+            and (half_used or now >= lease.until - LEASE_TTL_S / 2)
         ):
             lease.renewing = asyncio.get_running_loop().create_task(
                 self._renew(tenant, policy, lease)
@@ -274,12 +282,12 @@ class Limiter:
             lease.tokens += granted
             lease.granted = granted or lease.granted
             lease.until = now + LEASE_TTL_S
-            if int(verdict[0]):
-                lease.refused = ""
-            else:
-                limit = _text(verdict[1])
+            limit = _text(verdict[1])  # admitted with 'rps': once these tokens are used
+            if limit:
                 retry_s = seconds_to_next_month() if limit == "spend" else int(verdict[2]) / 1000
                 lease.refuse(limit, retry_s, answered)
+            else:
+                lease.refused = ""
             return True
         finally:
             lease.renewing = None
@@ -403,6 +411,6 @@ def _refusal(tenant: str, policy: TenantPolicy, limit: str, retry_s: float) -> R
         resets = f"in {max(retry_s, 0.001):.3f} s"
     return ResourceExhausted(
         f"tenant {tenant!r} is over its {DESCRIBE[limit]}: {what}; retry {resets} "
-        "(retry-after in the trailing metadata)",
+        "(retry-after in the trailing metadata; on a stream, in the error response's parameters)",
         trailers=(("retry-after", f"{max(retry_s, 0.001):.3f}"), ("limit", limit)),
     )
