@@ -1,14 +1,26 @@
 """What trust costs: the router with API keys + per-tenant rate limiting + TLS (and mutual TLS
 to the worker, Redis ACL users) against the router with all of it off, same tiny MLP.
 
-    python -m benchmarks.tenants [--seconds 5] [--rounds 2]
+    python -m benchmarks.tenants [--calls 2500] [--slices 8] [--seconds 1.5]
 
-"On": every call carries an API key (cached after its first look-up), runs one rate-limit
-decision (a Lua script in Redis: a requests-per-second bucket high enough never to refuse,
-plus a monthly spend cap, so each call's price is charged in the background too), and
-travels over TLS to the router and mutual TLS to the worker. "Off": `--no-auth`, plaintext,
-as `make run`. Closed loop at 1 caller (p50) and 32 callers (throughput), rounds alternated
-off/on, medians over rounds. Target (issue 13): >= 0.9x throughput and <= 0.2 ms added p50.
+Four meshes run side by side, so that whatever else the machine does falls on all of them
+alike: "off" (`--no-auth`, plaintext, as `make run`); "auth" (API keys + rate limits + Redis
+ACL users, plaintext); "tls" (TLS to the router, mutual TLS to the worker, no auth); "on"
+(all of it). With auth, every call carries an API key (cached after its first look-up) and
+takes one rate-limit decision from the router's lease (router/limits.py: a
+requests-per-second bucket high enough never to refuse, plus a monthly spend cap, so each
+call's price is charged in the background too).
+
+- p50, 1 caller: `--calls` rounds of one call to each mesh, the order rotated each round;
+  the p50 of each, and the added p50 in each fifth of the rounds (its spread: the noise);
+- throughput, 32 callers (closed loop): `--slices` slices of `--seconds` on each mesh in
+  turn, the order rotated; the median over slices, and the median of the per-slice ratios.
+
+Target (issue 13): "on" against "off", >= 0.9x throughput and <= 0.2 ms added p50. "auth"
+and "tls" say which part costs what; so do the auth path's parts timed in-process
+(`components`) and the Redis scripts run per call (`scripts_per_call`: leases, charges and
+the accounting appends, from Redis's INFO commandstats), and the CPU each process spends per
+call at 32 callers (from /proc: what a call costs the cores, whatever else runs on them).
 Writes benchmarks/results/tenants.json.
 """
 
@@ -21,6 +33,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,13 +41,16 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from benchmarks.common import infer_request, machine, write_result
-from common.tenancy import TenantPolicy
+from common import mesh_state, tls
+from common.rpc import message_options
+from common.tenancy import TenantPolicy, key_hash
 from deploy import toy_models
 from deploy.certs import make_certs
-from deploy.processes import LocalMesh
+from deploy.processes import LocalMesh, Process
 from deploy.redis_acl import make_users, user_url
 from loadtest import runner as loadtest_runner
-from loadtest.runner import Load, measured
+from loadtest.runner import METHOD, Load, measured
+from router import limits
 from router.auth import Auth
 from router.keys import TenantAdmin
 from router.limits import Limiter
@@ -43,32 +59,178 @@ WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 CONFIG = "max_batch_size: 64\ndynamic_batching { default_queue_policy { max_queue_size: 2000 } }\n"
 THROUGHPUT_TARGET = 0.9
 P50_TARGET_MS = 0.2
+CONFIGS = {"off": (False, False), "auth": (True, False), "tls": (False, True), "on": (True, True)}
+POLICY = TenantPolicy(requests_per_second=1e6, burst=1_000_000, monthly_spend_cap_micro_usd=2**60)
+BLOCKS = 5  # the p50 rounds are cut in this many blocks to show the noise
 
 
-async def closed(
-    address: str,
-    body: bytes,
-    concurrency: int,
-    seconds: float,
-    credentials: grpc.ChannelCredentials | None,
-    metadata: tuple[tuple[str, str], ...],
-) -> dict:
-    load = Load(address, [body], seconds, 1.0, 30.0, credentials=credentials, metadata=metadata)
-    return measured(await loadtest_runner.closed_loop(load, concurrency))
+@dataclass
+class Target:
+    label: str
+    mesh: LocalMesh
+    address: str
+    credentials: grpc.ChannelCredentials | None
+    metadata: tuple[tuple[str, str], ...]
 
 
-async def components(mesh: LocalMesh, metadata: tuple[tuple[str, str], ...], n: int) -> dict:
-    """The auth path's parts in this process, against the mesh's Redis as the router user:
-    a cached key look-up, one rate-limit decision (the Lua script), and a bare Redis PING
-    for the round trip it contains; medians in microseconds over `n` sequential calls."""
+def start(tmp: Path, label: str) -> Target:
+    auth, secure = CONFIGS[label]
+    mesh = LocalMesh(tmp / f"logs-{label}", worker_args=WORKER_ARGS)
+    metadata: tuple[tuple[str, str], ...] = ()
+    if secure:
+        mesh.certs = make_certs(tmp / f"certs-{label}")
+    if auth:
+        mesh.users = make_users(tmp / f"secrets-{label}")
+        mesh.auth = True
+    mesh.start_redis()
+    repo = tmp / "repo"
+    if not (repo / "mlp").exists():
+        toy_models.write(repo / "mlp", toy_models.mlp(), CONFIG)
+    mesh.add_worker(repo)
+    mesh.wait_registered(1)
+    address = mesh.start_router()
+    if auth:
+        admin = TenantAdmin(mesh.redis_client("admin"))
+        admin.set_tenant("bench", POLICY)
+        metadata = (("authorization", f"Bearer {admin.create_key('bench')[1]}"),)
+    return Target(label, mesh, address, mesh.client_credentials(), metadata)
+
+
+def rotated(labels: list[str], i: int) -> list[str]:
+    return labels[i % len(labels) :] + labels[: i % len(labels)]
+
+
+async def paired_latency(targets: dict[str, Target], body: bytes, calls: int) -> dict:
+    """Milliseconds of each call, one call to each mesh per round (1 caller)."""
+    channels = {
+        label: tls.aio_channel(t.address, t.credentials, message_options())
+        for label, t in targets.items()
+    }
+    stubs = {label: channel.unary_unary(METHOD) for label, channel in channels.items()}
+    labels = list(targets)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for i in range(-200, calls):  # 200 warm-up rounds
+        for label in rotated(labels, i):
+            t0 = time.perf_counter()
+            await stubs[label](body, timeout=10, metadata=targets[label].metadata)
+            if i >= 0:
+                times[label].append((time.perf_counter() - t0) * 1e3)
+    for channel in channels.values():
+        await channel.close()
+    return times
+
+
+async def closed(target: Target, body: bytes, seconds: float) -> dict:
+    load = Load(
+        target.address,
+        [body],
+        seconds,
+        0.3,
+        30.0,
+        credentials=target.credentials,
+        metadata=target.metadata,
+    )
+    return measured(await loadtest_runner.closed_loop(load, 32))
+
+
+def scripts_run(mesh: LocalMesh) -> int:
+    """Lua scripts Redis has run so far (EVALSHA and EVAL, every user)."""
+    stats: dict = mesh.redis_client("admin").info("commandstats")  # type: ignore[assignment]
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def cpu_seconds(mesh: LocalMesh) -> dict[str, float]:
+    """CPU time (user + system) so far of the mesh's router, worker and Redis processes (and
+    their children), and of this process: the client."""
+    pids: dict[str, list[Process | None]] = {
+        "router": [mesh.router],
+        "worker": list(mesh.workers.values()),
+        "redis": [mesh.redis_server],
+    }
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for role, processes in pids.items():
+        roots = {p.popen.pid for p in processes if p is not None and p.popen is not None}
+        out[role] = sum(_cpu_ticks(pid) for pid in _with_children(roots)) / tick
+    usage = os.times()
+    out["client"] = usage.user + usage.system
+    return out
+
+
+def _with_children(roots: set[int]) -> set[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found = set(roots)
+    while True:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def throughput_slices(targets: dict[str, Target], body: bytes, slices: int, seconds: float) -> dict:
+    """Per slice: the closed loop's result, Redis scripts per call, and CPU milliseconds per
+    call of each process (warm-up included, at the same rate: per second over calls per
+    second). CPU per call is what the 2 cores pay for a call, and far less noisy than the
+    rate on a shared machine (time spent waiting for a core is not in it)."""
+    out: dict[str, list[dict]] = {label: [] for label in targets}
+    for i in range(slices):
+        for label in rotated(list(targets), i):
+            mesh = targets[label].mesh
+            scripts, cpu, t0 = scripts_run(mesh), cpu_seconds(mesh), time.monotonic()
+            result = asyncio.run(closed(targets[label], body, seconds))
+            elapsed = time.monotonic() - t0
+            calls_per_s = max(result["throughput_rps"], 1)
+            per_s = (scripts_run(mesh) - scripts) / elapsed
+            result["scripts_per_call"] = round(per_s / calls_per_s, 4)
+            used = cpu_seconds(mesh)
+            result["cpu_ms_per_call"] = {
+                role: round((used[role] - cpu[role]) / elapsed / calls_per_s * 1e3, 4)
+                for role in used
+            }
+            out[label].append(result)
+    return out
+
+
+async def components(target: Target, n: int) -> dict:
+    """The auth path's parts in this process, against the mesh's Redis as the router user;
+    medians in microseconds over `n` sequential calls: a cached key (what a call pays), a key
+    looked up in Redis (what the first call of a key pays, once per cache period), one
+    rate-limit decision from the lease (what a call pays), one lease renewal (the LEASE
+    script: what the background pays per renewal, and a call that finds its lease empty),
+    and a bare Redis round trip (PING)."""
+    mesh, metadata = target.mesh, target.metadata
     assert mesh.users is not None
     redis = aioredis.from_url(
         user_url(mesh.redis_url, "router"),
         password=mesh.users.password("router"),
         decode_responses=True,
     )
-    auth = Auth(redis, Limiter(redis), cache_s=3600)
+    limiter = Limiter(redis)
+    auth = Auth(redis, limiter, cache_s=3600)
     tenant = await auth.authenticate(metadata)
+    key = metadata[0][1].split(" ", 1)[1]
+    lease = redis.register_script(limits.LEASE)
+    lease_keys = [
+        mesh_state.limit_key("bench", "rps"),
+        mesh_state.limit_key("bench", "tpm"),
+        mesh_state.spend_key("bench", limits.month()),
+    ]
+    # give one token back, take one: the bucket is left as it was
+    lease_args = [repr(POLICY.requests_per_second), POLICY.bucket_size, 0, 2**60, 1, 1]
 
     async def median_us(step: Callable[[], Awaitable[object]]) -> float:
         times = []
@@ -80,108 +242,130 @@ async def components(mesh: LocalMesh, metadata: tuple[tuple[str, str], ...], n: 
 
     out = {
         "authenticate_cached_us": await median_us(lambda: auth.authenticate(metadata)),
-        "admit_lua_us": await median_us(lambda: auth.admit(tenant, "mlp")),
+        "key_lookup_redis_us": await median_us(lambda: auth._lookup(key, key_hash(key))),
+        "admit_from_lease_us": await median_us(lambda: auth.admit(tenant, "mlp")),
+        "lease_renewal_us": await median_us(lambda: lease(keys=lease_keys, args=lease_args)),
         "redis_ping_us": await median_us(redis.ping),
     }
+    await limiter.close()
     await redis.aclose()
     return out
 
 
-def one_mesh(tmp: Path, secure: bool, seconds: float) -> dict:
-    mesh = LocalMesh(tmp / f"logs-{'on' if secure else 'off'}", worker_args=WORKER_ARGS)
-    metadata: tuple[tuple[str, str], ...] = ()
-    if secure:
-        mesh.certs = make_certs(tmp / "certs")
-        mesh.users = make_users(tmp / "secrets")
-        mesh.auth = True
-    mesh.start_redis()
-    try:
-        repo = tmp / "repo"
-        if not (repo / "mlp").exists():
-            toy_models.write(repo / "mlp", toy_models.mlp(), CONFIG)
-        mesh.add_worker(repo)
-        mesh.wait_registered(1)
-        router = mesh.start_router()
-        if secure:
-            admin = TenantAdmin(mesh.redis_client("admin"))
-            admin.set_tenant(
-                "bench",
-                TenantPolicy(
-                    requests_per_second=1e6, burst=1_000_000, monthly_spend_cap_micro_usd=2**60
-                ),
-            )
-            metadata = (("authorization", f"Bearer {admin.create_key('bench')[1]}"),)
-        x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-        body = infer_request("mlp", "INPUT0", x, "FP32").SerializeToString()
-        credentials = mesh.client_credentials()
-        out = {
-            f"c{c}": asyncio.run(closed(router, body, c, seconds, credentials, metadata))
-            for c in (1, 32)
-        }
-        if secure:
-            out["components"] = asyncio.run(components(mesh, metadata, 2000))
-        return out
-    finally:
-        mesh.stop()
+def p50(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2500, help="p50 rounds")
+    parser.add_argument("--slices", type=int, default=8, help="throughput slices per mesh")
+    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    load_before = os.getloadavg()[0]
+    labels = list(CONFIGS)
+    x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    body = infer_request("mlp", "INPUT0", x, "FP32").SerializeToString()
+    load_before = os.getloadavg()
+    targets: dict[str, Target] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            for label in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                runs[label].append(one_mesh(Path(tmp), label == "on", args.seconds))
-                print(label, runs[label][-1], flush=True)
+        try:
+            for label in labels:
+                targets[label] = start(Path(tmp), label)
+            latency = asyncio.run(paired_latency(targets, body, args.calls))
+            slices = throughput_slices(targets, body, args.slices, args.seconds)
+            parts = asyncio.run(components(targets["on"], 2000))
+        finally:
+            for target in targets.values():
+                target.mesh.stop()
+    load_after = os.getloadavg()
 
-    def median(label: str, point: str, key: str) -> float:
-        return statistics.median(r[point][key] for r in runs[label])
-
-    load = round(max(load_before, os.getloadavg()[0]), 1)
-    p50 = {label: median(label, "c1", "p50_ms") for label in runs}
-    rps = {label: median(label, "c32", "throughput_rps") for label in runs}
-    ratio = rps["on"] / rps["off"]
-    added = p50["on"] - p50["off"]
-    errors = {label: [r[p]["errors"] for r in runs[label] for p in ("c1", "c32")] for label in runs}
-    parts = {
-        k: statistics.median(r["components"][k] for r in runs["on"])
-        for k in runs["on"][0]["components"]
+    p50s = {label: p50(latency[label]) for label in labels}
+    added = {label: round(p50s[label] - p50s["off"], 3) for label in labels}
+    step = args.calls // BLOCKS
+    blocks = {
+        label: [
+            round(
+                p50(latency[label][b * step : (b + 1) * step])
+                - p50(latency["off"][b * step : (b + 1) * step]),
+                3,
+            )
+            for b in range(BLOCKS)
+        ]
+        for label in labels
     }
+    rps = {label: statistics.median(r["throughput_rps"] for r in slices[label]) for label in labels}
+    ratios = {
+        label: [
+            round(a["throughput_rps"] / max(b["throughput_rps"], 1), 3)
+            for a, b in zip(slices[label], slices["off"], strict=True)
+        ]
+        for label in labels
+    }
+    ratio = {label: round(statistics.median(ratios[label]), 3) for label in labels}
+    scripts = {
+        label: statistics.median(r["scripts_per_call"] for r in slices[label]) for label in labels
+    }
+    errors = {label: [r["errors"] for r in slices[label] if r["errors"]] for label in labels}
+    cpu = {
+        label: {
+            role: round(statistics.median(r["cpu_ms_per_call"][role] for r in slices[label]), 4)
+            for role in slices[label][0]["cpu_ms_per_call"]
+        }
+        for label in labels
+    }
+    cpu_total = {label: round(sum(cpu[label].values()), 4) for label in labels}
+    met_rps = ratio["on"] >= THROUGHPUT_TARGET
+    met_p50 = added["on"] <= P50_TARGET_MS
+    busy = max(load_before[0], load_after[0]) > (os.cpu_count() or 1)
     reading = [
         f"throughput at 32 callers: {rps['on']:.0f} req/s with auth + limits + TLS, "
-        f"{rps['off']:.0f} without: {ratio:.2f}x "
-        f"({'meets' if ratio >= THROUGHPUT_TARGET else 'misses'} the >= {THROUGHPUT_TARGET}x "
-        "target)",
-        f"p50 at 1 caller: {p50['on']:.3f} ms against {p50['off']:.3f} ms: {added:+.3f} ms "
-        f"({'meets' if added <= P50_TARGET_MS else 'misses'} the <= {P50_TARGET_MS} ms target)",
-        f"the auth path's parts in-process: a cached key look-up "
-        f"{parts['authenticate_cached_us']:.0f} us, a rate-limit decision "
-        f"{parts['admit_lua_us']:.0f} us, of which a bare Redis round trip (PING) is "
-        f"{parts['redis_ping_us']:.0f} us",
-        f"1-minute load average around the run: {load} on {os.cpu_count()} cores"
-        + (
-            ": other work held the cores, so these latencies are mostly waiting for a core"
-            if load > (os.cpu_count() or 1)
-            else ""
-        ),
+        f"{rps['off']:.0f} without; median per-slice ratio {ratio['on']:.2f}x "
+        f"({'meets' if met_rps else 'misses'} the >= {THROUGHPUT_TARGET}x target; slices "
+        f"{min(ratios['on']):.2f}-{max(ratios['on']):.2f}); auth + limits alone "
+        f"{ratio['auth']:.2f}x, TLS alone {ratio['tls']:.2f}x",
+        f"p50 at 1 caller: {p50s['on']:.3f} ms against {p50s['off']:.3f} ms: "
+        f"{added['on']:+.3f} ms ({'meets' if met_p50 else 'misses'} the <= {P50_TARGET_MS} ms "
+        f"target; per fifth of the rounds {min(blocks['on']):+.3f} to {max(blocks['on']):+.3f} "
+        f"ms); auth + limits alone {added['auth']:+.3f} ms, TLS alone {added['tls']:+.3f} ms",
+        f"the auth path's parts in-process: a cached key {parts['authenticate_cached_us']:.0f} us "
+        f"(a key looked up in Redis: {parts['key_lookup_redis_us']:.0f} us, once per key per "
+        f"cache period), a rate-limit decision from the lease "
+        f"{parts['admit_from_lease_us']:.0f} us (a lease renewal in the background: "
+        f"{parts['lease_renewal_us']:.0f} us; a bare Redis round trip: "
+        f"{parts['redis_ping_us']:.0f} us); Redis scripts per call at 32 callers: "
+        f"{scripts['on']:.3f} on, {scripts['off']:.3f} off (the accounting's appends)",
+        "CPU per call at 32 callers (client + router + worker + Redis, ms): "
+        + ", ".join(f"{label} {cpu_total[label]:.3f}" for label in labels)
+        + f"; so 2 busy cores would serve {cpu_total['off'] / cpu_total['on']:.2f}x with it "
+        f"all on (router: off {cpu['off']['router']:.3f}, on {cpu['on']['router']:.3f}; "
+        f"client: off {cpu['off']['client']:.3f}, on {cpu['on']['client']:.3f})",
+        f"1-minute load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, on "
+        f"{os.cpu_count()} cores"
+        + (": other work held the cores, latencies include waiting for one" if busy else ""),
     ]
     payload = {
         "machine": machine(),
-        "note": "2-core AMD EPYC, no GPU, shared with other work: client, router, Redis and "
-        "worker on the same 2 cores",
-        "seconds": args.seconds,
-        "rounds": args.rounds,
-        "runs": runs,
-        "p50_ms_c1": p50,
+        "note": "2-core AMD EPYC, no GPU, shared with other work: the client, 4 routers, "
+        "4 workers and 4 Redis on the same 2 cores",
+        "calls": args.calls,
+        "slices_per_mesh": args.slices,
+        "seconds_per_slice": args.seconds,
+        "p50_ms_c1": p50s,
+        "p99_ms_c1": {
+            label: round(float(np.percentile(latency[label], 99)), 3) for label in labels
+        },
+        "added_p50_ms": added,
+        "added_p50_ms_per_block": blocks,
         "throughput_rps_c32": rps,
-        "throughput_ratio": round(ratio, 3),
-        "added_p50_ms": round(added, 3),
+        "throughput_ratio": ratio,
+        "throughput_ratio_per_slice": ratios,
+        "scripts_per_call_c32": scripts,
+        "cpu_ms_per_call_c32": cpu,
+        "cpu_ms_per_call_c32_total": cpu_total,
+        "slices": slices,
         "components_us": parts,
-        "load_average": load,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
         "errors": errors,
         "reading": reading,
     }

@@ -1,18 +1,42 @@
-"""Per-tenant rate limits and quotas, shared by every router through Redis.
+"""Per-tenant rate limits and quotas, shared by every router through Redis, decided locally.
 
-Each decision is ONE Lua script, so it is atomic across any number of router processes,
-and every bucket runs on Redis's clock (TIME), not on each router's:
+The buckets live in Redis, on Redis's clock (TIME), and are the one source of truth:
 
-- requests per second: a token bucket of `burst` requests refilled at the rate; a call
-  takes one token or is refused;
-- tokens per minute: a bucket of that many tokens refilled continuously; a call is
-  admitted while the bucket is above 0 and its tokens are taken when they are known (after
-  the call): a call may overdraw it, and the next ones wait until it refills;
+- requests per second: a token bucket of `burst` requests refilled at the rate;
+- tokens per minute: a bucket of that many tokens refilled continuously; calls are admitted
+  while it is above 0 and their tokens are taken when they are known (after the call): a
+  call may overdraw it, and the next ones wait until it refills;
 - monthly spend cap: what the tenant was billed this UTC month (micro-USD, per call and per
   token); at or above the cap no call is admitted until the next month.
 
-Refused: RESOURCE_EXHAUSTED naming the limit, and `retry-after` (seconds) in the trailing
-metadata: when the bucket has a token again, or the first of next month. Tokens and spend are
+A Redis round trip per call (0.3-0.6 ms here) would cost more than the whole auth path may
+add, so each router process holds a *lease* per tenant and decides from it without Redis:
+
+- a lease is requests-per-second tokens taken from the shared bucket by ONE Lua script
+  (atomic across routers), sized to about LEASE_S of this process's recent demand and never
+  more than L = max(1, rps x LEASE_S) tokens (nor the burst); a call takes one locally;
+- it is renewed in the background once half of it is used (or it is half its life old), so
+  a call normally makes no round trip; a call that finds the lease empty waits for a renewal;
+- its tokens are good for LEASE_TTL_S: then what is left goes back to the bucket (with the
+  next renewal, or the sweep every LEASE_TTL_S, or when the router stops); a router that
+  dies loses at most L tokens, which the bucket refills within L / rps;
+- the same script answers the tokens-per-minute and spend verdicts, and a refusal (with its
+  reset time) is kept locally until it resets or LEASE_TTL_S passes, whichever is first, so
+  a tenant over its limit costs one Redis call per LEASE_TTL_S per process, not one a call.
+
+What this costs in exactness, with N router processes: no call is admitted without a token
+taken from the shared bucket, so the admitted calls up to time T never exceed the bucket's
+own ceiling (burst + rps x T). Over any window, at most N x L calls more than the bucket
+allows in that window (tokens leased before it, used in it); and at most N x L tokens sit
+unused in leases while another process is refused, for at most LEASE_TTL_S. Tokens per
+minute and spend are seen as of this process's last script (a renewal, at least every
+LEASE_TTL_S / 2 while calls come, or its own charges, every CHARGE_EVERY_S): calls admitted
+in that staleness window are still charged in full, so the tenant waits longer after (tpm)
+or is billed past its cap by at most those calls (spend).
+
+Refused: RESOURCE_EXHAUSTED naming the limit, and `retry-after` (seconds) and `limit` in the
+trailing metadata (on a stream, in that request's error response's parameters): when the
+bucket has a token again, or the first of next month. Tokens and spend are
 charged in the background (`charge`, written every CHARGE_EVERY_S): the call's answer does
 not wait for them. A Redis that is down does not stop the mesh: calls are admitted
 (fail open, logged once per outage), as the router keeps serving from its last known
@@ -24,7 +48,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import math
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
@@ -39,6 +66,9 @@ log = structlog.get_logger()
 
 CHARGE_EVERY_S = 0.02
 SPEND_TTL_S = 40 * 86400  # a month's counter outlives its month
+LEASE_S = 0.1  # a lease holds about this long's worth of this process's calls (at most rps x)
+LEASE_TTL_S = 0.5  # its tokens are used within this, or go back to the bucket
+MAX_TRIES = 8  # renewals one call waits for before it counts itself refused
 
 _REFILL = """
 local t = redis.call('TIME')
@@ -52,45 +82,68 @@ local function refill(key, per_us, size)
 end
 """
 
-# KEYS: rps bucket, tpm bucket, spend counter. ARGV: rps, burst, tpm, spend cap.
-# -> {1} admitted, or {0, limit, retry after in ms}
-ADMIT = (
+# KEYS: rps bucket, tpm bucket, spend counter. ARGV: rps, burst, tpm, spend cap, tokens
+# wanted, tokens given back (an expired lease's rest).
+# -> {1, '', 0, tokens granted (0..wanted)}, or {0, limit, retry after in ms, 0}, or
+# {1, 'rps', ms until the next token, granted}: the bucket is empty after these.
+LEASE = (
     _REFILL
     + """
 local rps, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local tpm, cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+local want, back = tonumber(ARGV[5]), tonumber(ARGV[6])
+local level = 0
+if rps > 0 then level = math.min(burst, refill(KEYS[1], rps / 1e6, burst) + back) end
+local verdict = nil
 if cap > 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= cap then
-  return {0, 'spend', 0}
+  verdict = {0, 'spend', 0, 0}
+elseif tpm > 0 then
+  local tokens = refill(KEYS[2], tpm / 60e6, tpm)
+  if tokens <= 0 then verdict = {0, 'tpm', math.ceil((1 - tokens) / (tpm / 60e6) / 1000), 0} end
 end
-if tpm > 0 then
-  local level = refill(KEYS[2], tpm / 60e6, tpm)
-  if level <= 0 then return {0, 'tpm', math.ceil((1 - level) / (tpm / 60e6) / 1000)} end
+local granted = 0
+if verdict == nil and rps > 0 and want > 0 then
+  granted = math.min(want, math.floor(level))
+  if granted < 1 then
+    granted = 0
+    verdict = {0, 'rps', math.ceil((1 - level) / (rps / 1e6) / 1000), 0}
+  elseif level - granted < 1 then
+    verdict = {1, 'rps', math.ceil((1 - level + granted) / (rps / 1e6) / 1000), granted}
+  end
 end
-if rps > 0 then
-  local level = refill(KEYS[1], rps / 1e6, burst)
-  if level < 1 then return {0, 'rps', math.ceil((1 - level) / (rps / 1e6) / 1000)} end
-  redis.call('HSET', KEYS[1], 'level', tostring(level - 1), 'at_us', now)
+if rps > 0 and (granted > 0 or back > 0) then
+  redis.call('HSET', KEYS[1], 'level', tostring(level - granted), 'at_us', now)
   redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rps * 1000) + 1000)
 end
-return {1}
+return verdict or {1, '', 0, granted}
 """
 )
 
-# KEYS: tpm bucket, spend counter. ARGV: tokens, tpm, micro-USD, the counter's TTL (s).
+# KEYS: tpm bucket, spend counter. ARGV: tokens, tpm, micro-USD, the counter's TTL (s),
+# spend cap. -> {ms until the tpm bucket is above 0 again (-1: it is), 1 if at the cap}
 CHARGE = (
     _REFILL
     + """
 local tokens, tpm, spend = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if tpm > 0 and tokens ~= 0 then
-  local level = refill(KEYS[2], tpm / 60e6, tpm) - tokens
-  redis.call('HSET', KEYS[2], 'level', tostring(level), 'at_us', now)
-  redis.call('PEXPIRE', KEYS[2], 120000)
+local cap = tonumber(ARGV[5])
+local wait_ms, over = -1, 0
+if tpm > 0 then
+  local level = refill(KEYS[1], tpm / 60e6, tpm) - tokens
+  if tokens ~= 0 then
+    redis.call('HSET', KEYS[1], 'level', tostring(level), 'at_us', now)
+    redis.call('PEXPIRE', KEYS[1], 120000)
+  end
+  if level <= 0 then wait_ms = math.ceil((1 - level) / (tpm / 60e6) / 1000) end
 end
+local total = 0
 if spend ~= 0 then
-  redis.call('INCRBY', KEYS[3], spend)
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  total = redis.call('INCRBY', KEYS[2], spend)
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+elseif cap > 0 then
+  total = tonumber(redis.call('GET', KEYS[2]) or '0')
 end
-return 1
+if cap > 0 and total >= cap then over = 1 end
+return {wait_ms, over}
 """
 )
 
@@ -112,58 +165,132 @@ def seconds_to_next_month(now: dt.datetime | None = None) -> float:
     return (following - now).total_seconds()
 
 
+def lease_limit(policy: TenantPolicy) -> int:
+    """L: the most requests-per-second tokens one process holds for a tenant."""
+    if not policy.requests_per_second:
+        return 0
+    return min(policy.bucket_size, max(1, int(policy.requests_per_second * LEASE_S)))
+
+
+@dataclass
+class _Lease:
+    """One tenant's lease in this process, and the verdicts Redis gave with it."""
+
+    tokens: int = 0  # requests this process may admit without asking Redis
+    until: float = 0.0  # monotonic: the tokens and the view are good until then
+    granted: int = 0  # the last renewal's tokens (half used: renew)
+    taken_at: float = 0.0  # when the last renewal was sent
+    asked: int = 0  # calls since then (the demand the next lease is sized by)
+    refused: str = ""  # the limit the tenant is over ('': none known)
+    refused_until: float = 0.0  # monotonic: refused locally until then
+    resets_at: float = 0.0  # monotonic: when that limit resets (retry-after)
+    renewing: asyncio.Task | None = None
+
+    def refuse(self, limit: str, retry_s: float, now: float) -> None:
+        self.refused = limit
+        self.resets_at = now + retry_s
+        self.refused_until = now + min(retry_s, LEASE_TTL_S)
+
+
 class Limiter:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
-        self._admit = redis.register_script(ADMIT)
+        self._lease = redis.register_script(LEASE)
         self._charge = redis.register_script(CHARGE)
         self._pending: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # tokens, spend
         self._policies: dict[str, TenantPolicy] = {}
+        self._leases: dict[str, _Lease] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.redis_state = Outage("rate_limits_redis_unreachable_admitting", "rate_limits_back")
 
+    # -- the request path ------------------------------------------------------------------
+
     async def admit(self, tenant: str, policy: TenantPolicy) -> None:
-        """One decision for one call; ResourceExhausted (with retry-after) when refused."""
+        """One decision for one call, from this process's lease; ResourceExhausted (with
+        retry-after) when refused. Waits for Redis only when the lease is empty or stale."""
         if not policy.limited:
             return
-        keys = [
-            mesh_state.limit_key(tenant, "rps"),
-            mesh_state.limit_key(tenant, "tpm"),
-            mesh_state.spend_key(tenant, month()),
-        ]
-        args: list[str | int] = [
-            repr(policy.requests_per_second),
-            policy.bucket_size,
-            policy.tokens_per_minute,
-            policy.monthly_spend_cap_micro_usd,
-        ]
-        try:
-            verdict = await self._admit(keys=keys, args=args)
-        except (RedisError, OSError) as e:
-            self.redis_state.failed(e)
-            return
-        self.redis_state.succeeded()
-        if int(verdict[0]):
-            return
-        limit = verdict[1].decode() if isinstance(verdict[1], bytes) else str(verdict[1])
-        if limit == "spend":
-            retry_s = seconds_to_next_month()
-            what = f"{policy.monthly_spend_cap_micro_usd} micro-USD this month"
-            resets = "at the start of next month (UTC)"
-        else:
-            retry_s = int(verdict[2]) / 1000
-            what = (
-                f"{policy.requests_per_second:g} requests per second (burst {policy.bucket_size})"
-                if limit == "rps"
-                else f"{policy.tokens_per_minute} tokens per minute"
+        self._policies[tenant] = policy
+        lease = self._leases.get(tenant)
+        if lease is None:
+            lease = self._leases[tenant] = _Lease()
+        lease.asked += 1
+        for _ in range(MAX_TRIES):
+            if self._decide(tenant, policy, lease, time.monotonic()):
+                return
+            if not await self._renewed(tenant, policy, lease):
+                return  # Redis is down: admitted (fail open)
+        # every renewal's tokens went to this process's other calls: over the rate
+        raise _refusal(tenant, policy, "rps", 1 / (policy.requests_per_second or 1))
+
+    def _decide(self, tenant: str, policy: TenantPolicy, lease: _Lease, now: float) -> bool:
+        """True: admitted locally; False: ask Redis first; raises if refused."""
+        rps = policy.requests_per_second
+        if (
+            lease.refused
+            and now < lease.refused_until
+            and (lease.refused != "rps" or lease.tokens < 1)
+        ):
+            raise _refusal(tenant, policy, lease.refused, lease.resets_at - now)
+        if now >= lease.until or (rps and lease.tokens < 1):
+            return False
+        if rps:
+            lease.tokens -= 1
+        bucket_empty = lease.refused == "rps" and now < lease.refused_until
+        half_used = rps and 2 * lease.tokens <= lease.granted
+        if (
+            lease.renewing is None
+            and not bucket_empty  # the call after the last token renews, when one is due
+            and (half_used or now >= lease.until - LEASE_TTL_S / 2)
+        ):
+            lease.renewing = asyncio.get_running_loop().create_task(
+                self._renew(tenant, policy, lease)
             )
-            resets = f"in {retry_s:.3f} s"
-        raise ResourceExhausted(
-            f"tenant {tenant!r} is over its {DESCRIBE[limit]}: {what}; retry {resets} "
-            "(retry-after in the trailing metadata)",
-            trailers=(("retry-after", f"{max(retry_s, 0.001):.3f}"), ("limit", limit)),
-        )
+        return True
+
+    async def _renewed(self, tenant: str, policy: TenantPolicy, lease: _Lease) -> bool:
+        """Wait for the renewal in flight, or make one; False when Redis did not answer."""
+        if lease.renewing is None:
+            lease.renewing = asyncio.get_running_loop().create_task(
+                self._renew(tenant, policy, lease)
+            )
+        return await asyncio.shield(lease.renewing)
+
+    async def _renew(self, tenant: str, policy: TenantPolicy, lease: _Lease) -> bool:
+        """One LEASE script: give back an expired lease's rest, take new tokens (sized by
+        the demand since the last renewal), and learn the tenant's verdicts."""
+        try:
+            now = time.monotonic()
+            back = 0
+            if now >= lease.until:
+                back, lease.tokens = lease.tokens, 0
+            want = 0
+            if policy.requests_per_second:
+                rate = lease.asked / max(now - lease.taken_at, 0.001)
+                want = min(math.ceil(rate * LEASE_S), lease_limit(policy)) - lease.tokens
+                want = max(want, 1 if lease.tokens < 1 else 0)
+            lease.taken_at, lease.asked = now, 0
+            try:
+                verdict = await self._lease(keys=_keys(tenant), args=_args(policy, want, back))
+            except (RedisError, OSError) as e:
+                self.redis_state.failed(e)
+                return False
+            self.redis_state.succeeded()
+            answered = time.monotonic()
+            granted = int(verdict[3])
+            lease.tokens += granted
+            lease.granted = granted or lease.granted
+            lease.until = now + LEASE_TTL_S
+            limit = _text(verdict[1])  # admitted with 'rps': once these tokens are used
+            if limit:
+                retry_s = seconds_to_next_month() if limit == "spend" else int(verdict[2]) / 1000
+                lease.refuse(limit, retry_s, answered)
+            else:
+                lease.refused = ""
+            return True
+        finally:
+            lease.renewing = None
 
     def charge(self, tenant: str, policy: TenantPolicy, tokens: int, micro_usd: int) -> None:
         """Take a call's tokens and spend from the tenant's buckets (soon, not now)."""
@@ -175,38 +302,115 @@ class Limiter:
         self._policies[tenant] = policy
         self._wake.set()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+    # -- the background --------------------------------------------------------------------
 
-    async def _loop(self) -> None:
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._charging()), loop.create_task(self._sweeping())]
+
+    async def _charging(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(CHARGE_EVERY_S)
             await self.flush()
 
+    async def _sweeping(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S)
+            await self.give_back(expired_only=True)
+
     async def flush(self) -> None:
+        """Write the pending charges; a tenant they put over its tokens per minute or its
+        spend cap is refused locally from now on (until the limit resets)."""
         pending, self._pending = self._pending, defaultdict(lambda: [0, 0])
         for tenant, (tokens, spend) in pending.items():
             policy = self._policies[tenant]
-            keys = [
-                mesh_state.limit_key(tenant, "rps"),  # unused: the script's keys are fixed
-                mesh_state.limit_key(tenant, "tpm"),
-                mesh_state.spend_key(tenant, month()),
+            keys = _keys(tenant)[1:]
+            args = [
+                tokens,
+                policy.tokens_per_minute,
+                spend,
+                SPEND_TTL_S,
+                policy.monthly_spend_cap_micro_usd,
             ]
             try:
-                await self._charge(
-                    keys=keys, args=[tokens, policy.tokens_per_minute, spend, SPEND_TTL_S]
-                )
+                wait_ms, over = await self._charge(keys=keys, args=args)
                 self.redis_state.succeeded()
             except (RedisError, OSError) as e:  # kept for the next flush
                 self.redis_state.failed(e)
                 self._pending[tenant][0] += tokens
                 self._pending[tenant][1] += spend
+                continue
+            lease = self._leases.get(tenant)
+            if lease is not None and int(over):
+                lease.refuse("spend", seconds_to_next_month(), time.monotonic())
+            elif lease is not None and int(wait_ms) >= 0:
+                lease.refuse("tpm", int(wait_ms) / 1000, time.monotonic())
+
+    async def give_back(self, expired_only: bool = False) -> None:
+        """Return leased tokens to their buckets (only expired leases', when asked), and
+        forget the leases that hold nothing."""
+        now = time.monotonic()
+        for tenant, lease in list(self._leases.items()):
+            if lease.renewing is not None or (expired_only and now < lease.until):
+                continue
+            if lease.tokens > 0:
+                back, lease.tokens = lease.tokens, 0
+                args = _args(self._policies[tenant], 0, back)
+                try:
+                    await self._lease(keys=_keys(tenant), args=args)
+                except (RedisError, OSError) as e:  # lost: the bucket refills them
+                    self.redis_state.failed(e)
+            idle = lease.renewing is None and lease.tokens == 0
+            if idle and now >= lease.refused_until and now >= lease.until:
+                del self._leases[tenant]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.flush()
+        await self.give_back()
+
+
+def _keys(tenant: str) -> list[str]:
+    return [
+        mesh_state.limit_key(tenant, "rps"),
+        mesh_state.limit_key(tenant, "tpm"),
+        mesh_state.spend_key(tenant, month()),
+    ]
+
+
+def _args(policy: TenantPolicy, want: int, back: int) -> list[str | int]:
+    return [
+        repr(policy.requests_per_second),
+        policy.bucket_size,
+        policy.tokens_per_minute,
+        policy.monthly_spend_cap_micro_usd,
+        want,
+        back,
+    ]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _refusal(tenant: str, policy: TenantPolicy, limit: str, retry_s: float) -> ResourceExhausted:
+    if limit == "spend":
+        what = f"{policy.monthly_spend_cap_micro_usd} micro-USD this month"
+        resets = "at the start of next month (UTC)"
+    else:
+        what = (
+            f"{policy.requests_per_second:g} requests per second (burst {policy.bucket_size})"
+            if limit == "rps"
+            else f"{policy.tokens_per_minute} tokens per minute"
+        )
+        resets = f"in {max(retry_s, 0.001):.3f} s"
+    return ResourceExhausted(
+        f"tenant {tenant!r} is over its {DESCRIBE[limit]}: {what}; retry {resets} "
+        "(retry-after in the trailing metadata; on a stream, in the error response's parameters)",
+        trailers=(("retry-after", f"{max(retry_s, 0.001):.3f}"), ("limit", limit)),
+    )

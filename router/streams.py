@@ -260,7 +260,7 @@ class StreamForwarder:
             try:
                 await self.dispatcher.auth.admit(self.tenant, call.model)
             except MeshError as e:  # not its model, or over a limit: this request only
-                await self._fail(call, e.code, e.message)
+                await self._fail(call, e.code, e.message, e.trailers)
                 return
         replicas = self.registry.replicas_for(call.model, call.version)
         found = self.dispatcher.entry(call.model, call.version, None) if replicas else None
@@ -370,12 +370,22 @@ class StreamForwarder:
             self.registry.end(replica, token)
             metrics.INFLIGHT.labels(replica.id).dec()
 
-    async def _fail(self, call: _Call, code: grpc.StatusCode, message: str) -> None:
-        """End a request with an error response on the stream, the code's name first."""
+    async def _fail(
+        self,
+        call: _Call,
+        code: grpc.StatusCode,
+        message: str,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """End a request with an error response on the stream, the code's name first. What a
+        unary call gets as trailing metadata (a refusal's `retry-after` and `limit`) is in the
+        response's parameters: a stream has one trailer, at its end, not one per request."""
         response = pb.ModelStreamInferResponse(
             error_message=f"{code.name}: {message}",
             infer_response=pb.ModelInferResponse(id=call.id, model_name=call.model),
         )
+        for name, value in trailers:
+            response.infer_response.parameters[name].string_param = value
         await self.out.put(_Item(call, response.SerializeToString(), None, True, code))
 
 

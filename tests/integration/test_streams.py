@@ -20,12 +20,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.tenancy import TenantPolicy
 from deploy.processes import ROOT, free_port
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm
 from router.accounting import token_revenue
+from router.keys import TenantAdmin
 from tests.integration.mesh import Mesh
 
 pytestmark = pytest.mark.slow
@@ -63,15 +65,17 @@ def start(mesh: Mesh, repo: Path, db: str, workers: int = 1, stall_seconds: floa
 
 @contextlib.contextmanager
 def running_mesh(
-    db: str, repo: Path, tmp_path: Path, stall_seconds: float = 0.5
+    db: str, repo: Path, tmp_path: Path, stall_seconds: float = 0.5, auth: bool = False
 ) -> Iterator[tuple[Mesh, str, Store]]:
-    """Redis, one worker, the router and a ledger on SQLite or PostgreSQL (a schema of its
-    own; skipped without a server, as the ledger's tests are)."""
+    """Redis, one worker, the router (asking for API keys with `auth`) and a ledger on
+    SQLite or PostgreSQL (a schema of its own; skipped without a server, as the ledger's
+    tests are)."""
     from tests.conftest import _postgres_store
 
     stores = _postgres_store() if db == "postgres" else None
     store = next(stores) if stores else Store(f"sqlite:///{tmp_path / 'ledger.db'}")
     mesh = Mesh(tmp_path / "logs")
+    mesh.auth = auth
     try:
         yield mesh, start(mesh, repo, store.url, stall_seconds=stall_seconds), store
     finally:
@@ -354,3 +358,80 @@ def check_billed_exactly(got: list[Received], store: Store, elapsed: float) -> N
     )
     assert settle(store, expected, timeout=60) == expected
     print(f"{MANY} requests on {MANY // 10} client streams in {elapsed:.1f}s; billed {expected}")
+
+
+async def ask(address: str, key: str, prompt: str, max_tokens: int) -> Received:
+    """One request with an API key, on a stream of its own that the client ends cleanly: it
+    closes its side after the request and reads until the router ends the RPC."""
+    got = Received()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            timeout=120, metadata=(("authorization", f"Bearer {key}"),)
+        )
+        await call.write(llm_request(prompt, max_tokens, "r1"))
+        await call.done_writing()
+        async for response in call:
+            got.responses.append(response)
+            got.error = got.error or response.error_message
+    return got
+
+
+def test_tokens_per_minute_end_to_end(llm_repository: Path, tmp_path: Path) -> None:
+    """Streamed LLM calls of a tenant with a small tokens-per-minute limit, through a router
+    that asks for API keys: served until the minute's tokens are spent, then refused
+    (RESOURCE_EXHAUSTED, `retry-after` and `limit` on that request's error response), while
+    another tenant is served; the ledger bills each tenant exactly what it was served."""
+    tpm, max_tokens = 20, 24  # a call spends 5 prompt + 24 completion tokens: more than tpm
+    with running_mesh("sqlite", llm_repository, tmp_path, auth=True) as (mesh, router, store):
+        admin = TenantAdmin(mesh.redis_client("admin"))
+        admin.set_tenant("small", TenantPolicy(tokens_per_minute=tpm))
+        admin.set_tenant("large", TenantPolicy(tokens_per_minute=10**6))
+        small, large = admin.create_key("small")[1], admin.create_key("large")[1]
+        prompt = "The capital of France is"
+        served: list[Received] = []
+        refused = None
+        for _ in range(4):  # bounded; the second call should find the minute spent
+            got = asyncio.run(ask(router, small, prompt, max_tokens))
+            if got.error:
+                refused = got
+                break
+            assert got.finished, got.status
+            served.append(got)
+        assert refused is not None, [(r.prompt, r.completion) for r in served]
+        spent = sum(r.prompt + r.completion for r in served)
+        assert served and spent >= tpm  # refused only once its tokens were spent
+        assert len(served) == 1  # the first call overdrew the minute: the next one is refused
+        assert refused.error.startswith("RESOURCE_EXHAUSTED: tenant 'small' is over its tokens")
+        assert f"{tpm} tokens per minute" in refused.error
+        parameters = refused.responses[-1].infer_response.parameters
+        assert parameters["limit"].string_param == "tpm"
+        retry = float(parameters["retry-after"].string_param)
+        # the bucket is overdrawn by at most what was served beyond the minute's tokens, and
+        # refills at tpm / 60 tokens a second
+        assert 0 < retry <= (spent - tpm + 1) / (tpm / 60) + 1, (retry, spent)
+        other = asyncio.run(ask(router, large, prompt, max_tokens))
+        assert other.finished and not other.error, other.error
+        assert (other.prompt, other.completion) == (5, max_tokens)
+        # the ledger, by tenant: what each was served, no more (the refused call is not billed)
+        expected = {
+            "small": (len(served), 0, spent, sum(r.revenue for r in served)),
+            "large": (1, 0, other.prompt + other.completion, other.revenue),
+        }
+
+        def billed() -> dict[str, tuple[int, int, int, int]]:
+            usage = store.tenant_usage()
+            return {
+                t: (
+                    u["success"],
+                    u["errors"],
+                    u["prompt_tokens"] + u["completion_tokens"],
+                    u["token_revenue_micro_usd"],
+                )
+                for (t, m), u in usage.items()
+                if m == MODEL
+            }
+
+        deadline = time.monotonic() + 20
+        while billed() != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert billed() == expected

@@ -16,6 +16,7 @@ import redis
 import tritonclient.grpc as triton
 
 from common import mesh_state
+from common.errors import ResourceExhausted
 from common.tenancy import PRICE_PER_CALL, TenantPolicy
 from deploy.certs import make_certs
 from deploy.redis_acl import make_users
@@ -26,7 +27,7 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from router import keys as keys_cli
 from router.keys import TenantAdmin
-from router.limits import Limiter
+from router.limits import LEASE_TTL_S, Limiter
 from tests.integration.mesh import Mesh, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
@@ -181,6 +182,54 @@ def test_tokens_per_minute_bucket(secure: Mesh) -> None:
     assert "over its tokens per minute: 600 tokens per minute" in said
     retry = float(said.split("'retry-after', '")[1].split("'")[0])
     assert 29 < retry <= 31  # 300 tokens overdrawn (+1) at 10 tokens per second
+
+
+def test_rate_limit_decisions_come_from_a_lease(mesh: Mesh) -> None:
+    """One router process's limiter on a quiet Redis: calls are decided from its lease (a Lua
+    script per renewal, not per call), a refusal is kept until the bucket refills, and a
+    lease's unused rest goes back to the shared bucket once the lease expires."""
+    policy = TenantPolicy(requests_per_second=100, burst=100)  # leases of at most 10
+    lender = TenantPolicy(requests_per_second=100, burst=1000)
+    client = mesh.redis_client()
+
+    def scripts() -> int:
+        stats: dict = client.info("commandstats")  # type: ignore[assignment]
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+    def level(tenant: str) -> float:
+        return float(client.hget(mesh_state.limit_key(tenant, "rps"), "level") or "nan")
+
+    async def run() -> tuple[Counter[str], int, float, float, float]:
+        limiter = Limiter(redis.asyncio.from_url(mesh.redis_url))
+        limiter.start()
+        codes: Counter[str] = Counter()
+        before = scripts()
+        for _ in range(300):  # a call a millisecond, from a full bucket: past its burst
+            try:
+                await limiter.admit("busy", policy)
+                codes["OK"] += 1
+            except ResourceExhausted as e:
+                codes[dict(e.trailers)["limit"]] += 1
+            await asyncio.sleep(0.001)
+        ran = scripts() - before
+        for _ in range(3):  # a few calls: the lease takes more than they use
+            await limiter.admit("lender", lender)
+            await asyncio.sleep(0.001)
+        held = level("lender")
+        await asyncio.sleep(3 * LEASE_TTL_S)  # expired, and swept back to the bucket
+        back = level("lender")
+        await limiter.close()
+        await limiter.redis.aclose()
+        return codes, ran, held, back, level("busy")
+
+    codes, ran, held, back, _ = asyncio.run(run())
+    assert codes["OK"] >= 100 and codes["rps"] > 0, codes  # the burst, then refusals
+    assert ran * 4 < sum(codes.values()), (ran, codes)  # most calls decided locally
+    # The bucket is written only when tokens are taken or given back (none are taken after
+    # the 3 calls): it held the 3 calls' tokens and the lease's rest, and then the rest came
+    # back (with the refill since).
+    assert held < 996, held
+    assert back >= 997, (held, back)
 
 
 def test_model_config_hides_prices_unless_admin(secure: Mesh) -> None:
