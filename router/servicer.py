@@ -67,17 +67,15 @@ class RouterServicer:
             )
         return reply
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[bytes], context: Any
-    ) -> AsyncIterator[bytes]:
-        """Each request forwarded on a worker stream; every response passed on as it comes."""
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes], context: Any) -> None:
+        """Each request forwarded on a worker stream; every response written back as it
+        comes (context.write: the forwarder settles billing by each write's outcome)."""
         try:
             tenant = await self._tenant(context)
         except MeshError as e:
             await context.abort(e.code, e.message)
         forwarder = StreamForwarder(self.dispatcher, _deadline(context), tenant)
-        async for response in forwarder.serve(request_iterator):
-            yield response
+        await forwarder.serve(request_iterator, context.write)
 
     # -- health and metadata ---------------------------------------------------------------
 

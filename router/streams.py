@@ -26,8 +26,9 @@ Ends of a request:
 Billing: a response that carries token counts is billed before it is forwarded: its tokens
 (the difference from what the call already billed) are recorded, and the response waits
 until that record is in Redis (group commit: every response ready at once shares one wait),
-as a unary reply does. A response whose forwarding then fails (the client went away) is
-refunded. A final response is billed with its call's success. So a stream cut mid-way is
+as a unary reply does. A response whose write then fails (the client went away before gRPC
+took it for the transport) is refunded; one gRPC took is billed, even if the client's
+cancel interrupted the write's caller (see `_send`). A final response is billed with its call's success. So a stream cut mid-way is
 billed exactly the tokens of the pieces its client was sent, and counted as an error; a
 router killed mid-stream has billed at most the pieces it was forwarding at that instant
 beyond what the client received.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -59,6 +60,12 @@ from router.registry import Replica
 log = structlog.get_logger()
 
 OK = grpc.StatusCode.OK
+
+Send = Callable[[bytes], Awaitable[None]]
+
+
+def _written(write: asyncio.Future) -> bool:
+    return not write.cancelled() and write.exception() is None
 
 
 @dataclass(eq=False)
@@ -124,7 +131,9 @@ class StreamForwarder:
         self.out: asyncio.Queue[_Item | None] = asyncio.Queue()
         self.calls: set[_Call] = set()
 
-    async def serve(self, requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def serve(self, requests: AsyncIterator[bytes], send: Send) -> None:
+        """Forward `requests`' responses with `send` (the RPC's write) until the client's
+        side ends and every request has ended."""
         tasks: set[asyncio.Task] = set()
 
         async def read() -> None:
@@ -157,9 +166,9 @@ class StreamForwarder:
                 for i, item in enumerate(batch):
                     try:
                         if item.raw is not None:
-                            yield item.raw
+                            await self._send(item, send)
                     except BaseException:
-                        for unsent in batch[i:]:  # this one and the rest did not go out
+                        for unsent in batch[i + 1 :]:  # the rest did not go out
                             self._take_back(unsent)
                         raise
                     if item.ends:  # a long-lived stream keeps no state of finished requests
@@ -232,6 +241,20 @@ class StreamForwarder:
         if tokens != NO_TOKENS:
             return Receipt(call.model, call.version, 0, tokens, call=False, tenant=tenant), future
         return None, future
+
+    async def _send(self, item: _Item, send: Send) -> None:
+        """Write one response. The write runs shielded: when the client's cancel interrupts
+        this task mid-write, the write itself still ends one way or the other, and the
+        response's billing is settled by that: kept if gRPC took the message for the
+        transport, taken back if it failed. (Judged by this task's interruption instead, a
+        final response the client had already read was refunded as never sent.)"""
+        assert item.raw is not None
+        write = asyncio.ensure_future(send(item.raw))
+        try:
+            await asyncio.shield(write)
+        except BaseException:
+            write.add_done_callback(lambda w: None if _written(w) else self._take_back(item))
+            raise
 
     def _take_back(self, item: _Item) -> None:
         """A response billed but not forwarded (the client went away)."""
