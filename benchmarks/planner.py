@@ -162,14 +162,17 @@ def worker_totals(workers: list[str], model: str) -> dict:
 
 
 def worker_runs(before: dict, after: dict) -> dict:
-    """Runs, rows per run and compute ms per run between two `worker_totals`."""
+    """Runs, rows per run, compute ms per run and host CPU per call between two samples."""
     runs = after["runs"] - before["runs"]
     rows = after["rows"] - before["rows"]
     ns = after["ns"] - before["ns"]
+    cpu_s = after["cpu_s"] - before["cpu_s"]
     return {
         "runs": runs,
         "mean_batch": rows / runs if runs else 0.0,
         "run_ms": ns / runs / 1e6 if runs else 0.0,
+        # every process of ours (client, router, workers, Redis) per call served
+        "host_cpu_ms_per_call": cpu_s / rows * 1e3 if rows else 0.0,
         "reported": {k: statistics.mean(v) for k, v in after["achieved"].items()},
     }
 
@@ -321,6 +324,18 @@ def explain(c: Config, pred: dict, meas: dict, profile: Profile) -> list[str]:
                     else ""
                 )
             )
+    closed = meas["closed"]
+    if closed["runs"] and closed["host_cpu_ms_per_call"]:
+        expected = profile.mesh_cpu_s * 1e3 + pred["run_ms_at_saturation"] / max(
+            1, pred["saturation_batch"]
+        )
+        used = closed["host_cpu_ms_per_call"]
+        if abs(used / expected - 1) > 0.2:
+            why.append(
+                f"closed loop: client, router, workers and Redis used {used:.2f} ms of CPU per "
+                f"call against {expected:.2f} ms predicted (the probe's "
+                f"{profile.mesh_cpu_s * 1e3:.2f} ms for a tiny call plus the run's share)"
+            )
     if c.model == "smollm2":
         why.append(
             "the worker's runs mix 64-token prefill runs with decode steps, so its mean run is "
@@ -363,10 +378,13 @@ def run_config(
         workers = [mesh.add_worker(repo) for _ in range(c.replicas)]
         mesh.wait_registered(c.replicas, timeout=120)
         router = mesh.start_router()
-        start = worker_totals(workers, c.model)
+        processes = [*mesh.workers.values(), mesh.router, mesh.redis_server]
+        pids = [p.popen.pid for p in processes if p is not None and p.popen is not None]
 
         def stats() -> dict:
-            return worker_totals(workers, c.model)
+            return {**worker_totals(workers, c.model), "cpu_s": probe.cpu_seconds(pids)}
+
+        start = stats()
 
         if c.model == "smollm2":
             closed, rate, p99, opened, after_closed = asyncio.run(

@@ -200,9 +200,9 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
         router = mesh.start_router()
         pids = [p.popen.pid for p in [*mesh.workers.values(), mesh.router] if p and p.popen]
         one = asyncio.run(closed_loop(Load(router, [body], seconds, 1.0, 10.0), 1))
-        before = _cpu_seconds(pids)
+        before = cpu_seconds(pids)
         many = asyncio.run(closed_loop(Load(router, [body], seconds, 0.0, 10.0), 16))
-        cpu = _cpu_seconds(pids) - before
+        cpu = cpu_seconds(pids) - before
         rate = max(1.0, many["throughput_rps"] / 4)
         tail = asyncio.run(open_loop(Load(router, [body], seconds, 1.0, 10.0), rate))
     finally:
@@ -232,7 +232,7 @@ def background_cores(seconds: float = 1.0) -> float:
     return cores * (busy1 - busy0) / max(total1 - total0, 1)
 
 
-def _cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by `pids` and by this process (the client)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = sum(os.times()[:2])

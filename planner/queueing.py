@@ -25,9 +25,9 @@ by the Allen-Cunneen approximation W(M/D/c) ~ W(M/M/c) x (1 + 0) / 2, whose tail
 C's exponential, P(W > t) = C(c, a) exp(-(c mu - lam) t); the larger of the two. And the
 mesh's own trip (client, router, gRPC): its median for the p50, its probed 99th percentile
 for the p99 (the sum of two 99th percentiles: an upper bound on the sum's). On a shared host
-a run is stretched while more threads want the free cores than there are: the running
-replica's threads, the other replicas' while busy and the mesh's mean CPU demand, lam x its
-CPU per call.
+below saturation, a run also waits for the free cores, which every call's CPU work (the
+mesh's per call, its share of a run) reaches at random: its mean slowdown is M/M/n's
+1 + C(n, a) / (n - a), a the cores' offered load lam x (CPU per call + threads x S(b) / b).
 """
 
 from __future__ import annotations
@@ -64,11 +64,24 @@ def erlang_c(c: int, a: float) -> float:
 def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> int:
     b = 1
     for _ in range(50):
-        nxt = min(max_batch, max(1, math.ceil(per_replica_rps * service(b))))
+        s = service(b)
+        nxt = (
+            max_batch
+            if not math.isfinite(s)
+            else min(max_batch, max(1, math.ceil(per_replica_rps * s)))
+        )
         if nxt == b:
             break
         b = nxt
     return b
+
+
+def _host_slowdown(demand: float, free: float) -> float:
+    """Mean slowdown of CPU work offered at `demand` cores to `free` cores (M/M/n)."""
+    n = max(1, round(free))
+    if demand >= n:
+        return math.inf
+    return 1 + erlang_c(n, demand) / (n - demand)
 
 
 def _stretch(wanting: float, free: float) -> float:
@@ -113,14 +126,23 @@ def predict(
             x = min(limits.values())
     limit = min(limits, key=lambda k: limits[k])
     capacity = limits[limit]
-    b = settle_batch(offered_rps / replicas, service, max_batch)
-    s = service(b)
-    if host_cores:
-        # Threads that want the cores while one replica runs: its own, the others' while
-        # busy (each busy lam / c x S(b) / b of the time) and the mesh's mean demand.
-        busy = min(1.0, offered_rps / replicas * s / b)
-        wanting = t * (1 + (replicas - 1) * busy) + offered_rps * cpu_per_call_s
-        s *= _stretch(wanting, free)
+
+    def run(b: int) -> float:
+        """A run of b as it takes under the offered load. Below saturation the free cores
+        are themselves a queue: every call brings its CPU work (the mesh's per call, its
+        share of a run) at random, so a run waits for a core as a call waits for a replica;
+        its mean slowdown is M/M/n's response over service, 1 + C(n, a) / (n - a), a the
+        cores' offered load. Where b is too small for the cores to keep up, calls queue at
+        the replicas and the batch grows (settle_batch)."""
+        s = service(b)
+        if not host_cores:
+            return s
+        return s * _host_slowdown(offered_rps * (cpu_per_call_s + t * s / b), free)
+
+    b = settle_batch(offered_rps / replicas, run, max_batch)
+    s = run(b)
+    if not math.isfinite(s):
+        return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
     mu = b / s
     rho = offered_rps / (replicas * mu)
     util = max(rho, offered_rps / capacity)
