@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from planner.analysis import DECODER, ModelAnalysis
 from planner.profiles import Profile
@@ -55,7 +56,7 @@ class Calibration:
             "runs_ms": {str(b): round(s * 1e3, 3) for b, s in self.runs_s.items()},
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "call_overhead_ms": round(self.call_overhead_s * 1e3, 3),
-            "efficiency": round(self.efficiency, 3),
+            "efficiency": float(f"{self.efficiency:.4g}"),
             "threads": self.threads,
         }
 
@@ -108,20 +109,29 @@ def _session(path: Path, threads: int):  # type: ignore[no-untyped-def]
 def encoder_runs(
     path: Path, batches: list[int], tokens: int, threads: int, budget_s: float
 ) -> dict[int, float]:
-    """Seconds per run of the encoder at each batch of `tokens`-token items."""
+    """Seconds per run of the model at each batch: `tokens` for every dimension the graph
+    leaves open past the batch, token ids (a mask of ones, token types of zeros) for integer
+    inputs, random values for float ones."""
     session = _session(path, threads).session
     rng = np.random.default_rng(0)
+    inputs = onnx.load(str(path), load_external_data=False).graph.input
     out = {}
     for b in batches:
         feeds = {}
-        for graph_input in onnx.load(str(path), load_external_data=False).graph.input:
+        for graph_input in inputs:
+            t = graph_input.type.tensor_type
+            shape = [b] + [d.dim_value or tokens for d in t.shape.dim[1:]]
+            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
             name = graph_input.name
-            value = rng.integers(1000, 2000, (b, tokens))
-            if "mask" in name:
-                value = np.ones((b, tokens), np.int64)
+            if np.issubdtype(dtype, np.floating):
+                value = rng.standard_normal(shape)
+            elif "mask" in name:
+                value = np.ones(shape)
             elif "type" in name:
-                value = np.zeros((b, tokens), np.int64)
-            feeds[name] = value.astype(np.int64)
+                value = np.zeros(shape)
+            else:
+                value = rng.integers(1000, 2000, shape).astype(np.float64)
+            feeds[name] = value.astype(dtype)
         out[b] = _timed(lambda f=feeds: session.run(None, f), budget_s)  # type: ignore[misc]
     return out
 
