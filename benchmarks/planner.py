@@ -201,6 +201,7 @@ def predicted(
         mesh_max_rps=profile.mesh_max_rps,
         background_cores=profile.background_cores,
         mesh_latency_p99_s=profile.mesh_latency_p99_s,
+        open_cpu=profile.open_cpu(),
     )
     return {
         "capacity_rps": p.capacity_rps,

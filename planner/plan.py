@@ -158,6 +158,7 @@ def candidates(
                         mesh_max_rps=profile.mesh_max_rps if shared_host else 0.0,
                         background_cores=profile.background_cores if shared_host else 0.0,
                         mesh_latency_p99_s=profile.mesh_latency_p99_s,
+                        open_cpu=profile.open_cpu() if shared_host else None,
                     )
                     cand = Candidate(
                         m.recipe,

@@ -47,6 +47,10 @@ class Profile:
     mesh_latency_p99_s: float = 0.0  # that trip's 99th percentile under load (0: not probed)
     mesh_cpu_s: float = 0.0  # host CPU seconds per call for gRPC, codec, router, client
     mesh_max_rps: float = 0.0  # the most tiny calls/s the mesh answers (0: not measured)
+    # Under Poisson arrivals (an open loop), the mesh and its client's CPU: a fixed part
+    # plus a part per call (0, 0: not probed; mesh_cpu_s then serves for both).
+    mesh_open_cores: float = 0.0
+    mesh_open_cpu_s: float = 0.0
     background_cores: float = 0.0  # other jobs' mean CPU demand on a shared host (probed)
     achievable: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "bandwidth": 1.0})
 
@@ -64,6 +68,12 @@ class Profile:
         if self.cache_bytes and resident_bytes <= self.cache_bytes and self.cache_bandwidth:
             return self.cache_bandwidth * scale
         return self.memory_bandwidth * scale
+
+    def open_cpu(self) -> tuple[float, float] | None:
+        """(fixed cores, CPU seconds per call) of the mesh under Poisson arrivals, if probed."""
+        if self.mesh_open_cores or self.mesh_open_cpu_s:
+            return self.mesh_open_cores, self.mesh_open_cpu_s
+        return None
 
     def ridge(self, dtype: str = "fp32") -> float:
         """FLOP per byte where the roof turns from bandwidth-bound to compute-bound."""

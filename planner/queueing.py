@@ -27,7 +27,8 @@ mesh's own trip (client, router, gRPC): its median for the p50, its probed 99th 
 for the p99 (the sum of two 99th percentiles: an upper bound on the sum's). On a shared host
 below saturation, a run also waits for the free cores, which every call's CPU work (the
 mesh's per call, its share of a run) reaches at random: its mean slowdown is M/M/n's
-1 + C(n, a) / (n - a), a the cores' offered load lam x (CPU per call + threads x S(b) / b).
+1 + C(n, a) / (n - a), a the cores' offered load lam x (CPU per call + threads x S(b) / b),
+plus the fixed CPU a Poisson stream costs the client and mesh (probed in an open loop).
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ def predict(
     mesh_max_rps: float = 0.0,
     background_cores: float = 0.0,
     mesh_latency_p99_s: float = 0.0,
+    open_cpu: tuple[float, float] | None = None,
 ) -> Prediction:
     """`service(b)`: seconds one replica takes for a batch of b, alone on its cores. With
     `host_cores`, the replicas share that many cores with the mesh's own work
-    (`cpu_per_call_s` per call) and with other jobs (`background_cores` of demand)."""
+    (`cpu_per_call_s` per call at saturation; `open_cpu`: (fixed cores, seconds per call)
+    under Poisson arrivals, when probed) and with other jobs (`background_cores`)."""
     t = threads_per_replica
     # Other jobs keep the CPU they were using; the mesh and its replicas get the rest (at
     # least one core's worth: the scheduler never starves a runnable thread for good).
@@ -137,7 +140,8 @@ def predict(
         s = service(b)
         if not host_cores:
             return s
-        return s * _host_slowdown(offered_rps * (cpu_per_call_s + t * s / b), free)
+        fixed, per_call = open_cpu or (0.0, cpu_per_call_s)
+        return s * _host_slowdown(fixed + offered_rps * (per_call + t * s / b), free)
 
     b = settle_batch(offered_rps / replicas, run, max_batch)
     s = run(b)
