@@ -202,6 +202,7 @@ def predicted(
         background_cores=profile.background_cores,
         mesh_latency_p99_s=profile.mesh_latency_p99_s,
         open_cpu=profile.open_cpu(),
+        continuous=llm_call,
     )
     return {
         "capacity_rps": p.capacity_rps,
@@ -326,7 +327,8 @@ def explain(c: Config, pred: dict, meas: dict, profile: Profile) -> list[str]:
                 )
             )
     closed = meas["closed"]
-    if closed["runs"] and closed["host_cpu_ms_per_call"]:
+    # (an LLM worker's run is a step or a prefill, not a call: no per-call CPU to compare)
+    if closed["runs"] and closed["host_cpu_ms_per_call"] and c.model != "smollm2":
         expected = profile.mesh_cpu_s * 1e3 + pred["run_ms_at_saturation"] / max(
             1, pred["saturation_batch"]
         )
@@ -537,7 +539,8 @@ def main() -> None:
     result = {
         "benchmark": "planner",
         "machine": machine(),
-        "machine_note": "2-core AMD EPYC, no GPU, shared with other jobs while measured",
+        "machine_note": f"{machine()['cpu']}, {profile.cores} cores, no GPU, shared with "
+        "other jobs (their CPU demand measured before each row)",
         "profile": profile.as_dict(),
         "calibrations": {k: v.as_dict() for k, v in calibrations.items()},
         "seconds_per_point": args.seconds,

@@ -159,6 +159,7 @@ def candidates(
                         background_cores=profile.background_cores if shared_host else 0.0,
                         mesh_latency_p99_s=profile.mesh_latency_p99_s,
                         open_cpu=profile.open_cpu() if shared_host else None,
+                        continuous=m.kind == DECODER,
                     )
                     cand = Candidate(
                         m.recipe,

@@ -103,8 +103,10 @@ def predict(
     background_cores: float = 0.0,
     mesh_latency_p99_s: float = 0.0,
     open_cpu: tuple[float, float] | None = None,
+    continuous: bool = False,
 ) -> Prediction:
-    """`service(b)`: seconds one replica takes for a batch of b, alone on its cores. With
+    """`service(b)`: seconds one replica takes for a batch of b, alone on its cores.
+    `continuous`: the replica batches at every step (the LLM engine), not per run. With
     `host_cores`, the replicas share that many cores with the mesh's own work
     (`cpu_per_call_s` per call at saturation; `open_cpu`: (fixed cores, seconds per call)
     under Poisson arrivals, when probed) and with other jobs (`background_cores`)."""
@@ -143,6 +145,17 @@ def predict(
         fixed, per_call = open_cpu or (0.0, cpu_per_call_s)
         return s * _host_slowdown(fixed + offered_rps * (per_call + t * s / b), free)
 
+    if continuous:
+        return _continuous(
+            offered_rps,
+            replicas,
+            max_batch,
+            run,
+            capacity,
+            limit,
+            mesh_latency_s,
+            mesh_latency_p99_s,
+        )
     b = settle_batch(offered_rps / replicas, run, max_batch)
     s = run(b)
     if not math.isfinite(s):
@@ -162,3 +175,45 @@ def predict(
     p99 = (mesh_latency_p99_s or mesh_latency_s) + s + max(residual99, q99)
     p50 = mesh_latency_s + s + s * util / 2 + q50
     return Prediction(capacity, offered_rps, b, util, p50, p99, limit, max_batch)
+
+
+def _continuous(
+    offered_rps: float,
+    replicas: int,
+    max_batch: int,
+    run: Callable[[int], float],
+    capacity: float,
+    limit: str,
+    mesh_latency_s: float,
+    mesh_latency_p99_s: float,
+) -> Prediction:
+    """Iteration-level batching (worker/llm/engine.py): a call joins the running sequences at
+    the next step instead of waiting for a batch to end, so a replica is max_batch slots and
+    a generation holds one for T(k), the time of a generation among k running ones (run(k):
+    k prefills and the shared decode steps). k settles where Little's law puts it,
+    k = lam / c x T(k) (interpolated between whole batches); a call waits only when every
+    slot is taken: M/D/m over m = c x max_batch slots (Allen-Cunneen on Erlang C)."""
+
+    def latency(k: float) -> float:
+        lo = max(1, min(max_batch, math.floor(k)))
+        hi = min(max_batch, lo + 1)
+        return run(lo) + (run(hi) - run(lo)) * (min(k, max_batch) - lo)
+
+    k = 1.0
+    for _ in range(50):
+        k = min(float(max_batch), max(1.0, offered_rps / replicas * latency(k)))
+    t = latency(k)
+    slots = replicas * max_batch
+    util = offered_rps / capacity
+    if not math.isfinite(t) or util >= 1 or offered_rps * t >= slots:
+        return Prediction(
+            capacity, capacity, k, max(util, 1.0), math.inf, math.inf, limit, max_batch
+        )
+    c_wait = erlang_c(slots, offered_rps * t)
+    gap = slots / t - offered_rps
+    q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
+    q50 = 0.5 * math.log(c_wait / 0.5) / gap if c_wait > 0.5 else 0.0
+    p99 = (mesh_latency_p99_s or mesh_latency_s) + t + q99
+    return Prediction(
+        capacity, offered_rps, k, util, mesh_latency_s + t + q50, p99, limit, max_batch
+    )
