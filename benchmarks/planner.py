@@ -45,7 +45,7 @@ from loadtest.llm import prompts as prompt_source
 from loadtest.llm import runner as llm_runner
 from planner import probe, profiles
 from planner.analysis import ModelAnalysis, analyse_file
-from planner.calibrate import Calibration, calibrate
+from planner.calibrate import Calibration, calibrate, refit
 from planner.plan import Workload, service_time
 from planner.plot import roofline_png
 from planner.profiles import Profile
@@ -484,11 +484,15 @@ def reanalyse(cache: Path) -> None:
     by_label = {c.label: c for c in CONFIGS}
     configs = [by_label[r["config"]] for r in result["configurations"]]
     base = Profile(**result["profile"])
-    calibrations = {k: Calibration.from_dict(v) for k, v in result["calibrations"].items()}
     analyses = {
         f"{c.model} {c.recipe}": analyse_file(artifact(c.model, c.recipe, cache), c.model, "1")
         for c in configs
     }
+    calibrations = {  # the stored timings, fitted again
+        k: refit(Calibration.from_dict(v), analyses[k], base, TOKENS, STEP_CONTEXT)
+        for k, v in result["calibrations"].items()
+    }
+    result["calibrations"] = {k: v.as_dict() for k, v in calibrations.items()}
     for c, r in zip(configs, result["configurations"], strict=True):
         key = f"{c.model} {c.recipe}"
         a, cal, m = analyses[key], calibrations[key], r["measured"]

@@ -18,6 +18,11 @@ def test_fit_recovers_overhead_and_efficiency() -> None:
     overhead, efficiency = fit(roof, measured)
     assert overhead == pytest.approx(0.0005)
     assert efficiency == pytest.approx(0.5)
+    # Runs that grow faster than the roof: a negative fixed cost, still through both points.
+    overhead, efficiency = fit({1: 0.007, 4: 0.0076}, {1: 0.0165, 4: 0.028})
+    assert overhead < 0
+    assert overhead + 0.007 / efficiency == pytest.approx(0.0165)
+    assert overhead + 0.0076 / efficiency == pytest.approx(0.028)
     # One batch, or a slope the noise made negative: no fixed cost, the ratio at the top.
     assert fit({1: 0.001}, {1: 0.004}) == (0.0, pytest.approx(0.25))
     assert fit(roof, {1: 0.009, 8: 0.008}) == (0.0, pytest.approx(1.0))
@@ -30,8 +35,9 @@ def test_calibrated_profile_reproduces_the_timed_runs(wide_paths: tuple[Path, Pa
     cal = calibrate(path, m, local, 8, threads=1, tokens=1, budget_s=0.2)
     assert set(cal.runs_s) == {1, 8} and cal.prefill_s == 0.0
     fitted = cal.profile(local)
-    # Both timed points when the fit found a fixed cost, else the largest batch's.
-    exact = cal.runs_s if cal.call_overhead_s > 0 else {8: cal.runs_s[8]}
+    # Both timed points when the fit found a line, else the largest batch's.
+    rising = cal.runs_s[8] > cal.runs_s[1]
+    exact = cal.runs_s if rising else {8: cal.runs_s[8]}
     for b, measured in exact.items():
         assert run_seconds(m, fitted, b, 0, 1, 1, 1) == pytest.approx(measured, rel=1e-6)
     assert Calibration.from_dict(cal.as_dict()).efficiency == pytest.approx(cal.efficiency, 1e-2)
