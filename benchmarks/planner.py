@@ -32,6 +32,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -503,6 +504,11 @@ def reanalyse(cache: Path) -> None:
             explain(c, r["calibrated"], m, profile) if missed(r["calibrated"]) else []
         )
     result["summary"] = summarize(result["configurations"])
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result["reanalysed"] = (
+        "predictions recomputed on these measurements and timings after the planner changed "
+        f"(`python -m benchmarks.planner --reanalyse`, {when})"
+    )
     plots(result["configurations"], analyses, base)
     print(f"wrote {write_result('planner', result)}")
     print(result["summary"])

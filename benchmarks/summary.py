@@ -625,7 +625,8 @@ def planner_section(r: dict) -> str:
             "and the graph alone; *calibrated*: the Roofline fitted to each model's own "
             "session timed alone, outside the mesh (CPU time, one thread, batch 1 and the "
             f"largest): {calibrations}. Batch: what the workers formed in the closed / open "
-            "loop. Background: other jobs' CPU demand (cores) measured just before each row.",
+            "loop. Background: other jobs' CPU demand (cores) measured just before each row."
+            + (f" The {r['reanalysed']}." if r.get("reanalysed") else ""),
             table(
                 [
                     "configuration",
