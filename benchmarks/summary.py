@@ -591,19 +591,20 @@ def planner_section(r: dict) -> str:
 
     rows = []
     for c in r["configurations"]:
-        cal = c["calibrated"]
+        m, roof, cal = c["measured"], c["roofline"], c["calibrated"]
         rows.append(
             [
                 c["config"],
                 c["diagnosis"]["bound"],
-                c["measured"]["throughput_rps"],
-                f"{c['predicted']['capacity_rps']:.1f} ({pct(c['throughput_error'])})",
-                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])})"
-                + (" calibration" if cal["is_calibration"] else ""),
-                c["measured"]["offered_rps"],
-                c["measured"]["p99_ms"],
-                f"{ms(c['predicted']['p99_ms'])} ({pct(c['p99_error'])})",
+                round(m["throughput_rps"], 2),
+                f"{roof['capacity_rps']:.1f} ({pct(roof['throughput_error'])})",
+                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])}, {cal['limit']})",
+                round(m["offered_rps"], 2),
+                round(m["p99_ms"], 1),
+                f"{ms(roof['p99_ms'])} ({pct(roof['p99_error'])})",
                 f"{ms(cal['p99_ms'])} ({pct(cal['p99_error'])})",
+                f"{m['closed']['mean_batch']:.1f} / {m['open']['mean_batch']:.1f}",
+                m.get("background_cores", 0.0),
             ]
         )
     s = r["summary"]
@@ -615,6 +616,13 @@ def planner_section(r: dict) -> str:
             for k in ("throughput", "p99")
         )
 
+    calibrations = "; ".join(
+        f"{k}: {v['runs_ms']} ms by batch, {v['call_overhead_ms']} ms fixed per run, "
+        f"efficiency {v['efficiency']}"
+        + (f", prefill {v['prefill_ms']} ms" if v["prefill_ms"] else "")
+        for k, v in r["calibrations"].items()
+    )
+    p = r["profile"]
     misses = [
         f"- **{c['config']}**: " + "; ".join(c["explanation"])
         for c in r["configurations"]
@@ -623,13 +631,17 @@ def planner_section(r: dict) -> str:
     return "\n\n".join(
         [
             "## Planner: predicted against measured (issue 14)",
-            f"`python -m benchmarks.planner` — {r['machine_note']}. Profile: "
-            f"{r['profile']['source']}; mesh {r['profile']['mesh_latency_s'] * 1e3:.1f} ms "
-            f"and {r['profile']['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call. Throughput: a closed "
-            "loop that keeps every batch full; p99: open loop at half the measured throughput. "
-            "*Roofline*: predicted from the probe and the graph alone; *calibrated*: the "
-            "Roofline's run time scaled by the worker's own measured run time in the first "
-            "configuration of each model x recipe (that row is the calibration).",
+            f"`python -m benchmarks.planner` — {r['machine_note']}. Profile: {p['source']}; "
+            f"mesh {p['mesh_latency_s'] * 1e3:.1f} ms (p99 {p['mesh_latency_p99_s'] * 1e3:.1f} "
+            f"ms at a quarter of its top rate) and {p['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call, "
+            f"at most {p['mesh_max_rps']:.0f} calls/s. Throughput: the saturation throughput of "
+            "a closed loop with 2 x replicas x max batch callers (8 to 48); p99: an open loop at "
+            "half the measured throughput (offered /s). *Roofline*: predicted from the probe "
+            "and the graph alone; *calibrated*: the Roofline fitted to each model's own "
+            "session timed alone, outside the mesh (CPU time, one thread, batch 1 and the "
+            f"largest): {calibrations}. Batch: what the workers formed in the closed / open "
+            "loop. Background: other jobs' CPU demand (cores) measured just before each row."
+            + (f" The {r['reanalysed']}." if r.get("reanalysed") else ""),
             table(
                 [
                     "configuration",
@@ -641,11 +653,18 @@ def planner_section(r: dict) -> str:
                     "p99 ms",
                     "roofline",
                     "calibrated",
+                    "batch",
+                    "background",
                 ],
                 rows,
             ),
-            verdict(s, "Roofline only") + "; " + verdict(s["calibrated"], "calibrated") + ".",
-            "Misses and why:\n\n" + "\n".join(misses) if misses else "No misses.",
+            verdict(s["roofline"], "Roofline only")
+            + "; "
+            + verdict(s["calibrated"], "calibrated")
+            + ".",
+            "Misses of the calibrated prediction and why:\n\n" + "\n".join(misses)
+            if misses
+            else "No misses.",
             "![roofline](results/planner_roofline.png)",
         ]
     )

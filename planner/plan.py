@@ -21,7 +21,7 @@ from ledger.economics import economics
 from planner.analysis import DECODER, ModelAnalysis
 from planner.profiles import Profile
 from planner.queueing import Prediction, predict
-from planner.roofline import resident_bytes, run_time
+from planner.roofline import resident_bytes, run_seconds
 
 TP_SIZES = (1, 2, 3, 4, 8)  # those that divide the model's KV heads
 MAX_REPLICAS = 64
@@ -94,19 +94,25 @@ def service_time(
     w: Workload,
     tp: int,
     threads: int | None = None,
+    prefill_s: float | None = None,
 ) -> Callable[[int], float]:
-    """Seconds one replica takes for a batch of b calls."""
+    """Seconds one replica takes for a batch of b calls. A generation is one prefill run of
+    its prompt, which yields the first token, then max_tokens - 1 decode steps shared by the
+    batch (worker/llm/engine.py). `prefill_s`: a measured prefill run instead of the
+    Roofline's (planner/calibrate.py)."""
 
     def encoder(b: int) -> float:
-        return sum(run_time(m, profile, b, tp=tp, threads=threads, tokens=w.context or None))
+        return run_seconds(m, profile, b, tp=tp, threads=threads, tokens=w.context or None)
 
     def generation(b: int) -> float:
-        fp, bp = m.prefill(max(w.context, 1))
-        dtype = m.compute_dtype(profile.kind)
-        prefill = max(fp / tp / profile.peak(dtype, threads), bp / profile.bandwidth())
-        prefill += profile.call_overhead_s
-        step = sum(run_time(m, profile, b, w.context + w.max_tokens // 2, tp, threads))
-        return b * prefill + max(w.max_tokens, 1) * step
+        prefill = prefill_s
+        if prefill is None:
+            fp, bp = m.prefill(max(w.context, 1))
+            dtype = m.compute_dtype(profile.kind)
+            prefill = max(fp / tp / profile.peak(dtype, threads), bp / profile.bandwidth())
+            prefill += profile.call_overhead_s
+        step = run_seconds(m, profile, b, w.context + w.max_tokens // 2, tp, threads)
+        return b * prefill + max(w.max_tokens - 1, 0) * step
 
     return generation if m.kind == DECODER else encoder
 
@@ -150,6 +156,10 @@ def candidates(
                         cpu_per_call_s=profile.mesh_cpu_s,
                         threads_per_replica=threads or 1,
                         mesh_max_rps=profile.mesh_max_rps if shared_host else 0.0,
+                        background_cores=profile.background_cores if shared_host else 0.0,
+                        mesh_latency_p99_s=profile.mesh_latency_p99_s,
+                        open_cpu=profile.open_cpu() if shared_host else None,
+                        continuous=m.kind == DECODER,
                     )
                     cand = Candidate(
                         m.recipe,

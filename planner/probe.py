@@ -10,8 +10,13 @@
 - Capacity: MemTotal from /proc/meminfo.
 - With `--mesh`: the serving stack's own cost per call on this machine, measured on a real
   mesh (private Redis, one worker, the router) serving a tiny MLP whose arithmetic is
-  negligible: latency at one caller (mesh_latency_s) and host CPU seconds per call at
-  saturation (mesh_cpu_s = cores / throughput).
+  negligible: latency at one caller (mesh_latency_s), its 99th percentile under a Poisson
+  stream at a quarter of the mesh's top rate (mesh_latency_p99_s: the tail a call's trip
+  through client, router and worker adds), host CPU seconds per call at saturation
+  (mesh_cpu_s), and in an open loop at an eighth and a quarter of that rate: a fixed part
+  (mesh_open_cores) and a part per call (mesh_open_cpu_s).
+- Other jobs on a shared host: their mean CPU demand, from /proc/stat over a window in which
+  the probe itself sleeps (background_cores). What the mesh can use is the rest.
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ def cpu_name() -> str:
 
 
 def probe(budget_s: float = 3.0) -> Profile:
+    background = background_cores(min(budget_s, 1.0))
     cores = _cores()
     llc = llc_bytes()
     dram = stream_bandwidth(16 * 1024**2, cores, budget_s)  # 3 x 128 MiB arrays
@@ -158,6 +164,7 @@ def probe(budget_s: float = 3.0) -> Profile:
         cache_bandwidth=cache["copy"],
         flops={"fp32": fp32, "fp16": fp32, "bf16": fp32, "int8": int8, "int4": int8},
         memory_bytes=memory_total(),
+        background_cores=background,
         source=(
             f"measured by `python -m planner probe` on {when}: "
             f"STREAM-like copy {dram['copy'] / 1e9:.1f} GB/s, triad {dram['triad'] / 1e9:.1f} GB/s "
@@ -177,7 +184,7 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
 
     from deploy import toy_models
     from deploy.processes import LocalMesh
-    from loadtest.runner import Load, closed_loop
+    from loadtest.runner import Load, closed_loop, open_loop
     from protos import grpc_service_pb2 as pb
 
     repo = log_dir / "repo"
@@ -194,20 +201,48 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
         router = mesh.start_router()
         pids = [p.popen.pid for p in [*mesh.workers.values(), mesh.router] if p and p.popen]
         one = asyncio.run(closed_loop(Load(router, [body], seconds, 1.0, 10.0), 1))
-        before = _cpu_seconds(pids)
+        before = cpu_seconds(pids)
         many = asyncio.run(closed_loop(Load(router, [body], seconds, 0.0, 10.0), 16))
-        cpu = _cpu_seconds(pids) - before
+        cpu = cpu_seconds(pids) - before
+        # The open loop (Poisson arrivals: what a p99 is measured under) at two rates: its
+        # CPU is a fixed part (the client's schedule, every process woken per call rather
+        # than per burst) plus a part per call; the faster run's p99 is the trip's tail.
+        opened = []
+        for rate in (many["throughput_rps"] / 8, many["throughput_rps"] / 4):
+            before = cpu_seconds(pids)
+            result = asyncio.run(open_loop(Load(router, [body], seconds, 0.0, 10.0), rate))
+            opened.append((rate, (cpu_seconds(pids) - before) / seconds, result))
     finally:
         mesh.stop()
-    calls = many["requests"]
+    (slow, slow_cores, _), (fast, fast_cores, tail) = opened
+    per_call = max(0.0, (fast_cores - slow_cores) / (fast - slow))
     return {
         "mesh_latency_s": one["p50_ms"] / 1e3,
-        "mesh_cpu_s": cpu / max(calls, 1.0),
+        "mesh_latency_p99_s": tail["p99_ms"] / 1e3,
+        "mesh_cpu_s": cpu / max(many["requests"], 1.0),
         "mesh_max_rps": many["throughput_rps"],
+        "mesh_open_cpu_s": per_call,
+        "mesh_open_cores": max(0.0, fast_cores - per_call * fast),
     }
 
 
-def _cpu_seconds(pids: list[int]) -> float:
+def background_cores(seconds: float = 1.0) -> float:
+    """Other jobs' mean CPU demand, in cores: the host's busy time in /proc/stat over
+    `seconds` during which this process only sleeps (and the mesh is stopped)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle, iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is inside user already
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    cores = os.cpu_count() or 1
+    return cores * (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by `pids` and by this process (the client)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = sum(os.times()[:2])

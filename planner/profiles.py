@@ -10,7 +10,8 @@ file, and any JSON file of the same shape is a profile too (`--profile path/to/f
 `achievable` scales the datasheet roof to what real kernels reach: the issue's H200
 reference measurements (bf16 matmul 770 TFLOP/s of 989 dense = 0.78; device copy 4.24 TB/s
 of 4.8 = 0.88), assumed the same for the other NVIDIA parts. A probed profile is already
-what this machine achieves, so its factors are 1.
+what this machine achieves, so its factors are 1, until planner/calibrate.py fits them (and
+the fixed cost per run) to one model's standalone runs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ class Profile:
     interconnect_bandwidth: float = 0.0  # bytes/s between devices, for TP all-reduces
     call_overhead_s: float = 0.0  # fixed time per model run (launch / framework)
     mesh_latency_s: float = 0.0  # client -> router -> worker -> back, beside the run
+    mesh_latency_p99_s: float = 0.0  # that trip's 99th percentile under load (0: not probed)
     mesh_cpu_s: float = 0.0  # host CPU seconds per call for gRPC, codec, router, client
     mesh_max_rps: float = 0.0  # the most tiny calls/s the mesh answers (0: not measured)
+    # Under Poisson arrivals (an open loop), the mesh and its client's CPU: a fixed part
+    # plus a part per call (0, 0: not probed; mesh_cpu_s then serves for both).
+    mesh_open_cores: float = 0.0
+    mesh_open_cpu_s: float = 0.0
+    background_cores: float = 0.0  # other jobs' mean CPU demand on a shared host (probed)
     achievable: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "bandwidth": 1.0})
 
     def peak(self, dtype: str, threads: int | None = None) -> float:
@@ -57,9 +64,16 @@ class Profile:
 
     def bandwidth(self, resident_bytes: float = float("inf")) -> float:
         """Achievable bytes/s for a working set of `resident_bytes`: the cache's when it fits."""
+        scale = self.achievable.get("bandwidth", 1.0)  # a calibration applies to both
         if self.cache_bytes and resident_bytes <= self.cache_bytes and self.cache_bandwidth:
-            return self.cache_bandwidth
-        return self.memory_bandwidth * self.achievable.get("bandwidth", 1.0)
+            return self.cache_bandwidth * scale
+        return self.memory_bandwidth * scale
+
+    def open_cpu(self) -> tuple[float, float] | None:
+        """(fixed cores, CPU seconds per call) of the mesh under Poisson arrivals, if probed."""
+        if self.mesh_open_cores or self.mesh_open_cpu_s:
+            return self.mesh_open_cores, self.mesh_open_cpu_s
+        return None
 
     def ridge(self, dtype: str = "fp32") -> float:
         """FLOP per byte where the roof turns from bandwidth-bound to compute-bound."""

@@ -5,19 +5,30 @@ runs one batch at a time; a batch of b costs the deterministic time S(b) (D) fro
 Roofline. Its dynamic batcher takes everything waiting, up to max_batch, so under load the
 batch settles where the calls that arrive during one run fill the next:
 b = lam / c x S(b) (solved by fixed point, clipped to 1..max_batch). A replica then serves
-mu = b / S(b) calls/s; the mesh saturates at c x max_batch / S(max_batch).
+mu = b / S(b) calls/s.
+
+Capacity is the saturation throughput: what a closed loop with enough callers gets, with
+every replica's queue full, so running max_batch. Alone on their devices the replicas
+saturate at c x max_batch / S(max_batch). When they share one host's cores with the mesh
+(this machine in the benchmark: client, router, Redis and the workers on 2 cores) and with
+other jobs, the mesh gets the cores the other jobs leave (the probe measures their demand),
+and every call costs host CPU: the mesh's CPU per call (probed) plus threads x S(b) / b for
+its share of a run; the host tops out at free cores / that. The mesh's serial path (one
+router, one client loop) tops out at the rate the probe measured. And while more threads want
+the free cores than there are (every replica's, plus the mesh's demand at that rate), each
+run stretches by that ratio, which lowers the replicas' rate. The capacity is the lowest.
 
 Latency of a call = the run it rides in, S(b), plus its wait: the run in progress when it
 arrived (busy with probability u, uniform over 0..S(b): its 99th percentile is
 S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue
 by the Allen-Cunneen approximation W(M/D/c) ~ W(M/M/c) x (1 + 0) / 2, whose tail is Erlang
 C's exponential, P(W > t) = C(c, a) exp(-(c mu - lam) t); the larger of the two. And the
-mesh's own latency (router, gRPC).
-
-When the replicas share one host's cores (this machine in the benchmark), every call also
-costs host CPU: the mesh's CPU per call plus the batch's compute threads x S(b) / b; the
-host saturates at cores / that. The mesh itself (one router process) tops out at the rate
-the probe measured. The capacity is the lowest of these limits.
+mesh's own trip (client, router, gRPC): its median for the p50, its probed 99th percentile
+for the p99 (the sum of two 99th percentiles: an upper bound on the sum's). On a shared host
+below saturation, a run also waits for the free cores, which every call's CPU work (the
+mesh's per call, its share of a run) reaches at random: its mean slowdown is M/M/n's
+1 + C(n, a) / (n - a), a the cores' offered load lam x (CPU per call + threads x S(b) / b),
+plus the fixed CPU a Poisson stream costs the client and mesh (probed in an open loop).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ class Prediction:
     p50_s: float
     p99_s: float
     limit: str  # what caps the capacity: the replicas, the host's cores or the mesh
+    saturation_batch: int = 0  # the batch the replicas run at capacity
 
 
 def erlang_c(c: int, a: float) -> float:
@@ -53,11 +65,29 @@ def erlang_c(c: int, a: float) -> float:
 def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> int:
     b = 1
     for _ in range(50):
-        nxt = min(max_batch, max(1, math.ceil(per_replica_rps * service(b))))
+        s = service(b)
+        nxt = (
+            max_batch
+            if not math.isfinite(s)
+            else min(max_batch, max(1, math.ceil(per_replica_rps * s)))
+        )
         if nxt == b:
             break
         b = nxt
     return b
+
+
+def _host_slowdown(demand: float, free: float) -> float:
+    """Mean slowdown of CPU work offered at `demand` cores to `free` cores (M/M/n)."""
+    n = max(1, round(free))
+    if demand >= n:
+        return math.inf
+    return 1 + erlang_c(n, demand) / (n - demand)
+
+
+def _stretch(wanting: float, free: float) -> float:
+    """How much longer a run takes while `wanting` threads share `free` cores."""
+    return max(1.0, wanting / free)
 
 
 def predict(
@@ -70,28 +100,71 @@ def predict(
     cpu_per_call_s: float = 0.0,
     threads_per_replica: int = 1,
     mesh_max_rps: float = 0.0,
+    background_cores: float = 0.0,
+    mesh_latency_p99_s: float = 0.0,
+    open_cpu: tuple[float, float] | None = None,
+    continuous: bool = False,
 ) -> Prediction:
-    """`service(b)`: seconds one replica takes for a batch of b. With `host_cores`, the
-    replicas share that many cores with the mesh's own work (`cpu_per_call_s` per call)."""
+    """`service(b)`: seconds one replica takes for a batch of b, alone on its cores.
+    `continuous`: the replica batches at every step (the LLM engine), not per run. With
+    `host_cores`, the replicas share that many cores with the mesh's own work
+    (`cpu_per_call_s` per call at saturation; `open_cpu`: (fixed cores, seconds per call)
+    under Poisson arrivals, when probed) and with other jobs (`background_cores`)."""
+    t = threads_per_replica
+    # Other jobs keep the CPU they were using; the mesh and its replicas get the rest (at
+    # least one core's worth: the scheduler never starves a runnable thread for good).
+    free = max(1.0, host_cores - background_cores) if host_cores else 0.0
     top = service(max_batch)
     limits = {"replicas": replicas * max_batch / top}
     if host_cores:
-        limits["host cores"] = host_cores / (cpu_per_call_s + threads_per_replica * top / max_batch)
+        limits["host cores"] = free / (cpu_per_call_s + t * top / max_batch)
     if mesh_max_rps:
         limits["the mesh (router)"] = mesh_max_rps
+    if host_cores:
+        # At saturation every replica is busy and the mesh wants x times its CPU per call:
+        # when that outnumbers the free cores each run stretches, which lowers x (fixed
+        # point, from the unstretched rate down).
+        x = min(limits.values())
+        for _ in range(20):
+            sigma = _stretch(replicas * t + x * cpu_per_call_s, free)
+            limits["replicas"] = replicas * max_batch / (top * sigma)
+            x = min(limits.values())
     limit = min(limits, key=lambda k: limits[k])
     capacity = limits[limit]
-    b = settle_batch(offered_rps / replicas, service, max_batch)
-    s = service(b)
-    if host_cores:
-        # Replicas whose threads outnumber the cores stretch each other's runs while busy.
-        share = replicas * threads_per_replica / host_cores
-        s *= max(1.0, 1 + (share - 1) * min(1.0, offered_rps / capacity))
+
+    def run(b: int) -> float:
+        """A run of b as it takes under the offered load. Below saturation the free cores
+        are themselves a queue: every call brings its CPU work (the mesh's per call, its
+        share of a run) at random, so a run waits for a core as a call waits for a replica;
+        its mean slowdown is M/M/n's response over service, 1 + C(n, a) / (n - a), a the
+        cores' offered load. Where b is too small for the cores to keep up, calls queue at
+        the replicas and the batch grows (settle_batch)."""
+        s = service(b)
+        if not host_cores:
+            return s
+        fixed, per_call = open_cpu or (0.0, cpu_per_call_s)
+        return s * _host_slowdown(fixed + offered_rps * (per_call + t * s / b), free)
+
+    if continuous:
+        return _continuous(
+            offered_rps,
+            replicas,
+            max_batch,
+            run,
+            capacity,
+            limit,
+            mesh_latency_s,
+            mesh_latency_p99_s,
+        )
+    b = settle_batch(offered_rps / replicas, run, max_batch)
+    s = run(b)
+    if not math.isfinite(s):
+        return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
     mu = b / s
     rho = offered_rps / (replicas * mu)
     util = max(rho, offered_rps / capacity)
     if util >= 1:
-        return Prediction(capacity, capacity, b, util, math.inf, math.inf, limit)
+        return Prediction(capacity, capacity, b, util, math.inf, math.inf, limit, max_batch)
     c_wait = erlang_c(replicas, offered_rps / mu)
     gap = replicas * mu - offered_rps
     q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
@@ -99,6 +172,48 @@ def predict(
     # A call that finds its replica busy (probability util) waits out the run in progress,
     # uniform over 0..s, and rides the next batch; beyond that only the M/D/c queue tail.
     residual99 = s * max(0.0, 1 - 0.01 / util) if util > 0 else 0.0
-    p99 = mesh_latency_s + s + max(residual99, q99)
+    p99 = (mesh_latency_p99_s or mesh_latency_s) + s + max(residual99, q99)
     p50 = mesh_latency_s + s + s * util / 2 + q50
-    return Prediction(capacity, offered_rps, b, util, p50, p99, limit)
+    return Prediction(capacity, offered_rps, b, util, p50, p99, limit, max_batch)
+
+
+def _continuous(
+    offered_rps: float,
+    replicas: int,
+    max_batch: int,
+    run: Callable[[int], float],
+    capacity: float,
+    limit: str,
+    mesh_latency_s: float,
+    mesh_latency_p99_s: float,
+) -> Prediction:
+    """Iteration-level batching (worker/llm/engine.py): a call joins the running sequences at
+    the next step instead of waiting for a batch to end, so a replica is max_batch slots and
+    a generation holds one for T(k), the time of a generation among k running ones (run(k):
+    k prefills and the shared decode steps). k settles where Little's law puts it,
+    k = lam / c x T(k) (interpolated between whole batches); a call waits only when every
+    slot is taken: M/D/m over m = c x max_batch slots (Allen-Cunneen on Erlang C)."""
+
+    def latency(k: float) -> float:
+        lo = max(1, min(max_batch, math.floor(k)))
+        hi = min(max_batch, lo + 1)
+        return run(lo) + (run(hi) - run(lo)) * (min(k, max_batch) - lo)
+
+    k = 1.0
+    for _ in range(50):
+        k = min(float(max_batch), max(1.0, offered_rps / replicas * latency(k)))
+    t = latency(k)
+    slots = replicas * max_batch
+    util = offered_rps / capacity
+    if not math.isfinite(t) or util >= 1 or offered_rps * t >= slots:
+        return Prediction(
+            capacity, capacity, k, max(util, 1.0), math.inf, math.inf, limit, max_batch
+        )
+    c_wait = erlang_c(slots, offered_rps * t)
+    gap = slots / t - offered_rps
+    q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
+    q50 = 0.5 * math.log(c_wait / 0.5) / gap if c_wait > 0.5 else 0.0
+    p99 = (mesh_latency_p99_s or mesh_latency_s) + t + q99
+    return Prediction(
+        capacity, offered_rps, k, util, mesh_latency_s + t + q50, p99, limit, max_batch
+    )

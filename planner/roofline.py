@@ -122,6 +122,23 @@ def run_time(
     return compute_s, memory_s, allreduce_s, profile.call_overhead_s
 
 
+def run_seconds(
+    m: ModelAnalysis,
+    profile: Profile,
+    batch: int,
+    context: int = 0,
+    tp: int = 1,
+    threads: int | None = None,
+    tokens: int | None = None,
+) -> float:
+    """The predicted time of one run: the Roofline's max(compute, memory) (the bytes stream
+    while the arithmetic runs), then the all-reduces and the fixed cost per run, in series."""
+    compute_s, memory_s, allreduce_s, overhead_s = run_time(
+        m, profile, batch, context, tp, threads, tokens
+    )
+    return max(compute_s, memory_s) + allreduce_s + overhead_s
+
+
 def _batch_to_ridge(m: ModelAnalysis, ridge: float, context: int) -> int | None:
     b = 1
     while b <= 4096:

@@ -120,3 +120,38 @@ def test_queueing_batches_saturates_and_replicas_cut_the_tail() -> None:
     shared = predict(100, 3, 1, service, host_cores=2, cpu_per_call_s=0.001)
     assert shared.capacity_rps == pytest.approx(2 / (0.001 + 0.005))
     assert shared.limit == "host cores"
+
+
+def test_shared_host_background_and_free_cores() -> None:
+    def service(b: int) -> float:  # 1 ms fixed + 2 ms per item
+        return 0.001 + 0.002 * b
+
+    alone = predict(50, 1, 8, service, host_cores=2, cpu_per_call_s=0.001)
+    busy = predict(50, 1, 8, service, host_cores=2, cpu_per_call_s=0.001, background_cores=1)
+    # Other jobs keep a core: the host limit halves, and the runs wait longer for the rest.
+    assert busy.capacity_rps < alone.capacity_rps
+    assert busy.p99_s > alone.p99_s
+    # Saturation runs full batches; a replica alone on free cores is not stretched.
+    assert alone.saturation_batch == 8
+    assert alone.capacity_rps == pytest.approx(min(8 / 0.017, 2 / (0.001 + 0.017 / 8)))
+    # Three single-threaded replicas on two cores stretch each other's runs at saturation.
+    three = predict(50, 3, 8, service, host_cores=2, cpu_per_call_s=0.0)
+    assert three.capacity_rps == pytest.approx(2 * 8 / 0.017)
+    # A p99 mesh trip, when probed, is what the p99 adds (the median stays with p50).
+    tail = predict(50, 1, 8, service, 0.002, mesh_latency_p99_s=0.010)
+    assert tail.p99_s - predict(50, 1, 8, service, 0.002).p99_s == pytest.approx(0.008)
+
+
+def test_continuous_batching_joins_running_sequences() -> None:
+    def generation(b: int) -> float:  # b prefills of 0.1 s + 31 shared steps of 10 + 5 b ms
+        return 0.1 * b + 31 * (0.010 + 0.005 * b)
+
+    per_run = predict(2.0, 1, 4, generation)
+    per_step = predict(2.0, 1, 4, generation, continuous=True)
+    # Same capacity (full slots), but a call no longer waits for a whole batch to end.
+    assert per_step.capacity_rps == pytest.approx(per_run.capacity_rps)
+    assert per_step.p99_s < per_run.p99_s
+    # Little's law: the running sequences settle at lam x T(k).
+    k = per_step.batch
+    t = generation(1) + (generation(2) - generation(1)) * (k - 1)
+    assert k > 1 and k == pytest.approx(2.0 * t, rel=1e-3)

@@ -1,0 +1,50 @@
+"""The calibration run: a model's own session timed alone, and the Roofline fitted to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner import profiles
+from planner.analysis import analyse_file
+from planner.calibrate import Calibration, calibrate, fit
+from planner.roofline import run_seconds
+
+
+def test_fit_recovers_overhead_and_efficiency() -> None:
+    roof = {1: 0.001, 8: 0.008}
+    measured = {b: 0.0005 + t / 0.5 for b, t in roof.items()}  # 0.5 ms fixed, half the roof
+    overhead, efficiency = fit(roof, measured)
+    assert overhead == pytest.approx(0.0005)
+    assert efficiency == pytest.approx(0.5)
+    # Runs that grow faster than the roof: a negative fixed cost, still through both points.
+    overhead, efficiency = fit({1: 0.007, 4: 0.0076}, {1: 0.0165, 4: 0.028})
+    assert overhead < 0
+    assert overhead + 0.007 / efficiency == pytest.approx(0.0165)
+    assert overhead + 0.0076 / efficiency == pytest.approx(0.028)
+    # One batch, or a slope the noise made negative: no fixed cost, the ratio at the top.
+    assert fit({1: 0.001}, {1: 0.004}) == (0.0, pytest.approx(0.25))
+    assert fit(roof, {1: 0.009, 8: 0.008}) == (0.0, pytest.approx(1.0))
+
+
+def test_calibrated_profile_reproduces_the_timed_runs(wide_paths: tuple[Path, Path]) -> None:
+    path = wide_paths[0]
+    m = analyse_file(path, "wide", "1")
+    local = profiles.load("H200")  # any roof: the fit absorbs it
+    cal = calibrate(path, m, local, 8, threads=1, tokens=1, budget_s=0.2)
+    assert set(cal.runs_s) == {1, 8} and cal.prefill_s == 0.0
+    fitted = cal.profile(local)
+    # Both timed points when the fit found a line, else the largest batch's.
+    rising = cal.runs_s[8] > cal.runs_s[1]
+    exact = cal.runs_s if rising else {8: cal.runs_s[8]}
+    for b, measured in exact.items():
+        assert run_seconds(m, fitted, b, 0, 1, 1, 1) == pytest.approx(measured, rel=1e-6)
+    assert Calibration.from_dict(cal.as_dict()).efficiency == pytest.approx(cal.efficiency, 1e-2)
+
+
+def test_decoder_calibration_times_prefill_and_steps(tiny_llm_path: Path) -> None:
+    m = analyse_file(tiny_llm_path, "tiny", "1")
+    cal = calibrate(tiny_llm_path, m, profiles.load("H200"), 2, prompt=8, context=12, budget_s=0.2)
+    assert set(cal.runs_s) == {1, 2}
+    assert cal.prefill_s > 0 and all(s > 0 for s in cal.runs_s.values())
