@@ -726,23 +726,45 @@ def _rss(rss: dict) -> str:
 
 
 def tenants_section(r: dict) -> str:
+    labels = ("off", "auth", "tls", "on")
     rows = [
         [
             label,
             round(r["throughput_rps_c32"][label]),
+            r["throughput_ratio"][label],
             round(r["p50_ms_c1"][label], 3),
-            sum(sum(e.values()) for e in r["errors"][label]),
+            r["added_p50_ms"][label],
+            r["cpu_ms_per_call_c32_total"][label],
+            round(r["scripts_per_call_c32"][label], 3),
+            len(r["errors"][label]),
         ]
-        for label in ("off", "on")
+        for label in labels
     ]
+    parts = ", ".join(f"{k} {v}" for k, v in r["components_us"].items())
     return "\n\n".join(
         [
             "## Tenants, keys and TLS: what trust costs",
-            "`python -m benchmarks.tenants` — the router with API keys, one rate-limit "
-            "decision per call (Lua in Redis), spend charged, TLS to the router and mutual "
-            "TLS to the worker (on), against all of it off; tiny MLP, medians of "
-            f"{r['rounds']} alternated rounds of {r['seconds']} s. {r.get('note', '')}.",
-            table(["trust", "throughput c=32 (req/s)", "p50 c=1 (ms)", "errors"], rows),
+            "`python -m benchmarks.tenants` — four meshes side by side on the tiny MLP: "
+            "nothing (off), API keys + rate limits from per-router leases (auth), TLS to the "
+            "router + mutual TLS to the worker (tls), all of it (on). p50 from "
+            f"{r['calls']} rounds of one call to each (order rotated); throughput at 32 callers "
+            f"from {r['slices_per_mesh']} rotated slices of {r['seconds_per_slice']} s "
+            f"(ratio: median per slice). {r['note']}; load average "
+            f"{r['load_average_before'][0]:.2f} before, {r['load_average_after'][0]:.2f} after.",
+            table(
+                [
+                    "trust",
+                    "req/s c=32",
+                    "ratio to off",
+                    "p50 c=1 (ms)",
+                    "added p50 (ms)",
+                    "CPU ms/call",
+                    "Redis scripts/call",
+                    "errors",
+                ],
+                rows,
+            ),
+            f"The auth path's parts, timed in process (us): {parts}.",
             "\n".join(f"- {line}" for line in r["reading"]),
         ]
     )

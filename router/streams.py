@@ -28,10 +28,10 @@ Billing: a response that carries token counts is billed before it is forwarded: 
 until that record is in Redis (group commit: every response ready at once shares one wait),
 as a unary reply does. A response whose write then fails (the client went away before gRPC
 took it for the transport) is refunded; one gRPC took is billed, even if the client's
-cancel interrupted the write's caller (see `_send`). A final response is billed with its call's success. So a stream cut mid-way is
-billed exactly the tokens of the pieces its client was sent, and counted as an error; a
-router killed mid-stream has billed at most the pieces it was forwarding at that instant
-beyond what the client received.
+cancel interrupted the write's caller (see `_send`). A final response is billed with its
+call's success. So a stream cut mid-way is billed exactly the tokens of the pieces its
+client was sent, and counted as an error; a router killed mid-stream has billed at most the
+pieces it was forwarding at that instant beyond what the client received.
 """
 
 from __future__ import annotations
