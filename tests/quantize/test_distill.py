@@ -82,6 +82,14 @@ def test_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path
     assert other.resumed_from == 0  # other text: a fresh start, not someone else's student
 
 
+def test_training_rows_are_the_sentences_own_tokens_never_padding() -> None:
+    tokenizer = tiny_minilm().tokenizer
+    tokenizer.enable_padding(length=32)  # as MiniLM's tokenizer.json pads to 128
+    rows = distill.tokenize(tokenizer, ["A man is eating food.", "I love pasta."], 64)
+    assert [len(r) for r in rows] == [6, 4] and 0 not in rows[0] + rows[1]
+    assert tokenizer.padding is not None  # the caller's tokenizer is left as it was
+
+
 def test_training_text_holds_out_the_evaluation_sets() -> None:
     sentence = evaluate.load_set("encoder")["sentences"][0]
     prompt = evaluate.load_set("decoder")["prompts"][0]
