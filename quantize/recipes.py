@@ -234,8 +234,8 @@ RECIPES = {
         ),
     )
 }
-# The default students: MiniLM 6 -> 3 layers, SmolLM2 30 -> 15 (see quantize/distill.py).
-for _kind, _layers in ((ENCODER, 3), (DECODER, 15)):
+# The default students: MiniLM 6 -> 4 layers, SmolLM2 30 -> 15 (see quantize/distill.py).
+for _kind, _layers in ((ENCODER, 4), (DECODER, 15)):
     for _int8 in (False, True):
         _r = distill_recipe(_kind, _layers, _int8)
         RECIPES[_r.name] = _r
