@@ -679,10 +679,13 @@ def distill_section(r: dict) -> str:
     ]
     for model, m in r["models"].items():
         s = m["student"]
+        resumed = s.get("resumed_from_step", 0)
+        timed = f"resumed at step {resumed}, then " if resumed else ""
         parts.append(
             f"### {model}: {s['plan']['layers']}-layer student (layers {s['kept_layers']} of "
             f"the teacher), {s['plan']['steps']} steps of {s['plan']['batch']} on "
-            f"{s['texts']} sentences, {s['train_seconds']} s on {s['torch_threads']} threads; "
+            f"{s['texts']} sentences, {timed}{s['train_seconds']} s on "
+            f"{s['torch_threads']} threads; "
             f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}. Latency: "
             f"{m['latency_measures']}."
         )

@@ -129,8 +129,8 @@ DISTILLED_ENCODER_GATE = (
 # teacher is confident (facts in the set: "Paris") and drift elsewhere; its greedy text
 # then leaves the teacher's after a few tokens, so greedy match is reported, not gated.
 # The bar asks that it still speaks the teacher's distribution: top-1 agreement on the
-# teacher's own continuations >= 0.5 and KL <= 1.5 nats. These two values are a stated
-# first bar, not yet measured on a trained SmolLM2 student (see distill.DEFAULTS).
+# teacher's own continuations >= 0.5 and KL <= 1.5 nats. Measured once: the default
+# 15-layer student after 100 steps has top-1 0.19 and KL 3.69, refused (see README).
 DISTILLED_DECODER_GATE = (
     Threshold("top1_agreement", ">=", 0.5),
     Threshold("kl_divergence", "<=", 1.5),
@@ -234,8 +234,8 @@ RECIPES = {
         ),
     )
 }
-# The default students: MiniLM 6 -> 3 layers, SmolLM2 30 -> 15 (see quantize/distill.py).
-for _kind, _layers in ((ENCODER, 3), (DECODER, 15)):
+# The default students: MiniLM 6 -> 4 layers, SmolLM2 30 -> 15 (see quantize/distill.py).
+for _kind, _layers in ((ENCODER, 4), (DECODER, 15)):
     for _int8 in (False, True):
         _r = distill_recipe(_kind, _layers, _int8)
         RECIPES[_r.name] = _r

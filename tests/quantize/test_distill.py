@@ -82,6 +82,14 @@ def test_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path
     assert other.resumed_from == 0  # other text: a fresh start, not someone else's student
 
 
+def test_training_rows_are_the_sentences_own_tokens_never_padding() -> None:
+    tokenizer = tiny_minilm().tokenizer
+    tokenizer.enable_padding(length=32)  # as MiniLM's tokenizer.json pads to 128
+    rows = distill.tokenize(tokenizer, ["A man is eating food.", "I love pasta."], 64)
+    assert [len(r) for r in rows] == [6, 4] and 0 not in rows[0] + rows[1]
+    assert tokenizer.padding is not None  # the caller's tokenizer is left as it was
+
+
 def test_training_text_holds_out_the_evaluation_sets() -> None:
     sentence = evaluate.load_set("encoder")["sentences"][0]
     prompt = evaluate.load_set("decoder")["prompts"][0]
@@ -101,7 +109,10 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(distill, "PER_TOPIC", 1)  # the tiny decoder writes 48 "sentences"
+    monkeypatch.setattr(distill, "PER_TOPIC", 1)
+    monkeypatch.setattr(distill, "TOPICS", distill.TOPICS[:8])  # 48 prompts, a few seconds
+    # hotter sampling: at 1.0 the random tiny decoder writes nothing but "." tokens
+    monkeypatch.setattr(distill, "SAMPLE_TEMPERATURE", 20.0)
     out = tmp_path / "repo"
     build = ("build-repository", "--output", str(out), "--model", "minilm", "--recipe")
     assert run(tmp_path, *build, "encoder-copy") == 0
