@@ -7,6 +7,9 @@ runs without it (the `worker` extra does not install it).
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 import structlog
@@ -37,8 +40,18 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 
+FAILED_EXIT_S = 5.0  # after a group failure the process is gone within this, whatever waits
+
+
 class GroupFailed(Exception):
     """A rank died or a collective timed out; the worker exits so the group restarts."""
+
+
+def _exit_failed() -> None:
+    """The last resort of a failed group: something still waited on it (a thread in a
+    collective with the dead rank, a call being cut) past FAILED_EXIT_S."""
+    print("meshserve worker: tensor-parallel group failed; exiting", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -131,6 +144,9 @@ async def serve(settings: WorkerSettings) -> None:
     await stop.wait()
     if failure:
         log.error("worker_group_failed", reason=failure[0])
+        deadline = threading.Timer(FAILED_EXIT_S, _exit_failed)
+        deadline.daemon = True
+        deadline.start()
         servicer.ready = False
         await health.enter_graceful_shutdown()  # NOT_SERVING
         if registration is not None:
