@@ -25,7 +25,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from benchmarks.common import (
     infer_request,
     machine,
     process_tree,
+    spawn,
     wait_ready,
     write_result,
 )
@@ -155,11 +155,7 @@ def run(tmp: Path, seconds: float) -> dict[str, list[dict]]:
         with nginx(tmp, workers) as (address, pid):
             measure("nginx", address, process_tree(pid))
         port = free_port()
-        floor = subprocess.Popen(
-            [sys.executable, "benchmarks/bare_proxy.py", ",".join(workers), str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        floor = spawn(["benchmarks/bare_proxy.py", ",".join(workers), str(port)], tmp / "floor.log")
         try:
             wait_ready(f"127.0.0.1:{port}")
             measure("python-floor", f"127.0.0.1:{port}", [floor.pid])

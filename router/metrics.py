@@ -6,6 +6,8 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.streaming import TOKEN_BUCKETS
+
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 REQUESTS = Counter(
@@ -77,7 +79,6 @@ def forget_replica(worker: str) -> None:
 
 
 # Token streams (ModelStreamInfer of an LLM), labelled by served model only.
-TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TTFT = Histogram(
     "meshserve_router_time_to_first_token_seconds",
     "From a streamed request's arrival at the router to its first piece of text from the worker",

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.streaming import TOKEN_BUCKETS
+
 if TYPE_CHECKING:
     from worker.repository import LoadedModel, Repository
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
 # series only (no process_/python_ collectors from imported libraries' defaults).
 REGISTRY = CollectorRegistry()
 
-TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TTFT = Histogram(
     "meshserve_worker_time_to_first_token_seconds",
     "From a request's admission to the engine to its first generated token",
