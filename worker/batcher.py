@@ -142,32 +142,31 @@ class Batcher:
         self._leading = True
         deadline = pending.enqueued_ns + self._delay_ns
         try:
-            try:
-                seen = 0
-                while (
-                    len(self._queue) > seen
-                    and len(self._queue) < self.spec.max_batch_size
-                    and (not seen or time.perf_counter_ns() < deadline)
-                ):
-                    seen = len(self._queue)
-                    await asyncio.sleep(0)
-            except asyncio.CancelledError:
-                pending.future.cancel()  # skipped by whoever runs the queue
-                raise
+            seen = 0
+            while (
+                len(self._queue) > seen
+                and len(self._queue) < self.spec.max_batch_size
+                and (not seen or time.perf_counter_ns() < deadline)
+            ):
+                seen = len(self._queue)
+                await asyncio.sleep(0)  # the only point where this can be cancelled
             if self._queue and self._queue[0] is pending and not (self._gathering or self._running):
                 batch = await self._gather()  # no wait inside: nothing is running
                 self._gathering -= len(batch)
                 await self._execute(batch)
+        except asyncio.CancelledError:
+            pending.future.cancel()  # skipped by whoever runs the queue
+            raise
         finally:
             self._leading = False
             if self._queue:  # another shape, or a request that came after the batch formed
                 self._arrived.set()
 
     def _idle(self) -> bool:
-        """Nothing queued, gathering, running or led, and no rule to wait when idle."""
+        """Nothing queued (a leader's request is queued until it runs), gathering or
+        running, and no rule to wait when idle."""
         waits = self._merge and self._delay_when_idle
-        busy = self._queue or self._gathering or self._running or self._leading
-        return not (busy or waits)
+        return not (self._queue or self._gathering or self._running or waits)
 
     def _inline(self, batch: list[_Pending]) -> bool:
         """Whether the batch runs on the event loop (see the module docstring): recent runs
