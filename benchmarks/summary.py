@@ -592,17 +592,21 @@ def planner_section(r: dict) -> str:
     rows = []
     for c in r["configurations"]:
         m, roof, cal = c["measured"], c["roofline"], c["calibrated"]
+        served = c.get("served", cal)
         rows.append(
             [
                 c["config"],
                 c["diagnosis"]["bound"],
                 round(m["throughput_rps"], 2),
                 f"{roof['capacity_rps']:.1f} ({pct(roof['throughput_error'])})",
-                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])}, {cal['limit']})",
+                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])})",
+                f"{served['capacity_rps']:.1f} ({pct(served['throughput_error'])}, "
+                f"{served['limit']})",
                 round(m["offered_rps"], 2),
                 round(m["p99_ms"], 1),
                 f"{ms(roof['p99_ms'])} ({pct(roof['p99_error'])})",
                 f"{ms(cal['p99_ms'])} ({pct(cal['p99_error'])})",
+                f"{ms(served['p99_ms'])} ({pct(served['p99_error'])})",
                 f"{m['closed']['mean_batch']:.1f} / {m['open']['mean_batch']:.1f}",
                 m.get("background_cores", 0.0),
             ]
@@ -622,6 +626,9 @@ def planner_section(r: dict) -> str:
         + (f", prefill {v['prefill_ms']} ms" if v["prefill_ms"] else "")
         for k, v in r["calibrations"].items()
     )
+    servings = "; ".join(
+        f"{k}: {v['cycles_ms']} ms per batch by batch" for k, v in r.get("servings", {}).items()
+    )
     p = r["profile"]
     misses = [
         f"- **{c['config']}**: " + "; ".join(c["explanation"])
@@ -635,11 +642,14 @@ def planner_section(r: dict) -> str:
             f"mesh {p['mesh_latency_s'] * 1e3:.1f} ms (p99 {p['mesh_latency_p99_s'] * 1e3:.1f} "
             f"ms at a quarter of its top rate) and {p['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call, "
             f"at most {p['mesh_max_rps']:.0f} calls/s. Throughput: the saturation throughput of "
-            "a closed loop with 2 x replicas x max batch callers (8 to 48); p99: an open loop at "
+            "a closed loop with 4 x replicas x max batch callers (8 to 64); p99: an open loop at "
             "half the measured throughput (offered /s). *Roofline*: predicted from the probe "
             "and the graph alone; *calibrated*: the Roofline fitted to each model's own "
             "session timed alone, outside the mesh (CPU time, one thread, batch 1 and the "
-            f"largest): {calibrations}. Batch: what the workers formed in the closed / open "
+            f"largest): {calibrations}; *served*: fitted to each encoder served by one worker "
+            f"alone, no router (planner/serving.py; seconds per batch and host CPU per call at "
+            f"saturation, batch limits 1 and the largest): {servings}; the LLM rows' *served* is "
+            "the calibrated prediction. Batch: what the workers formed in the closed / open "
             "loop. Background: other jobs' CPU demand (cores) measured just before each row."
             + (f" The {r['reanalysed']}." if r.get("reanalysed") else ""),
             table(
@@ -649,10 +659,12 @@ def planner_section(r: dict) -> str:
                     "req/s",
                     "roofline",
                     "calibrated",
+                    "served",
                     "offered /s",
                     "p99 ms",
                     "roofline",
                     "calibrated",
+                    "served",
                     "batch",
                     "background",
                 ],
@@ -661,8 +673,9 @@ def planner_section(r: dict) -> str:
             verdict(s["roofline"], "Roofline only")
             + "; "
             + verdict(s["calibrated"], "calibrated")
+            + (("; " + verdict(s["served"], "served")) if "served" in s else "")
             + ".",
-            "Misses of the calibrated prediction and why:\n\n" + "\n".join(misses)
+            "Misses of the best prediction and why:\n\n" + "\n".join(misses)
             if misses
             else "No misses.",
             "![roofline](results/planner_roofline.png)",

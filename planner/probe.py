@@ -13,8 +13,10 @@
   negligible: latency at one caller (mesh_latency_s), its 99th percentile under a Poisson
   stream at a quarter of the mesh's top rate (mesh_latency_p99_s: the tail a call's trip
   through client, router and worker adds), host CPU seconds per call at saturation
-  (mesh_cpu_s), and in an open loop at an eighth and a quarter of that rate: a fixed part
-  (mesh_open_cores) and a part per call (mesh_open_cpu_s).
+  (mesh_cpu_s; the router's and Redis' part of it: mesh_router_cpu_s, what a hop through
+  the router adds to a call served by a worker alone), and in an open loop at an eighth and
+  a quarter of that rate: a fixed part (mesh_open_cores) and a part per call
+  (mesh_open_cpu_s).
 - Other jobs on a shared host: their mean CPU demand, from /proc/stat over a window in which
   the probe itself sleeps (background_cores). What the mesh can use is the rest.
 """
@@ -200,10 +202,11 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
         mesh.wait_registered(1)
         router = mesh.start_router()
         pids = [p.popen.pid for p in [*mesh.workers.values(), mesh.router] if p and p.popen]
+        hop = [p.popen.pid for p in (mesh.router, mesh.redis_server) if p and p.popen]
         one = asyncio.run(closed_loop(Load(router, [body], seconds, 1.0, 10.0), 1))
-        before = cpu_seconds(pids)
+        before, hop_before = cpu_seconds(pids), cpu_seconds(hop, client=False)
         many = asyncio.run(closed_loop(Load(router, [body], seconds, 0.0, 10.0), 16))
-        cpu = cpu_seconds(pids) - before
+        cpu, hop_cpu = cpu_seconds(pids) - before, cpu_seconds(hop, client=False) - hop_before
         # The open loop (Poisson arrivals: what a p99 is measured under) at two rates: its
         # CPU is a fixed part (the client's schedule, every process woken per call rather
         # than per burst) plus a part per call; the faster run's p99 is the trip's tail.
@@ -220,6 +223,7 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
         "mesh_latency_s": one["p50_ms"] / 1e3,
         "mesh_latency_p99_s": tail["p99_ms"] / 1e3,
         "mesh_cpu_s": cpu / max(many["requests"], 1.0),
+        "mesh_router_cpu_s": hop_cpu / max(many["requests"], 1.0),
         "mesh_max_rps": many["throughput_rps"],
         "mesh_open_cpu_s": per_call,
         "mesh_open_cores": max(0.0, fast_cores - per_call * fast),
@@ -242,10 +246,11 @@ def background_cores(seconds: float = 1.0) -> float:
     return cores * (busy1 - busy0) / max(total1 - total0, 1)
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by `pids` and by this process (the client)."""
+def cpu_seconds(pids: list[int], client: bool = True) -> float:
+    """CPU seconds (user + system) used so far by `pids` and, with `client`, by this process
+    (the load tool's client runs in it)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = sum(os.times()[:2])
+    total = sum(os.times()[:2]) if client else 0.0
     for pid in pids:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / tick

@@ -46,6 +46,7 @@ class Profile:
     mesh_latency_s: float = 0.0  # client -> router -> worker -> back, beside the run
     mesh_latency_p99_s: float = 0.0  # that trip's 99th percentile under load (0: not probed)
     mesh_cpu_s: float = 0.0  # host CPU seconds per call for gRPC, codec, router, client
+    mesh_router_cpu_s: float = 0.0  # the router's and Redis' part of mesh_cpu_s
     mesh_max_rps: float = 0.0  # the most tiny calls/s the mesh answers (0: not measured)
     # Under Poisson arrivals (an open loop), the mesh and its client's CPU: a fixed part
     # plus a part per call (0, 0: not probed; mesh_cpu_s then serves for both).

@@ -10,6 +10,7 @@ from planner import profiles
 from planner.analysis import analyse_file
 from planner.calibrate import Calibration, calibrate, fit
 from planner.roofline import run_seconds
+from planner.serving import ServingCalibration, calibrate_serving
 
 
 def test_fit_recovers_overhead_and_efficiency() -> None:
@@ -48,3 +49,24 @@ def test_decoder_calibration_times_prefill_and_steps(tiny_llm_path: Path) -> Non
     cal = calibrate(tiny_llm_path, m, profiles.load("H200"), 2, prompt=8, context=12, budget_s=0.2)
     assert set(cal.runs_s) == {1, 2}
     assert cal.prefill_s > 0 and all(s > 0 for s in cal.runs_s.values())
+
+
+def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Path]) -> None:
+    """A worker process serving the model alone, at batch limits 1 and 4: the batches it
+    formed, its seconds per batch and the host CPU per call, read back as the planner uses
+    them."""
+    cal = calibrate_serving(wide_paths[0], "wide", 4, tokens=1, seconds=1.0)
+    one, four = cal.served
+    assert (one.max_batch, four.max_batch) == (1, 4)
+    assert one.batch == 1.0 and 1.0 < four.batch <= 4.0  # 8 callers keep 4 queued
+    for s in cal.served:
+        assert s.rps > 0 and 0 < s.run_s < s.batch / s.rps  # a run is part of its cycle
+        assert s.cpu_per_call_s > 0
+    cycles = cal.cycles_s()
+    assert set(cycles) == {1, round(four.batch)}
+    # f + g / b passes through both points
+    assert cal.cpu_per_call_s(1) == pytest.approx(one.cpu_per_call_s)
+    assert cal.cpu_per_call_s(four.batch) == pytest.approx(four.cpu_per_call_s)
+    assert ServingCalibration.from_dict(cal.as_dict()).served[1].batch == pytest.approx(
+        four.batch, abs=1e-5
+    )

@@ -1,0 +1,185 @@
+"""A calibration in a serving worker: the model served by one worker alone (no router, no
+Redis), the load tool's client on this host, as the mesh will run it.
+
+A bare onnxruntime session (planner/calibrate.py) times the arithmetic. A serving worker
+adds what the arithmetic does not show, and on a small shared host it is most of the cost:
+gRPC and the codec on the worker's event loop, the batcher, the run's thread waiting for the
+interpreter lock after onnxruntime returns, the client's own CPU. Here, for each batch limit
+L, a closed loop with enough callers to keep L calls queued (2 L, at least 4) saturates the
+worker, and four figures come back from its own statistics and /proc: the batch it formed,
+the wall time of its runs, calls/s and the host CPU seconds per call (the client's and the
+worker's).
+
+The queueing model's S(b) is then the seconds per batch at saturation, b / (calls/s): the
+run and the worker's own work between runs (answering the last batch, forming the next on
+its event loop), for which the replica is as good as busy. A worker alone answered MiniLM
+int8 at 846 calls/s in batches of 7.9 with runs of 7.0 ms: 9.3 ms per batch, 2.3 ms of it
+between runs. Host CPU per call falls with the batch as f + g / b (the run's share spread
+over the batch), through both points. The mesh adds the router's and Redis' CPU per call
+(probed: planner/probe.py). Nothing here sees the mesh's configurations or their
+measurements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+from onnx import helper
+
+from common.net import free_port
+from deploy import processes
+from loadtest.runner import Load, closed_loop
+from planner.probe import cpu_seconds
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+
+WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
+
+
+@dataclass(frozen=True)
+class Served:
+    """One batch limit's saturated run on a worker alone."""
+
+    max_batch: int
+    batch: float  # the mean batch the worker formed
+    run_s: float  # mean wall time of a run
+    rps: float
+    cpu_per_call_s: float  # client + worker
+
+
+@dataclass(frozen=True)
+class ServingCalibration:
+    served: list[Served]
+
+    def cycles_s(self) -> dict[int, float]:
+        """Seconds per batch at saturation, b / (calls/s), by (rounded) batch: the run and
+        the worker's own work between runs, the replica's service time S(b) as the queueing
+        model counts it; the points the Roofline fit passes through."""
+        return {max(1, round(s.batch)): s.batch / s.rps for s in self.served}
+
+    def cpu_per_call_s(self, batch: float) -> float:
+        """Host CPU per call (client + worker) at `batch`: f + g / b through both points."""
+        lo, hi = self.served[0], self.served[-1]
+        if hi.batch <= lo.batch:
+            return lo.cpu_per_call_s
+        g = (lo.cpu_per_call_s - hi.cpu_per_call_s) / (1 / lo.batch - 1 / hi.batch)
+        return max(0.0, hi.cpu_per_call_s - g / hi.batch + g / max(batch, 1.0))
+
+    def as_dict(self) -> dict:
+        return {
+            "served": [
+                {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(s).items()}
+                for s in self.served
+            ],
+            "cycles_ms": {str(b): round(v * 1e3, 3) for b, v in self.cycles_s().items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServingCalibration:
+        return cls([Served(**s) for s in d["served"]])
+
+
+def encoder_feeds(path: Path, batch: int, tokens: int) -> dict[str, np.ndarray]:
+    """Inputs of `batch` items: `tokens` for every dimension the graph leaves open past the
+    batch, token ids (a mask of ones, token types of zeros) for integer inputs, random
+    values for float ones."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for graph_input in onnx.load(str(path), load_external_data=False).graph.input:
+        t = graph_input.type.tensor_type
+        shape = [batch] + [d.dim_value or tokens for d in t.shape.dim[1:]]
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        name = graph_input.name
+        if np.issubdtype(dtype, np.floating):
+            value = rng.standard_normal(shape)
+        elif "mask" in name:
+            value = np.ones(shape)
+        elif "type" in name:
+            value = np.zeros(shape)
+        else:
+            value = rng.integers(1000, 2000, shape).astype(np.float64)
+        feeds[name] = value.astype(dtype)
+    return feeds
+
+
+def encoder_request(path: Path, model: str, tokens: int) -> pb.ModelInferRequest:
+    """One item, as a client sends it."""
+    request = pb.ModelInferRequest(model_name=model)
+    for name, value in encoder_feeds(path, 1, tokens).items():
+        datatype = "INT64" if value.dtype == np.int64 else "FP32"
+        request.inputs.add(name=name, datatype=datatype, shape=list(value.shape))
+        request.raw_input_contents.append(np.ascontiguousarray(value).tobytes())
+    return request
+
+
+def worker_runs(address: str, model: str) -> tuple[int, int, int]:
+    """(runs, rows, compute ns) so far, from the worker's ModelStatistics."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+    runs = rows = ns = 0
+    for s in reply.model_stats:
+        for b in s.batch_stats:
+            runs += b.compute_infer.count
+            rows += b.batch_size * b.compute_infer.count
+            ns += b.compute_infer.ns
+    return runs, rows, ns
+
+
+def serve_once(
+    path: Path, model: str, max_batch: int, tokens: int, seconds: float, workdir: Path
+) -> Served:
+    folder = workdir / f"b{max_batch}" / model
+    (folder / "1").mkdir(parents=True)
+    try:  # a hard link when on the same disk: no second copy
+        (folder / "1" / "model.onnx").hardlink_to(path)
+    except OSError:
+        (folder / "1" / "model.onnx").write_bytes(path.read_bytes())
+    (folder / "config.pbtxt").write_text(
+        f'name: "{model}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch}\n'
+        "dynamic_batching { }\n"
+    )
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    worker = processes.worker_process(folder.parent, port, workdir, None, *WORKER_ARGS).start()
+    try:
+        processes.wait_serving(address, worker)
+        body = encoder_request(path, model, tokens).SerializeToString()
+        callers = max(4, 2 * max_batch)
+        pids = [worker.popen.pid] if worker.popen else []
+        # the warm-up second runs too: statistics and CPU are read around the measured window
+        warm = Load(address, [body], 1.0, 0.0, 30.0)
+        asyncio.run(closed_loop(warm, callers))
+        runs0, rows0, ns0 = worker_runs(address, model)
+        cpu0 = cpu_seconds(pids)
+        result = asyncio.run(closed_loop(Load(address, [body], seconds, 0.0, 30.0), callers))
+        cpu1 = cpu_seconds(pids)
+        runs1, rows1, ns1 = worker_runs(address, model)
+    finally:
+        worker.stop(30)
+    runs, rows = runs1 - runs0, rows1 - rows0
+    if not runs or not rows:
+        raise RuntimeError(f"{model} at max batch {max_batch}: no run in {seconds} s: {result}")
+    return Served(
+        max_batch=max_batch,
+        batch=rows / runs,
+        run_s=(ns1 - ns0) / runs / 1e9,
+        rps=result["throughput_rps"],
+        cpu_per_call_s=(cpu1 - cpu0) / rows,
+    )
+
+
+def calibrate_serving(
+    path: Path, model: str, max_batch: int, tokens: int = 16, seconds: float = 3.0
+) -> ServingCalibration:
+    """The model served alone at batch limits 1 and `max_batch`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return ServingCalibration(
+            [serve_once(path, model, b, tokens, seconds, Path(tmp)) for b in sorted({1, max_batch})]
+        )
