@@ -84,7 +84,7 @@ class Plan:
     queueing: str = (
         "M/D/c with batching: Poisson arrivals, c replicas, deterministic batch time S(b) "
         "from the Roofline; b settles at lam/c x S(b); p99 = S(b) + the larger of the run in "
-        "progress and M/D/c's queue tail (Allen-Cunneen on Erlang C)"
+        "progress and M/D/c's queue tail (Erlang C, M/D/c's own decay rate)"
     )
 
 

@@ -20,9 +20,10 @@ run stretches by that ratio, which lowers the replicas' rate. The capacity is th
 
 Latency of a call = the run it rides in, S(b), plus its wait: the run in progress when it
 arrived (busy with probability u, uniform over 0..S(b): its 99th percentile is
-S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue
-by the Allen-Cunneen approximation W(M/D/c) ~ W(M/M/c) x (1 + 0) / 2, whose tail is Erlang
-C's exponential, P(W > t) = C(c, a) exp(-(c mu - lam) t); the larger of the two. And the
+S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue:
+a call waits with Erlang C's probability C(c, a), and the wait's tail falls as
+exp(-theta t), theta M/D/c's own decay rate (md_c_decay; M/M/c's c mu - lam would make a
+deterministic service's tail twice too long near saturation); the larger of the two. And the
 mesh's own trip (client, router, gRPC): its median for the p50, its probed 99th percentile
 for the p99 (the sum of two 99th percentiles: an upper bound on the sum's). On a shared host
 below saturation, a run also waits for the free cores, which every call's CPU work (the
@@ -60,6 +61,35 @@ def erlang_c(c: int, a: float) -> float:
         total += term
     last = term * a / c / (1 - a / c)
     return last / (total + last)
+
+
+def md_c_decay(lam: float, c: int, d: float) -> float:
+    """The rate at which M/D/c's waiting-time tail falls, P(W > t) ~ C e^(-theta t): the
+    root of c ln(1 + theta / lam) = theta d. Counted every d seconds the queue loses c calls
+    and gains Poisson(lam d), so its length's tail falls as z^-n where z^c = e^(lam d (z - 1)),
+    and a call n places back waits n d / c. (M/D/1: lam (e^(theta d) - 1) = theta, the
+    classical result. M/M/c's tail falls at c mu - lam; a deterministic service's, about
+    twice as fast near saturation and faster still below it.) Needs lam d < c."""
+
+    if lam <= 0:
+        return math.inf
+
+    def f(theta: float) -> float:
+        return c * math.log1p(theta / lam) - theta * d
+
+    lo, hi = 0.0, (c / d - lam) or 1.0
+    while f(hi) > 0:  # past the root: f falls from its peak to -inf
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def wait_quantile(c_wait: float, theta: float, p: float) -> float:
+    """The wait exceeded with probability p, when a call waits with probability c_wait and
+    the wait's tail falls at theta."""
+    return math.log(c_wait / p) / theta if c_wait > p else 0.0
 
 
 def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> int:
@@ -166,9 +196,8 @@ def predict(
     if util >= 1:
         return Prediction(capacity, capacity, b, util, math.inf, math.inf, limit, max_batch)
     c_wait = erlang_c(replicas, offered_rps / mu)
-    gap = replicas * mu - offered_rps
-    q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
-    q50 = 0.5 * math.log(c_wait / 0.5) / gap if c_wait > 0.5 else 0.0
+    theta = md_c_decay(offered_rps, replicas, 1 / mu)
+    q99, q50 = wait_quantile(c_wait, theta, 0.01), wait_quantile(c_wait, theta, 0.5)
     # A call that finds its replica busy (probability util) waits out the run in progress,
     # uniform over 0..s, and rides the next batch; beyond that only the M/D/c queue tail.
     residual99 = s * max(0.0, 1 - 0.01 / util) if util > 0 else 0.0
@@ -192,7 +221,7 @@ def _continuous(
     a generation holds one for T(k), the time of a generation among k running ones (run(k):
     k prefills and the shared decode steps). k settles where Little's law puts it,
     k = lam / c x T(k) (interpolated between whole batches); a call waits only when every
-    slot is taken: M/D/m over m = c x max_batch slots (Allen-Cunneen on Erlang C)."""
+    slot is taken: M/D/m over m = c x max_batch slots (Erlang C, M/D/c's tail)."""
 
     def latency(k: float) -> float:
         lo = max(1, min(max_batch, math.floor(k)))
@@ -210,9 +239,8 @@ def _continuous(
             capacity, capacity, k, max(util, 1.0), math.inf, math.inf, limit, max_batch
         )
     c_wait = erlang_c(slots, offered_rps * t)
-    gap = slots / t - offered_rps
-    q99 = 0.5 * math.log(c_wait / 0.01) / gap if c_wait > 0.01 else 0.0
-    q50 = 0.5 * math.log(c_wait / 0.5) / gap if c_wait > 0.5 else 0.0
+    theta = md_c_decay(offered_rps, slots, t)
+    q99, q50 = wait_quantile(c_wait, theta, 0.01), wait_quantile(c_wait, theta, 0.5)
     p99 = (mesh_latency_p99_s or mesh_latency_s) + t + q99
     return Prediction(
         capacity, offered_rps, k, util, mesh_latency_s + t + q50, p99, limit, max_batch

@@ -7,11 +7,12 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from planner import profiles
 from planner.analysis import DECODER, ENCODER, ModelAnalysis
-from planner.queueing import erlang_c, predict
+from planner.queueing import erlang_c, md_c_decay, predict, wait_quantile
 from planner.roofline import diagnose
 
 # Llama-3-8B's shape in bf16 (the issue's reference model): 8.03 B parameters, of which
@@ -102,6 +103,28 @@ def test_erlang_c_known_values() -> None:
     assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
     assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
     assert erlang_c(3, 0.0) == 0.0
+
+
+def test_md_c_tail_matches_a_simulated_queue() -> None:
+    """The p99 wait from Erlang C and M/D/c's decay rate against an M/D/c queue simulated
+    call by call (Kiefer-Wolfowitz: the c servers' next-free times), 200k Poisson arrivals."""
+    rng = np.random.default_rng(0)
+    for c, d, rho in ((1, 0.4, 0.5), (1, 0.01, 0.8), (4, 0.02, 0.7)):
+        lam = rho * c / d
+        free = np.zeros(c)  # when each server next frees up, sorted
+        waits = np.empty(200_000)
+        t = 0.0
+        for i, gap in enumerate(rng.exponential(1 / lam, waits.size)):
+            t += gap
+            start = max(t, free[0])
+            waits[i] = start - t
+            free[0] = start + d
+            free.sort()
+        theta = md_c_decay(lam, c, d)
+        if c == 1:  # the classical M/D/1 root
+            assert lam * math.expm1(theta * d) == pytest.approx(theta)
+        predicted = wait_quantile(erlang_c(c, lam * d), theta, 0.01)
+        assert predicted == pytest.approx(np.quantile(waits, 0.99), rel=0.15), (c, d, rho)
 
 
 def test_queueing_batches_saturates_and_replicas_cut_the_tail() -> None:
