@@ -48,7 +48,7 @@ from planner.calibrate import Calibration, calibrate, refit
 from planner.plan import Workload, service_time
 from planner.plot import roofline_png
 from planner.profiles import Profile
-from planner.queueing import predict
+from planner.queueing import Prediction, predict
 from planner.roofline import diagnose, run_seconds
 from planner.serving import ServingCalibration, calibrate_serving, encoder_request
 from protos import grpc_service_pb2 as pb
@@ -167,27 +167,40 @@ def predicted(
     profile: Profile,
     offered: float,
     prefill_s: float | None = None,
+    served: bool = False,
 ) -> tuple[dict, float]:
     """The planner's prediction at `offered` calls/s, and its capacity. `prefill_s`: a
-    decoder's prefill as the calibration run timed it."""
+    decoder's prefill as the calibration run timed it. `served`: `profile` is fitted to a
+    worker serving the model alone (served_profile): its S(b) already holds the wait for a
+    core, and the mesh trip's p99 is the probe's at the cores this load keeps busy."""
     llm_call = c.model == "smollm2"
     w = Workload(offered, 1.0, PROMPT if llm_call else TOKENS, MAX_TOKENS if llm_call else 0)
     service = service_time(a, profile, w, tp=1, threads=1, prefill_s=prefill_s)
-    p = predict(
-        offered,
-        c.replicas,
-        c.max_batch,
-        service,
-        profile.mesh_latency_s,
-        host_cores=profile.cores,
-        cpu_per_call_s=profile.mesh_cpu_s,
-        threads_per_replica=1,
-        mesh_max_rps=profile.mesh_max_rps,
-        background_cores=profile.background_cores,
-        mesh_latency_p99_s=profile.mesh_latency_p99_s,
-        open_cpu=profile.open_cpu(),
-        continuous=llm_call,
-    )
+
+    def at(trip_p99: float) -> Prediction:
+        return predict(
+            offered,
+            c.replicas,
+            c.max_batch,
+            service,
+            profile.mesh_latency_s,
+            host_cores=profile.cores,
+            cpu_per_call_s=profile.mesh_cpu_s,
+            threads_per_replica=1,
+            mesh_max_rps=profile.mesh_max_rps,
+            background_cores=profile.background_cores,
+            mesh_latency_p99_s=trip_p99,
+            open_cpu=profile.open_cpu(),
+            continuous=llm_call,
+            contended=served,
+        )
+
+    p = at(profile.mesh_latency_p99_s)
+    if served:
+        b = max(1, round(p.batch))
+        fixed, per_call = profile.open_cpu() or (0.0, profile.mesh_cpu_s)
+        busy = profile.background_cores + fixed + offered * (per_call + service(b) / b)
+        p = at(profile.trip_p99(busy))
     return {
         "capacity_rps": p.capacity_rps,
         "limit": p.limit,
@@ -219,7 +232,7 @@ def predictions(
         "calibrated": compare(c, a, cal.profile(profile), m, cal.prefill_s or None),
     }
     out[BEST] = (
-        compare(c, a, served_profile(profile, serving, a, c.max_batch), m, None)
+        compare(c, a, served_profile(profile, serving, a, c.max_batch), m, None, served=True)
         if serving
         else out["calibrated"]
     )
@@ -233,14 +246,15 @@ def served_profile(
     """`base` fitted to the model as a worker alone served it (planner/serving.py): S(b)
     through its seconds per batch at saturation, and the mesh's CPU per call made the
     model's own, the client's and worker's at this batch limit plus the router's and Redis'
-    (probed). Under Poisson arrivals the probe's per-call CPU scales by the same ratio,
-    model call against tiny call."""
+    (probed). Under Poisson arrivals the probe's per-call CPU scales by the ratio of the
+    model's CPU per call beside its run at batch 1 to the probe's tiny call's."""
     fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, TOKENS)
     profile = fitted.profile(base)
     cycle = run_seconds(a, profile, max_batch, STEP_CONTEXT, 1, 1, TOKENS)
     per_call = serving.cpu_per_call_s(max_batch) + base.mesh_router_cpu_s
     beside_run = max(0.0, per_call - cycle / max_batch)
-    one = serving.cpu_per_call_s(1) + base.mesh_router_cpu_s
+    one = run_seconds(a, profile, 1, STEP_CONTEXT, 1, 1, TOKENS)
+    one = max(0.0, serving.cpu_per_call_s(1) - one) + base.mesh_router_cpu_s
     scale = one / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
     return replace(
         profile,
@@ -249,9 +263,16 @@ def served_profile(
     )
 
 
-def compare(c: Config, a: ModelAnalysis, profile: Profile, m: dict, prefill_s: float | None):  # type: ignore[no-untyped-def]
+def compare(  # type: ignore[no-untyped-def]
+    c: Config,
+    a: ModelAnalysis,
+    profile: Profile,
+    m: dict,
+    prefill_s: float | None,
+    served: bool = False,
+):
     """One prediction against the measurement `m`: the row's figures and its errors."""
-    pred, capacity = predicted(c, a, profile, m["offered_rps"], prefill_s)
+    pred, capacity = predicted(c, a, profile, m["offered_rps"], prefill_s, served)
     pred = {k: round(v, 3) if isinstance(v, float) else v for k, v in pred.items()}
     return {
         **pred,

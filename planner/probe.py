@@ -16,7 +16,8 @@
   (mesh_cpu_s; the router's and Redis' part of it: mesh_router_cpu_s, what a hop through
   the router adds to a call served by a worker alone), and in an open loop at an eighth and
   a quarter of that rate: a fixed part (mesh_open_cores) and a part per call
-  (mesh_open_cpu_s).
+  (mesh_open_cpu_s); and the trip's p99 at an eighth, a quarter and half of it, with the
+  host cores the mesh kept busy meanwhile (mesh_tail: waiting for a core makes the tail).
 - Other jobs on a shared host: their mean CPU demand, from /proc/stat over a window in which
   the probe itself sleeps (background_cores). What the mesh can use is the rest.
 """
@@ -211,17 +212,19 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
         # CPU is a fixed part (the client's schedule, every process woken per call rather
         # than per burst) plus a part per call; the faster run's p99 is the trip's tail.
         opened = []
-        for rate in (many["throughput_rps"] / 8, many["throughput_rps"] / 4):
+        for share in (8, 4, 2):
+            rate = many["throughput_rps"] / share
             before = cpu_seconds(pids)
             result = asyncio.run(open_loop(Load(router, [body], seconds, 0.0, 10.0), rate))
             opened.append((rate, (cpu_seconds(pids) - before) / seconds, result))
     finally:
         mesh.stop()
-    (slow, slow_cores, _), (fast, fast_cores, tail) = opened
+    (slow, slow_cores, _), (fast, fast_cores, tail), _ = opened
     per_call = max(0.0, (fast_cores - slow_cores) / (fast - slow))
     return {
         "mesh_latency_s": one["p50_ms"] / 1e3,
         "mesh_latency_p99_s": tail["p99_ms"] / 1e3,
+        "mesh_tail": [[round(cores, 3), r["p99_ms"] / 1e3] for _, cores, r in opened],
         "mesh_cpu_s": cpu / max(many["requests"], 1.0),
         "mesh_router_cpu_s": hop_cpu / max(many["requests"], 1.0),
         "mesh_max_rps": many["throughput_rps"],

@@ -17,6 +17,7 @@ the fixed cost per run) to one model's standalone runs.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,8 @@ class Profile:
     mesh_open_cores: float = 0.0
     mesh_open_cpu_s: float = 0.0
     background_cores: float = 0.0  # other jobs' mean CPU demand on a shared host (probed)
+    # The mesh trip's p99 under Poisson arrivals by the host cores busy: [[cores, p99_s]...]
+    mesh_tail: list[list[float]] = field(default_factory=list)
     achievable: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "bandwidth": 1.0})
 
     def peak(self, dtype: str, threads: int | None = None) -> float:
@@ -75,6 +78,25 @@ class Profile:
         if self.mesh_open_cores or self.mesh_open_cpu_s:
             return self.mesh_open_cores, self.mesh_open_cpu_s
         return None
+
+    def trip_p99(self, busy_cores: float) -> float:
+        """The mesh trip's 99th percentile while `busy_cores` of the host's cores are busy
+        (ours and other jobs'): through the probed points, linear in 1 / (cores - busy), as
+        a wait for one of n servers grows (M/M/n); flat below the least loaded point, the
+        last two points' line beyond the most loaded; unbounded once the cores are full.
+        Without probed points, mesh_latency_p99_s."""
+        points = sorted((c, p) for c, p in self.mesh_tail if c < self.cores)
+        if not points:
+            return self.mesh_latency_p99_s or self.mesh_latency_s
+        if busy_cores >= self.cores:
+            return math.inf
+        if busy_cores <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        x = [1 / (self.cores - c) for c, _ in points]
+        at = 1 / (self.cores - busy_cores)
+        i = next((k for k in range(1, len(x)) if at <= x[k]), len(x) - 1)
+        (x0, p0), (x1, p1) = (x[i - 1], points[i - 1][1]), (x[i], points[i][1])
+        return max(0.0, p0 + (p1 - p0) * (at - x0) / (x1 - x0)) if x1 > x0 else p1
 
     def ridge(self, dtype: str = "fp32") -> float:
         """FLOP per byte where the roof turns from bandwidth-bound to compute-bound."""

@@ -20,8 +20,9 @@ run stretches by that ratio, which lowers the replicas' rate. The capacity is th
 
 Latency of a call = the run it rides in, S(b), plus its wait: the run in progress when it
 arrived (busy with probability u, uniform over 0..S(b): its 99th percentile is
-S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue:
-a call waits with Erlang C's probability C(c, a), and the wait's tail falls as
+S(b) (1 - 0.01 / u)), or, near saturation where calls wait more than one run, M/D/c's queue
+at the batcher's top rate (max_batch / S(max_batch) per replica: a queue makes the batches
+grow): a call waits with Erlang C's probability C(c, a), and the wait's tail falls as
 exp(-theta t), theta M/D/c's own decay rate (md_c_decay; M/M/c's c mu - lam would make a
 deterministic service's tail twice too long near saturation); the larger of the two. And the
 mesh's own trip (client, router, gRPC): its median for the p50, its probed 99th percentile
@@ -134,12 +135,15 @@ def predict(
     mesh_latency_p99_s: float = 0.0,
     open_cpu: tuple[float, float] | None = None,
     continuous: bool = False,
+    contended: bool = False,
 ) -> Prediction:
     """`service(b)`: seconds one replica takes for a batch of b, alone on its cores.
     `continuous`: the replica batches at every step (the LLM engine), not per run. With
     `host_cores`, the replicas share that many cores with the mesh's own work
     (`cpu_per_call_s` per call at saturation; `open_cpu`: (fixed cores, seconds per call)
-    under Poisson arrivals, when probed) and with other jobs (`background_cores`)."""
+    under Poisson arrivals, when probed) and with other jobs (`background_cores`).
+    `contended`: service(b) was measured on this shared host, under load (planner/serving.py),
+    so it already holds the wait for a core: no further slowdown below saturation."""
     t = threads_per_replica
     # Other jobs keep the CPU they were using; the mesh and its replicas get the rest (at
     # least one core's worth: the scheduler never starves a runnable thread for good).
@@ -170,7 +174,7 @@ def predict(
         cores' offered load. Where b is too small for the cores to keep up, calls queue at
         the replicas and the batch grows (settle_batch)."""
         s = service(b)
-        if not host_cores:
+        if not host_cores or contended:
             return s
         fixed, per_call = open_cpu or (0.0, cpu_per_call_s)
         return s * _host_slowdown(fixed + offered_rps * (per_call + t * s / b), free)
@@ -190,19 +194,25 @@ def predict(
     s = run(b)
     if not math.isfinite(s):
         return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
-    mu = b / s
-    rho = offered_rps / (replicas * mu)
-    util = max(rho, offered_rps / capacity)
+    # The chance a call finds its replica running: the busy fraction at the settled batch.
+    busy = min(1.0, offered_rps / (replicas * b / s))
+    util = offered_rps / capacity
     if util >= 1:
         return Prediction(capacity, capacity, b, util, math.inf, math.inf, limit, max_batch)
+    # A call that finds its replica busy waits out the run in progress, uniform over 0..s,
+    # and rides the next batch, which takes whatever waits, up to max_batch: calls queue
+    # beyond one run only as the batches near max_batch, so the queue's tail is M/D/c's at
+    # the batcher's top rate, max_batch / S(max_batch) per replica.
+    top = run(max_batch)
+    if not math.isfinite(top):
+        return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
+    mu = max_batch / top
     c_wait = erlang_c(replicas, offered_rps / mu)
     theta = md_c_decay(offered_rps, replicas, 1 / mu)
     q99, q50 = wait_quantile(c_wait, theta, 0.01), wait_quantile(c_wait, theta, 0.5)
-    # A call that finds its replica busy (probability util) waits out the run in progress,
-    # uniform over 0..s, and rides the next batch; beyond that only the M/D/c queue tail.
-    residual99 = s * max(0.0, 1 - 0.01 / util) if util > 0 else 0.0
+    residual99 = s * max(0.0, 1 - 0.01 / busy) if busy > 0 else 0.0
     p99 = (mesh_latency_p99_s or mesh_latency_s) + s + max(residual99, q99)
-    p50 = mesh_latency_s + s + s * util / 2 + q50
+    p50 = mesh_latency_s + s + s * busy / 2 + q50
     return Prediction(capacity, offered_rps, b, util, p50, p99, limit, max_batch)
 
 

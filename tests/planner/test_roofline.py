@@ -127,6 +127,23 @@ def test_md_c_tail_matches_a_simulated_queue() -> None:
         assert predicted == pytest.approx(np.quantile(waits, 0.99), rel=0.15), (c, d, rho)
 
 
+def test_trip_tail_grows_with_the_busy_cores() -> None:
+    """The mesh trip's p99 by busy cores: through the probed points, flat below them,
+    rising as a wait for n cores does (1 / (n - busy)), unbounded at n."""
+    p = replace(
+        profiles.load("H200"),
+        kind="cpu",
+        cores=2,
+        mesh_tail=[[1.4, 0.05], [0.5, 0.01], [0.9, 0.02]],
+    )
+    assert [p.trip_p99(c) for c in (0.5, 0.9, 1.4)] == pytest.approx([0.01, 0.02, 0.05])
+    assert p.trip_p99(0.1) == pytest.approx(0.01)
+    between = [p.trip_p99(c) for c in (0.6, 1.0, 1.2, 1.6, 1.9)]
+    assert between == sorted(between) and 0.02 < p.trip_p99(1.2) < 0.05
+    assert p.trip_p99(1.9) > 0.05 and math.isinf(p.trip_p99(2.0))
+    assert replace(p, mesh_tail=[], mesh_latency_p99_s=0.03).trip_p99(1.0) == 0.03
+
+
 def test_queueing_batches_saturates_and_replicas_cut_the_tail() -> None:
     def service(b: int) -> float:  # 4 ms fixed + 1 ms per item
         return 0.004 + 0.001 * b
@@ -178,3 +195,14 @@ def test_continuous_batching_joins_running_sequences() -> None:
     k = per_step.batch
     t = generation(1) + (generation(2) - generation(1)) * (k - 1)
     assert k > 1 and k == pytest.approx(2.0 * t, rel=1e-3)
+
+
+def test_a_service_measured_under_load_is_not_slowed_again() -> None:
+    def service(b: int) -> float:
+        return 0.004 + 0.001 * b
+
+    args = dict(host_cores=2, cpu_per_call_s=0.002, open_cpu=(0.1, 0.002))
+    bare = predict(150, 1, 8, service, **args)  # type: ignore[arg-type]
+    measured = predict(150, 1, 8, service, contended=True, **args)  # type: ignore[arg-type]
+    assert measured.capacity_rps == bare.capacity_rps
+    assert measured.p99_s < bare.p99_s  # the cores' queue is already inside service(b)
