@@ -50,7 +50,12 @@ from planner.plot import roofline_png
 from planner.profiles import Profile
 from planner.queueing import Prediction, predict
 from planner.roofline import diagnose, run_seconds
-from planner.serving import ServingCalibration, calibrate_serving, encoder_request
+from planner.serving import (
+    ServingCalibration,
+    calibrate_serving,
+    encoder_request,
+    served_profile,
+)
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm, pipeline
@@ -231,36 +236,12 @@ def predictions(
         "roofline": compare(c, a, profile, m, None),
         "calibrated": compare(c, a, cal.profile(profile), m, cal.prefill_s or None),
     }
-    out[BEST] = (
-        compare(c, a, served_profile(profile, serving, a, c.max_batch), m, None, served=True)
-        if serving
-        else out["calibrated"]
-    )
+    out[BEST] = out["calibrated"]
+    if serving:
+        fitted = served_profile(profile, serving, a, c.max_batch, TOKENS)
+        out[BEST] = compare(c, a, fitted, m, None, served=True)
     out["explanation"] = explain(c, out[BEST], m, profile) if missed(out[BEST]) else []
     return out
-
-
-def served_profile(
-    base: Profile, serving: ServingCalibration, a: ModelAnalysis, max_batch: int
-) -> Profile:
-    """`base` fitted to the model as a worker alone served it (planner/serving.py): S(b)
-    through its seconds per batch at saturation, and the mesh's CPU per call made the
-    model's own, the client's and worker's at this batch limit plus the router's and Redis'
-    (probed). Under Poisson arrivals the probe's per-call CPU scales by the ratio of the
-    model's CPU per call beside its run at batch 1 to the probe's tiny call's."""
-    fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, TOKENS)
-    profile = fitted.profile(base)
-    cycle = run_seconds(a, profile, max_batch, STEP_CONTEXT, 1, 1, TOKENS)
-    per_call = serving.cpu_per_call_s(max_batch) + base.mesh_router_cpu_s
-    beside_run = max(0.0, per_call - cycle / max_batch)
-    one = run_seconds(a, profile, 1, STEP_CONTEXT, 1, 1, TOKENS)
-    one = max(0.0, serving.cpu_per_call_s(1) - one) + base.mesh_router_cpu_s
-    scale = one / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
-    return replace(
-        profile,
-        mesh_cpu_s=beside_run,
-        mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
-    )
 
 
 def compare(  # type: ignore[no-untyped-def]

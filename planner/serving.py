@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -35,7 +35,11 @@ from onnx import helper
 from common.net import free_port
 from deploy import processes
 from loadtest.runner import Load, closed_loop
+from planner.analysis import ModelAnalysis
+from planner.calibrate import Calibration, refit
 from planner.probe import cpu_seconds
+from planner.profiles import Profile
+from planner.roofline import run_seconds
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -183,3 +187,30 @@ def calibrate_serving(
         return ServingCalibration(
             [serve_once(path, model, b, tokens, seconds, Path(tmp)) for b in sorted({1, max_batch})]
         )
+
+
+def served_profile(
+    base: Profile, serving: ServingCalibration, a: ModelAnalysis, max_batch: int, tokens: int
+) -> Profile:
+    """`base` fitted to the model as a worker alone served it: S(b) through its seconds per
+    batch at saturation (the Roofline's fixed cost per run and reachable fraction, fitted
+    by planner/calibrate.refit), and the mesh's CPU per call made the model's own: the
+    client's and worker's at this batch limit plus the router's and Redis' (probed). Under
+    Poisson arrivals the probe's per-call CPU scales by the ratio of the model's CPU per
+    call beside its run, at batch 1, to the probe's tiny call's."""
+    fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, tokens)
+    profile = fitted.profile(base)
+
+    def beside_run(b: int) -> float:
+        run = run_seconds(a, profile, b, 0, 1, 1, tokens)
+        return max(0.0, serving.cpu_per_call_s(b) - run / b) + base.mesh_router_cpu_s
+
+    scale = beside_run(1) / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
+    return replace(
+        profile,
+        name=f"{base.name}, fitted to {a.name} v{a.version} ({a.recipe}) as served",
+        source=f"{base.source}; {a.name} v{a.version} served by one worker alone "
+        f"(planner/serving.py): {serving.as_dict()}",
+        mesh_cpu_s=beside_run(max_batch),
+        mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
+    )
