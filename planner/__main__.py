@@ -1,12 +1,16 @@
-"""python -m planner probe | diagnose | plan
+"""python -m planner probe | calibrate | diagnose | plan
 
 python -m planner probe [--output build/planner/profile.json] [--mesh]
+python -m planner calibrate --model M [--model-repository DIR] [--version V] [--max-batch B]
+                            [--profile local] [--output FILE]
 python -m planner diagnose --model-repository DIR --profile P [--batch 1 8 64] [--context C]
                            [--concurrency N] [--plot roofline.png] [--json]
 python -m planner plan --model M --qps Q --p99-ms L [--context C --max-tokens K] --profile P
                        --price-per-hour H [--model-repository DIR] [--json]
 
 A profile is H200, H100, A100, L4, `local` (what `probe` wrote) or a profile JSON file.
+`calibrate` serves one encoder version by a worker alone on this machine and writes the
+local profile fitted to it (planner/serving.py), for `plan --profile FILE --recipe R`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from planner.models import model_versions, prices, with_recipes
 from planner.plan import Plan, Workload, plan
 from planner.plot import roofline_png
 from planner.roofline import diagnose
+from planner.serving import calibrate_serving, served_profile
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -37,6 +42,32 @@ def _probe(args: argparse.Namespace) -> int:
     path = profiles.save(profile, Path(args.output))
     print(json.dumps(profile.as_dict(), indent=2))
     print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    base = profiles.load(args.profile)
+    versions = model_versions(Path(args.model_repository), args.model)
+    version = args.version or versions[-1].version
+    m = next((v for v in versions if v.version == version), None)
+    if m is None:
+        known = [v.version for v in versions]
+        raise AnalysisError(f"{args.model!r} has no version {version!r} (versions: {known})")
+    if m.kind == DECODER:
+        raise AnalysisError(
+            f"{args.model!r} is an LLM: its engine batches every step, which a serving "
+            "calibration of whole calls does not fit; its decode steps are timed by "
+            "planner/calibrate.py"
+        )
+    top = args.max_batch or m.max_batch_size or 8
+    path = Path(args.model_repository) / args.model / version / "model.onnx"
+    tokens = m.default_tokens
+    served = calibrate_serving(path, args.model, top, tokens, args.seconds)
+    profile = served_profile(base, served, m, top, tokens)
+    out = Path(args.output or f"build/planner/{args.model}-v{version}-served.json")
+    profiles.save(profile, out)
+    print(json.dumps(served.as_dict(), indent=2))
+    print(f"wrote {out}: plan with --profile {out} --recipe {m.recipe}", file=sys.stderr)
     return 0
 
 
@@ -162,6 +193,14 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", default=str(profiles.DEFAULT_PROBED))
     pr.add_argument("--seconds", type=_positive(float), default=3.0, help="budget per measure")
     pr.add_argument("--mesh", action="store_true", help="also measure the mesh's cost per call")
+    c = sub.add_parser("calibrate", help="fit the local profile to one model as served")
+    c.add_argument("--model", required=True)
+    c.add_argument("--model-repository", default="build/models")
+    c.add_argument("--version", help="default: the newest")
+    c.add_argument("--max-batch", type=_positive(int), help="default: the model's own")
+    c.add_argument("--profile", default="local")
+    c.add_argument("--seconds", type=_positive(float), default=3.0, help="per batch limit")
+    c.add_argument("--output", help="default: build/planner/<model>-v<version>-served.json")
     d = sub.add_parser("diagnose", help="which resource is the limit, per model and batch")
     d.add_argument("--model-repository", required=True)
     d.add_argument("--profile", required=True)
@@ -189,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.configure("warning")
-    commands = {"probe": _probe, "diagnose": _diagnose, "plan": _plan}
+    commands = {"probe": _probe, "calibrate": _calibrate, "diagnose": _diagnose, "plan": _plan}
     try:
         return commands[args.command](args)
     except (AnalysisError, profiles.ProfileError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -134,3 +135,26 @@ def test_cli_plan_and_its_errors(
     assert "no model 'nope'" in capsys.readouterr().err
     assert main([*args[:-3], str(tmp_path / "none.json"), *args[-2:]]) == 2
     assert "unknown profile" in capsys.readouterr().err
+
+
+def test_cli_calibrate_fits_a_profile_that_plan_reads(
+    repository: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real worker serves the MLP alone at batch limits 1 and 4; the fitted profile is a
+    profile file `plan` takes, whose S(b) passes through the served seconds per batch."""
+    base = replace(profiles.load("L4"), name="test-cpu", kind="cpu", cores=2, mesh_cpu_s=0.001)
+    base_path = profiles.save(base, tmp_path / "cpu.json")
+    out = tmp_path / "served.json"
+    common = ["--model", "mlp", "--model-repository", str(repository)]
+    argv = ["calibrate", *common, "--max-batch", "4", "--seconds", "1"]
+    assert main([*argv, "--profile", str(base_path), "--output", str(out)]) == 0
+    served = json.loads(capsys.readouterr().out)
+    assert [s["max_batch"] for s in served["served"]] == [1, 4]
+    fitted = profiles.load(str(out))
+    assert "as served" in fitted.name and fitted.mesh_cpu_s > 0
+    assert fitted.call_overhead_s != base.call_overhead_s  # the fit moved the roof
+    plan_args = ["plan", *common, "--qps", "50", "--p99-ms", "500", "--profile", str(out)]
+    assert main([*plan_args, "--price-per-hour", "0.5", "--recipe", "fp32"]) == 0
+    assert "cheapest" in capsys.readouterr().out
+    assert main(["calibrate", *common, "--version", "9"]) == 2
+    assert "has no version '9'" in capsys.readouterr().err
