@@ -321,12 +321,13 @@ async def measure_llm(router: str, c: Config, seconds: float, tokenizer_path: Pa
         tokenizer=tokenizer,
     )
     # A generation takes about a second here: longer windows than the encoder's, and enough
-    # of them in the open loop for a p99 to mean something (bounded: 60 s).
+    # of them in the open loop for a p99 to mean something: ~100 arrivals (bounded: 90 s;
+    # with 30, the p99 was the largest of them, well below the true one).
     load = replace(load, duration=3 * seconds)
     closed = await llm_runner.closed_loop(load, 2 * c.max_batch)
     after_closed = stats()
     rate = max(0.05, 0.5 * closed["throughput_rps"])
-    load = replace(load, duration=min(60.0, max(3 * seconds, 30 / rate)))
+    load = replace(load, duration=min(90.0, max(3 * seconds, 100 / rate)))
     opened = await llm_runner.open_loop(load, rate)
     return closed, rate, opened["e2e_ms"]["p99"], opened, after_closed
 
