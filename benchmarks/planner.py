@@ -201,11 +201,13 @@ def predicted(
         )
 
     p = at(profile.mesh_latency_p99_s)
+    extra = {}
     if served:
         b = max(1, round(p.batch))
         fixed, per_call = profile.open_cpu() or (0.0, profile.mesh_cpu_s)
         busy = profile.background_cores + fixed + offered * (per_call + service(b) / b)
         p = at(profile.trip_p99(busy))
+        extra = {"busy_cores": busy, "trip_p99_ms": profile.trip_p99(busy) * 1e3}
     return {
         "capacity_rps": p.capacity_rps,
         "limit": p.limit,
@@ -214,6 +216,7 @@ def predicted(
         "batch": p.batch,
         "run_ms": run_ms(c, a, profile, max(1, round(p.batch))),
         "p99_ms": p.p99_s * 1e3,
+        **extra,
     }, p.capacity_rps
 
 
@@ -237,10 +240,13 @@ def predictions(
         "calibrated": compare(c, a, cal.profile(profile), m, cal.prefill_s or None),
     }
     out[BEST] = out["calibrated"]
+    used = profile
     if serving:
-        fitted = served_profile(profile, serving, a, c.max_batch, TOKENS)
-        out[BEST] = compare(c, a, fitted, m, None, served=True)
-    out["explanation"] = explain(c, out[BEST], m, profile) if missed(out[BEST]) else []
+        used = served_profile(profile, serving, a, c.max_batch, TOKENS)
+        out[BEST] = compare(c, a, used, m, None, served=True)
+    elif cal:
+        used = cal.profile(profile)
+    out["explanation"] = explain(c, out[BEST], m, used) if missed(out[BEST]) else []
     return out
 
 
@@ -333,62 +339,66 @@ async def measure_llm(router: str, c: Config, seconds: float, tokenizer_path: Pa
 
 
 def explain(c: Config, pred: dict, meas: dict, profile: Profile) -> list[str]:
-    """Why the calibrated prediction missed, from the numbers: the run, the batch, or the
-    mesh around them."""
+    """Why the best prediction missed, from the numbers: the batches, the replicas' seconds
+    per batch, the host's CPU per call, the cores the open loop kept busy, or the mesh
+    around them. `profile`: the one the prediction was made with."""
     why = []
-    for loop, expected_batch, expected_ms in (
-        ("closed", pred["saturation_batch"], pred["run_ms_at_saturation"]),
-        ("open", pred["batch"], pred["run_ms"]),
-    ):
-        runs = meas[loop]
-        if not runs["runs"]:
-            continue
-        if abs(runs["mean_batch"] - expected_batch) > max(1.0, 0.25 * expected_batch):
+    closed, opened = meas["closed"], meas["open"]
+    llm = c.model == "smollm2"
+    if closed["runs"] and not llm:
+        batch, expected = closed["mean_batch"], pred["saturation_batch"]
+        if abs(batch - expected) > max(1.0, 0.25 * expected):
             why.append(
-                f"{loop} loop: the batcher formed batches of {runs['mean_batch']:.1f} on "
-                f"average where the model expected {expected_batch}"
+                f"closed loop: the batcher formed batches of {batch:.1f} on average where the "
+                f"prediction has {expected}"
             )
-        ratio = runs["run_ms"] / expected_ms if expected_ms else 0.0
-        if abs(ratio - 1) > 0.2 and c.model != "smollm2":
+        # a replica's seconds per batch, run and the work between runs: replicas x batch / rps
+        cycle = c.replicas * batch / meas["throughput_rps"] * 1e3
+        ratio = cycle / pred["run_ms_at_saturation"]
+        if abs(ratio - 1) > 0.2:
             why.append(
-                f"{loop} loop: a run at batch {runs['mean_batch']:.1f} took {runs['run_ms']:.2f} "
-                f"ms on the worker against {expected_ms:.2f} ms predicted at batch "
-                f"{expected_batch} ({ratio:.2f}x)"
+                f"closed loop: a replica took {cycle:.2f} ms per batch of {batch:.1f} (its run "
+                f"{closed['run_ms']:.2f} ms) against {pred['run_ms_at_saturation']:.2f} ms "
+                f"predicted for {expected} ({ratio:.2f}x)"
+            )
+        expected_cpu = profile.mesh_cpu_s * 1e3 + pred["run_ms_at_saturation"] / max(1, expected)
+        used = closed["host_cpu_ms_per_call"]
+        if used and abs(used / expected_cpu - 1) > 0.2:
+            why.append(
+                f"closed loop: client, router, workers and Redis used {used:.2f} ms of CPU per "
+                f"call against {expected_cpu:.2f} ms predicted"
+            )
+    if "busy_cores" in pred and opened["runs"]:
+        busy = meas["offered_rps"] * opened["host_cpu_ms_per_call"] / 1e3
+        busy += meas["background_cores"]
+        if abs(busy - pred["busy_cores"]) > 0.2:
+            tail = profile.trip_p99(busy) * 1e3
+            why.append(
+                f"open loop: the host's cores were {busy:.2f} busy (ours and other jobs') "
+                f"against {pred['busy_cores']:.2f} predicted"
                 + (
-                    ": the workers' threads and the mesh's outnumber the cores, so runs share them"
-                    if ratio > 1 and c.replicas * 1 + 1 > profile.cores
+                    f", so the trip's tail read off the probe is {tail:.1f} ms, not "
+                    f"{pred['trip_p99_ms']:.1f}"
+                    if abs(tail - pred["trip_p99_ms"]) > 0.1 * pred["trip_p99_ms"]
                     else ""
                 )
             )
-    closed = meas["closed"]
-    # (an LLM worker's run is a step or a prefill, not a call: no per-call CPU to compare)
-    if closed["runs"] and closed["host_cpu_ms_per_call"] and c.model != "smollm2":
-        expected = profile.mesh_cpu_s * 1e3 + pred["run_ms_at_saturation"] / max(
-            1, pred["saturation_batch"]
-        )
-        used = closed["host_cpu_ms_per_call"]
-        if abs(used / expected - 1) > 0.2:
-            why.append(
-                f"closed loop: client, router, workers and Redis used {used:.2f} ms of CPU per "
-                f"call against {expected:.2f} ms predicted (the probe's "
-                f"{profile.mesh_cpu_s * 1e3:.2f} ms for a tiny call plus the run's share)"
-            )
-    if c.model == "smollm2":
+    if llm:
         why.append(
-            "the worker's runs mix 64-token prefill runs with decode steps, so its mean run is "
-            "neither; a generation's end-to-end time also carries per-token streaming through "
-            "the router (32 messages a call) that the probe's one-message calls do not"
+            "a generation's end-to-end time carries 32 streamed messages through the router "
+            "beside its 64-token prefill and decode steps, which the calibration times alone"
         )
     if pred["limit"] != "replicas":
         why.append(
-            f"predicted capacity limited by {pred['limit']} (the probed mesh cost per call: "
-            f"{profile.mesh_cpu_s * 1e3:.2f} ms CPU, at most {profile.mesh_max_rps:.0f} calls/s)"
+            f"predicted capacity limited by {pred['limit']} (CPU per call beside the run "
+            f"{profile.mesh_cpu_s * 1e3:.2f} ms; the mesh at most {profile.mesh_max_rps:.0f} "
+            "calls/s)"
         )
     if not why:
         why.append(
-            "the runs and batches match the prediction, so the rest is the mesh around them: "
-            "router, gRPC and client share the cores with the workers (and with other jobs on "
-            "this machine), beyond the probe's averages"
+            "the batches, cycles and CPU match the prediction, so the rest is the mesh around "
+            "them: router, gRPC and client share the cores with the workers (and with other "
+            "jobs on this machine), beyond the probe's averages"
         )
     return why
 

@@ -74,6 +74,8 @@ def md_c_decay(lam: float, c: int, d: float) -> float:
 
     if lam <= 0:
         return math.inf
+    if lam * d >= c:
+        return 0.0  # unstable: the queue grows without bound
 
     def f(theta: float) -> float:
         return c * math.log1p(theta / lam) - theta * d
@@ -90,7 +92,9 @@ def md_c_decay(lam: float, c: int, d: float) -> float:
 def wait_quantile(c_wait: float, theta: float, p: float) -> float:
     """The wait exceeded with probability p, when a call waits with probability c_wait and
     the wait's tail falls at theta."""
-    return math.log(c_wait / p) / theta if c_wait > p else 0.0
+    if c_wait <= p:
+        return 0.0
+    return math.log(c_wait / p) / theta if theta > 0 else math.inf
 
 
 def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> int:
@@ -207,6 +211,8 @@ def predict(
     if not math.isfinite(top):
         return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
     mu = max_batch / top
+    if offered_rps >= replicas * mu:  # the runs slowed by the cores' queue cannot keep up
+        return Prediction(capacity, capacity, b, 1.0, math.inf, math.inf, limit, max_batch)
     c_wait = erlang_c(replicas, offered_rps / mu)
     theta = md_c_decay(offered_rps, replicas, 1 / mu)
     q99, q50 = wait_quantile(c_wait, theta, 0.01), wait_quantile(c_wait, theta, 0.5)
