@@ -48,7 +48,7 @@ from planner.calibrate import Calibration, calibrate, refit
 from planner.plan import Workload, service_time
 from planner.plot import roofline_png
 from planner.profiles import Profile
-from planner.queueing import Prediction, predict
+from planner.queueing import Prediction, between, predict
 from planner.roofline import diagnose, run_seconds
 from planner.serving import (
     ServingCalibration,
@@ -203,9 +203,15 @@ def predicted(
     p = at(profile.mesh_latency_p99_s)
     extra = {}
     if served:
-        b = max(1, round(p.batch))
-        fixed, per_call = profile.open_cpu() or (0.0, profile.mesh_cpu_s)
-        busy = profile.background_cores + fixed + offered * (per_call + service(b) / b)
+        # the cores busy: other jobs', the open loop's fixed part (probed), and per call the
+        # CPU the worker alone measured beside the run plus the run's share
+        b = p.batch
+        fixed = profile.mesh_open_cores
+        busy = (
+            profile.background_cores
+            + fixed
+            + offered * (profile.mesh_cpu_s + between(service, b) / b)
+        )
         p = at(profile.trip_p99(busy))
         extra = {"busy_cores": busy, "trip_p99_ms": profile.trip_p99(busy) * 1e3}
     return {

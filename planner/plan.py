@@ -65,7 +65,7 @@ class Candidate:
             "tp": self.tp,
             "max_batch": self.max_batch,
             "capacity_rps": round(p.capacity_rps, 1),
-            "batch_at_load": p.batch,
+            "batch_at_load": round(p.batch, 2),
             "p99_ms": round(p.p99_s * 1e3, 2) if math.isfinite(p.p99_s) else None,
             "cost_per_hour_usd": round(self.cost_per_hour_usd, 4),
             "meets_slo": self.meets,

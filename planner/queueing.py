@@ -97,18 +97,30 @@ def wait_quantile(c_wait: float, theta: float, p: float) -> float:
     return math.log(c_wait / p) / theta if theta > 0 else math.inf
 
 
-def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> int:
-    b = 1
-    for _ in range(50):
-        s = service(b)
-        nxt = (
-            max_batch
-            if not math.isfinite(s)
-            else min(max_batch, max(1, math.ceil(per_replica_rps * s)))
-        )
-        if nxt == b:
+def between(service: Callable[[int], float], b: float) -> float:
+    """service(b) for a mean batch b between whole batches: linear between them."""
+    lo = math.floor(b)
+    if lo == b:
+        return service(lo)
+    return service(lo) + (service(lo + 1) - service(lo)) * (b - lo)
+
+
+def settle_batch(per_replica_rps: float, service: Callable[[int], float], max_batch: int) -> float:
+    """The mean batch a replica's batcher forms: a run takes whatever arrived during the
+    previous one, Poisson(lam S), or, when nothing did, starts with the next arrival alone,
+    so E[b] = lam S(b) + e^(-lam S(b)) (the fixed point, damped; clipped to 1..max_batch).
+    MiniLM int8 at 380 calls/s on one replica (S(1) = 2.4 ms): 1.4, where lam S(1) = 0.9
+    would say 1; the worker formed 1.8."""
+    b = 1.0
+    for _ in range(100):
+        s = between(service, b)
+        if not math.isfinite(s):
+            return float(max_batch)
+        load = per_replica_rps * s
+        nxt = min(float(max_batch), max(1.0, load + math.exp(-load)))
+        if abs(nxt - b) < 1e-4:
             break
-        b = nxt
+        b = (b + nxt) / 2
     return b
 
 
@@ -195,7 +207,7 @@ def predict(
             mesh_latency_p99_s,
         )
     b = settle_batch(offered_rps / replicas, run, max_batch)
-    s = run(b)
+    s = between(run, b)
     if not math.isfinite(s):
         return Prediction(capacity, capacity, b, math.inf, math.inf, math.inf, limit, max_batch)
     # The chance a call finds its replica running: the busy fraction at the settled batch.

@@ -142,7 +142,14 @@ def test_cli_calibrate_fits_a_profile_that_plan_reads(
 ) -> None:
     """A real worker serves the MLP alone at batch limits 1 and 4; the fitted profile is a
     profile file `plan` takes, whose S(b) passes through the served seconds per batch."""
-    base = replace(profiles.load("L4"), name="test-cpu", kind="cpu", cores=2, mesh_cpu_s=0.001)
+    base = replace(
+        profiles.load("L4"),
+        name="test-cpu",
+        kind="cpu",
+        cores=2,
+        mesh_cpu_s=0.001,
+        mesh_router_cpu_s=0.0004,
+    )
     base_path = profiles.save(base, tmp_path / "cpu.json")
     out = tmp_path / "served.json"
     common = ["--model", "mlp", "--model-repository", str(repository)]
@@ -151,7 +158,8 @@ def test_cli_calibrate_fits_a_profile_that_plan_reads(
     served = json.loads(capsys.readouterr().out)
     assert [s["max_batch"] for s in served["served"]] == [1, 4]
     fitted = profiles.load(str(out))
-    assert "as served" in fitted.name and fitted.mesh_cpu_s > 0
+    # the router's CPU per call, and the client's and worker's beside the run
+    assert "as served" in fitted.name and fitted.mesh_cpu_s >= base.mesh_router_cpu_s
     assert fitted.call_overhead_s != base.call_overhead_s  # the fit moved the roof
     plan_args = ["plan", *common, "--qps", "50", "--p99-ms", "500", "--profile", str(out)]
     assert main([*plan_args, "--price-per-hour", "0.5", "--recipe", "fp32"]) == 0

@@ -149,7 +149,7 @@ def test_queueing_batches_saturates_and_replicas_cut_the_tail() -> None:
         return 0.004 + 0.001 * b
 
     low = predict(10, 1, 8, service)
-    assert low.batch == 1 and low.p99_s < 0.02
+    assert low.batch == pytest.approx(1, abs=0.01) and low.p99_s < 0.02
     busy = predict(500, 1, 8, service)
     assert busy.batch > 1  # the batcher fills up under load
     assert predict(500, 1, 8, service).capacity_rps == pytest.approx(8 / 0.012)
