@@ -16,7 +16,7 @@ from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
-from worker.llm.serving import LLMServing
+from worker.llm.serving import LLMServing, draft_path
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
@@ -85,11 +85,16 @@ def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
 
 
 def serve_llm(
-    spec: cfg.ModelSpec, model: Model, model_dir: Path, **facts: object
+    spec: cfg.ModelSpec,
+    model: Model,
+    model_dir: Path,
+    draft: Model | None = None,
+    **facts: object,
 ) -> tuple[LLMServing, ModelStats]:
-    """The engine over `model` (one session, or a shard group's TPStepModel), started, its
-    runs counted in Triton's statistics fields; `facts` go into the load log line."""
-    llm = LLMServing(spec, model, model_dir)
+    """The engine over `model` (one session, or a shard group's TPStepModel), with its draft
+    model for speculative decoding if any, started, its runs counted in Triton's statistics
+    fields; `facts` go into the load log line."""
+    llm = LLMServing(spec, model, model_dir, draft)
     stats = ModelStats()
     llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
         rows, rows, 0, ns, 0, kind, tokens, llm.engine.cached_tokens() if kind == "decode" else 0
@@ -104,6 +109,7 @@ def serve_llm(
         max_num_seqs=llm.config.max_num_seqs,
         kv_cache_tokens=llm.config.kv_cache_tokens,
         kv_cache_bytes=llm.config.kv_cache_tokens * llm.engine.cache.shape.bytes_per_token,
+        num_speculative_tokens=llm.engine.drafter.num_tokens if llm.engine.drafter else 0,
         **facts,
     )
     return llm, stats
@@ -192,7 +198,13 @@ class Repository:
         completed = cfg.complete_llm(config, self.default_max_queue_size)
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
         spec = cfg.spec(completed, version)
-        llm, stats = serve_llm(spec, StepModel(session), model_dir, provider=session.provider)
+        path = draft_path(spec, model_dir)
+        draft = (
+            None if path is None else StepModel(OnnxSession(path, self.options, [session.provider]))
+        )
+        llm, stats = serve_llm(
+            spec, StepModel(session), model_dir, draft, provider=session.provider
+        )
         return LoadedModel(spec, completed, session, stats, llm=llm)
 
     def get(self, name: str, version: str = "") -> LoadedModel:
