@@ -185,3 +185,72 @@ def test_a_target_without_position_logits_is_refused(  # type: ignore[no-untyped
         Engine(
             model, smollm2_tokenizer, EngineConfig(max_model_len=256), draft=DraftConfig(model, 2)
         )
+
+
+def test_a_repository_model_names_its_draft_and_reports_acceptance(  # type: ignore[no-untyped-def]
+    speculative_graphs, smollm2_tokenizer, tmp_path
+) -> None:
+    """config.pbtxt's meshserve.draft_model and num_speculative_tokens reach the engine; the
+    draft counters reach the metrics endpoint's collector and ModelStatistics."""
+    import shutil
+
+    from worker.llm.serving import LLMRequest
+    from worker.metrics import RepositoryCollector
+    from worker.repository import Repository
+    from worker.runtime import RuntimeOptions
+    from worker.servicer import _statistics
+
+    folder = tmp_path / "tiny"
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(speculative_graphs["verify"], folder / "1" / "model.onnx")
+    shutil.copy(speculative_graphs["draft"], folder / "draft.onnx")
+    smollm2_tokenizer.save(str(folder / "tokenizer.json"))
+    parameters = {
+        "meshserve.engine": "llm",
+        "meshserve.tokenizer": "tokenizer.json",
+        "meshserve.max_model_len": "256",
+        "meshserve.draft_model": "draft.onnx",
+        "meshserve.num_speculative_tokens": "3",
+    }
+    (folder / "config.pbtxt").write_text(
+        'name: "tiny"\nmax_batch_size: 0\n'
+        + "".join(
+            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
+            for k, v in parameters.items()
+        )
+    )
+
+    async def main() -> None:
+        repository = Repository(tmp_path, RuntimeOptions(intra_op_threads=1, providers="cpu"))
+        repository.load()
+        try:
+            model = repository.get("tiny")
+            assert model.llm is not None and model.llm.engine.drafter is not None
+            assert model.llm.engine.drafter.num_tokens == 3
+            params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            request = LLMRequest("", PROMPTS[0], params, stream=True, exclude_input=True)
+            outs = [out async for out in model.llm.generate(request)]
+            assert outs[-1].completion_tokens == 20
+            stats = model.llm.engine.stats
+            assert stats.draft_tokens > 0
+            samples = {
+                (s.name, s.labels.get("kind")): s.value
+                for family in RepositoryCollector(repository).collect()
+                for s in family.samples
+                if "speculative" in s.name
+            }
+            assert samples[("meshserve_worker_speculative_tokens_total", "proposed")] == (
+                stats.draft_tokens
+            )
+            assert samples[("meshserve_worker_speculative_tokens_total", "accepted")] == (
+                stats.accepted_tokens
+            )
+            rate = samples[("meshserve_worker_speculative_acceptance_rate", None)]
+            assert rate == pytest.approx(stats.accepted_tokens / stats.draft_tokens)
+            usage = {u.type: u.byte_size for u in _statistics(model, {}).memory_usage}
+            assert usage["meshserve.speculative.proposed_tokens"] == stats.draft_tokens
+            assert usage["meshserve.speculative.acceptance_ppm"] == round(rate * 1e6)
+        finally:
+            await repository.close()
+
+    asyncio.run(main())
