@@ -25,11 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 from tokenizers import Tokenizer
 
 from benchmarks.common import ROOT, machine, write_result
 from quantize import llm_graph, pipeline
+from worker.llm.cache import CacheShape, KVCache
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
@@ -70,8 +72,30 @@ def int8_graph(source: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         recipe = pipeline.recipe_named(INT8)
         assert recipe.apply is not None
+        pipeline._quiet_quantizers()
         recipe.apply(source, path)
     return path
+
+
+def run_costs(models: dict[str, StepModel], reps: int = 10) -> dict[str, dict[int, float]]:
+    """Median ms of one run with M = 1, 2, 3, 5 new tokens after 64 cached ones, per model:
+    what a decode step (M = 1), a draft's catch-up (M = 2) and a verify run (M = k + 1)
+    each cost."""
+    out: dict[str, dict[int, float]] = {}
+    for name, model in models.items():
+        f = model.facts
+        cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 128), 128)
+        model.run(cache, np.arange(1000, 1064)[None], np.asarray([64]), 0, 1)
+        out[name] = {}
+        for m in (1, 2, 3, 5):
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                model.run(cache, np.arange(2000, 2000 + m)[None], np.asarray([64 + m]), 0, 1)
+                times.append((time.perf_counter() - start) * 1e3)
+            out[name][m] = round(statistics.median(times), 2)
+        cache.close()
+    return out
 
 
 async def generate(
@@ -180,6 +204,8 @@ def main() -> None:
         name: plain if name == "self" else StepModel.load(draft_files[name], options, cpu)
         for name in args.drafts
     }
+    costs = run_costs({"target": plain, **{n: m for n, m in drafts.items() if n != "self"}})
+    print("run ms by new tokens:", costs, flush=True)
     configs: list[tuple[str, str | None, int]] = [("target alone", None, 0)]
     configs += [(f"{d} k={k}", d, k) for d in args.drafts for k in args.k]
     rounds: dict[str, list[list[dict]]] = {name: [] for name, _, _ in configs}
@@ -213,12 +239,18 @@ def main() -> None:
     if any(n.startswith("self") for n in results):
         selfs = {n: r for n, r in results.items() if n.startswith("self")}
         top = max(selfs, key=lambda n: selfs[n]["decode_speedup"])
+        rates = sorted(r["acceptance_rate"] for r in selfs.values())
         reading.append(
-            f"the target as its own draft (acceptance "
-            f"{min(r['acceptance_rate'] for r in selfs.values())}) ran at "
+            f"the target as its own draft (acceptance {rates[0]}..{rates[-1]}) ran at "
             f"{selfs[top]['decode_speedup']}x at best ({top}): the price of drafting with a "
             "model as costly as the target"
         )
+    t = costs["target"]
+    reading.append(
+        f"one target run costs {t[1]} ms with 1 new token, {t[2]} ms with 2 and {t[5]} ms "
+        f"with 5 (after 64 cached tokens): a verify run of k + 1 tokens costs "
+        f"{round(t[5] / t[1], 2)}x a decode step at k = 4"
+    )
     reading.append(
         "all outputs identical to the target's"
         if all(r["identical_to_target"] for r in results.values())
@@ -230,6 +262,7 @@ def main() -> None:
         "command": "python -m benchmarks.llm_speculative " + " ".join(sys.argv[1:]),
         "settings": {
             "target": str(target_file.relative_to(ROOT)),
+            "target_kind": args.target,
             "drafts": {n: str(draft_files[n].relative_to(ROOT)) for n in args.drafts},
             "prompts": PROMPTS,
             "max_tokens": args.max_tokens,
@@ -241,6 +274,7 @@ def main() -> None:
         "loadavg_before": loadavg_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "seconds": round(time.perf_counter() - started, 1),
+        "run_ms_by_new_tokens": costs,
         "results": results,
         "reading": reading,
     }

@@ -126,7 +126,7 @@ class EngineStats:
     joined_running: int = 0  # sequences that began decoding while others were decoding
     finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
     rejected: int = 0
-    draft_tokens: int = 0  # proposed by the draft model (k per decoding row and step)
+    draft_tokens: int = 0  # proposed by the draft model (k per speculative step)
     accepted_tokens: int = 0  # drafts the target kept
     draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
 

@@ -8,7 +8,9 @@ a rejected draft is rolled back by not advancing the length, in both caches. The
 learns a sequence's tokens lazily: each proposal starts by feeding it every token it has not
 seen (the whole prompt the first time, then the last token, or two when all drafts were kept
 since the last of them never went through the draft model), so a sequence that never
-speculates costs the draft nothing.
+speculates costs the draft nothing. A verify run writes up to k tokens past what a sequence
+keeps, so its cache pages may reach k tokens past its reservation (in both caches); the
+draft's cache adds its own bytes per token to the KV budget's memory.
 """
 
 from __future__ import annotations
