@@ -9,10 +9,14 @@ runs and the wider verify run cost when nothing is gained from them).
 Batch 1 (the engine speculates while one sequence decodes), greedy, fixed prompts, in
 process (no gRPC), onnxruntime on CPU with --threads intra-op threads. Each configuration
 generates every prompt in turn; configurations alternate over --rounds rounds and each
-prompt's median time is kept. Greedy output must equal the target's own (checked per
-configuration). Needs the student: `python -m quantize distill --model smollm2 --layers 15
---steps 100` (its fp32 step graph; the int8 draft and the target's all-positions graph are
-built here into build/quantize/smollm2/experiments/, reused).
+prompt's median time is kept. With a draft, both sessions run with intra-op threads not
+spinning (as the worker loads them): two alternating pools that spin after each run take
+the cores from each other. The target alone is measured both ways, and the speed-ups are
+against it as served without a draft (spinning). Greedy output should equal the target's
+own (checked per configuration: "same text"). Needs the student: `python -m quantize
+distill --model smollm2 --layers 15 --steps 100` (its fp32 step graph; the int8 draft and
+the target's all-positions graph are built here into build/quantize/smollm2/experiments/,
+reused).
 Writes benchmarks/results/llm_speculative.json (--target fp32: llm_speculative_fp32.json).
 """
 
@@ -39,6 +43,7 @@ from worker.llm.speculative import DraftConfig
 from worker.runtime import RuntimeOptions
 
 CACHE = ROOT / "build" / "quantize"
+NOT_SPINNING = "target alone, threads not spinning"
 INT8 = "decoder-int8-weight-only"
 TARGETS = {"int8": INT8, "fp32": pipeline.FP32}
 STUDENT = "decoder-distill-l15"
@@ -188,11 +193,16 @@ def main() -> None:
             f"no student at {student.folder}: run `python -m quantize distill --model smollm2 "
             "--layers 15 --steps 100` first"
         )
-    options = RuntimeOptions(intra_op_threads=args.threads)
+    # Alternating sessions run with spinning off (as the worker loads a target with a
+    # draft): a pool spinning after its run takes the cores from the other's. The target
+    # alone is measured both ways; "target alone" is as served without a draft (spinning).
+    options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=False)
+    spinning = RuntimeOptions(intra_op_threads=args.threads)
     cpu = ["CPUExecutionProvider"]
     tokenizer = Tokenizer.from_file(str(student.tokenizer))
     tokenizer.no_padding()
     tokenizer.no_truncation()
+    served = StepModel.load(target_file, spinning, cpu)
     plain = StepModel.load(target_file, options, cpu)
     verifying = StepModel.load(verify_graph(target_file), options, cpu)
     draft_files = {
@@ -207,13 +217,14 @@ def main() -> None:
     costs = run_costs({"target": plain, **{n: m for n, m in drafts.items() if n != "self"}})
     print("run ms by new tokens:", costs, flush=True)
     configs: list[tuple[str, str | None, int]] = [("target alone", None, 0)]
+    configs += [(NOT_SPINNING, None, 0)]
     configs += [(f"{d} k={k}", d, k) for d in args.drafts for k in args.k]
     rounds: dict[str, list[list[dict]]] = {name: [] for name, _, _ in configs}
     started = time.perf_counter()
     for i in range(args.rounds):
         order = configs[i % len(configs) :] + configs[: i % len(configs)]  # rotate the order
         for name, draft, k in order:
-            model = plain if draft is None else verifying
+            model = verifying if draft else served if name == "target alone" else plain
             drafting = None if draft is None else DraftConfig(drafts[draft], k)
             runs = asyncio.run(generate(model, drafting, tokenizer, args.max_tokens))
             rounds[name].append(runs)

@@ -5,6 +5,7 @@ Each loaded model version owns its onnxruntime session, its batcher and its stat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
-from worker.llm.serving import LLMServing, draft_path
+from worker.llm.serving import DRAFT_MODEL, LLMServing, draft_path
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
@@ -147,7 +148,12 @@ class Repository:
 
     def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
         path = model_dir / version / "model.onnx"
-        session = OnnxSession(path, self.options, self._providers)
+        options = self.options
+        if cfg.is_llm(config) and DRAFT_MODEL in config.parameters:
+            # The target's and the draft's runs alternate: a pool spinning after its run
+            # takes the cores from the other's (benchmarks/llm_speculative.py measures it).
+            options = dataclasses.replace(options, allow_spinning=False)
+        session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
         if cfg.is_llm(config):
@@ -199,12 +205,12 @@ class Repository:
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
         spec = cfg.spec(completed, version)
         path = draft_path(spec, model_dir)
-        draft = (
-            None if path is None else StepModel(OnnxSession(path, self.options, [session.provider]))
-        )
-        llm, stats = serve_llm(
-            spec, StepModel(session), model_dir, draft, provider=session.provider
-        )
+        draft = None
+        if path is not None:  # on the target's provider, not spinning (see _load_version)
+            options = dataclasses.replace(self.options, allow_spinning=False)
+            draft = StepModel(OnnxSession(path, options, [session.provider]))
+        model = StepModel(session)
+        llm, stats = serve_llm(spec, model, model_dir, draft, provider=session.provider)
         return LoadedModel(spec, completed, session, stats, llm=llm)
 
     def get(self, name: str, version: str = "") -> LoadedModel:
