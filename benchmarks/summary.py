@@ -556,6 +556,46 @@ def llm_int4_section(r: dict) -> str:
     )
 
 
+def llm_speculative_section(r: dict) -> str:
+    rows = [
+        [
+            name,
+            "-" if v["acceptance_rate"] is None else v["acceptance_rate"],
+            "-" if v["tokens_per_target_run"] is None else v["tokens_per_target_run"],
+            v["decode_tokens_per_s"],
+            f"{v['decode_speedup']}x",
+            v["draft_share_of_decode"],
+            "yes" if v["identical_to_target"] else "no",
+        ]
+        for name, v in r["results"].items()
+    ]
+    s = r["settings"]
+    return "\n\n".join(
+        [
+            f"## LLM: speculative decoding with a draft model ({s['target_kind']} target)",
+            f"`{r['command'].strip()}` — target `{s['target']}`, drafts "
+            + ", ".join(f"{n}: `{p}`" for n, p in s["drafts"].items())
+            + f"; batch {s['batch']}, {s['sampling']}, {len(s['prompts'])} prompts of up to "
+            f"{s['max_tokens']} new tokens, median of {s['rounds']} rounds, "
+            f"{s['intra_op_threads']} intra-op threads; loadavg {' '.join(r['loadavg_before'])} "
+            f"before, {' '.join(r['loadavg_after'])} after.",
+            table(
+                [
+                    "configuration",
+                    "acceptance",
+                    "tokens per target run",
+                    "decode tok/s",
+                    "speed-up",
+                    "draft share of decode time",
+                    "same text as the target",
+                ],
+                rows,
+            ),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
+
+
 def llm_genai_perf_section(r: dict) -> str:
     g = r.get("genai_perf", {})
     if "error" in g:
@@ -796,6 +836,8 @@ SECTIONS = {
     "kv_balance": kv_balance_section,
     "llm": llm_section,
     "llm_int4": llm_int4_section,
+    "llm_speculative": llm_speculative_section,
+    "llm_speculative_fp32": llm_speculative_section,
     "llm_genai_perf": llm_genai_perf_section,
     "planner": planner_section,
     "tenants": tenants_section,

@@ -7,7 +7,10 @@ buffers [rows, kv_heads, max_len, head_dim] that the worker allocates once and b
 the new keys in place at each row's own length: `seqlens_k` = past + new - 1). RoPE runs
 inside the attention op from cos/sin tables baked into the graph, so positions follow each
 row's length and no row is ever padded. Only the last position reaches the LM head, so a
-prefill of 1,500 tokens returns one row of logits, not 1,500.
+prefill of 1,500 tokens returns one row of logits, not 1,500. With `all_positions`
+(`with_position_logits`), an extra scalar input `num_logits` says how many of the last new
+positions reach the head instead: logits [rows, num_logits, vocab], what a speculative
+decoding verify run reads (every drafted position at once); metadata `num_logits_input` = 1.
 
 Inputs: input_ids [rows, new] int64, seqlens_k [rows] int32, total_sequence_length []
 int32, past_key.{i} / past_value.{i}. Outputs: logits [rows, vocab] float32, present_key.{i}
@@ -33,6 +36,8 @@ OPSET = 17
 IR_VERSION = 10  # onnxruntime 1.23 reads IR <= 11; onnx 1.19 writes 12 by default
 META = "meshserve.llm."
 IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
+NUM_LOGITS = "num_logits"
+INT64_MAX = np.iinfo(np.int64).max
 
 
 def past_names(layer: int) -> tuple[str, str]:
@@ -179,8 +184,9 @@ def model_proto(
     return proto
 
 
-def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
-    """The engine's step graph for `model`'s weights, with RoPE tables for max_positions."""
+def build(model: LlamaDecoder, max_positions: int, all_positions: bool = False) -> onnx.ModelProto:
+    """The engine's step graph for `model`'s weights, with RoPE tables for max_positions
+    (and the `num_logits` input with all_positions)."""
     c = model.config
     state = dict(model.state_dict())
     g = _Graph()
@@ -204,7 +210,60 @@ def build(model: LlamaDecoder, max_positions: int) -> onnx.ModelProto:
         "vocab_size": c.vocab_size,
         "max_positions": max_positions,
     }
-    return model_proto(g, "meshserve_llm_step", inputs, outputs, meta)
+    proto = model_proto(g, "meshserve_llm_step", inputs, outputs, meta)
+    return with_position_logits(proto) if all_positions else proto
+
+
+def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The step graph (fp32 or quantized: only the head's Gather changes) returning logits at
+    the last `num_logits` new positions of each row, [rows, num_logits, vocab]; num_logits = 1
+    gives the last position, as before. Modifies and returns `proto`."""
+    g = proto.graph
+    gather = next(
+        (n for n in g.node if n.op_type == "Gather" and n.input[1:] == ["last_position"]), None
+    )
+    if gather is None:
+        raise ValueError("not a last-position step graph (no Gather of last_position)")
+    reshape = next(n for n in g.node if n.op_type == "Reshape" and n.input[0] == gather.output[0])
+    shape = next(t for t in g.initializer if t.name == reshape.input[1])
+    hidden = int(numpy_helper.to_array(shape)[-1])
+    consts = {
+        "num_logits_shape": np.array([1], np.int64),
+        "positions_end": np.array([INT64_MAX], np.int64),
+        "positions_axis": np.array([1], np.int64),
+        "rows_by_positions_by_hidden": np.array([0, -1, hidden], np.int64),
+    }
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+    index = list(g.node).index(gather)
+    first = "num_logits_first"
+    nodes = [
+        helper.make_node("Neg", [NUM_LOGITS], ["num_logits_neg"], name="num_logits_neg"),
+        helper.make_node(
+            "Reshape", ["num_logits_neg", "num_logits_shape"], [first], name="num_logits_first"
+        ),
+        helper.make_node(
+            "Slice",
+            [gather.input[0], first, "positions_end", "positions_axis"],
+            [gather.output[0]],
+            name="last_positions",
+        ),
+    ]
+    g.node.remove(gather)
+    g.initializer.remove(next(t for t in g.initializer if t.name == "last_position"))
+    for offset, node in enumerate(nodes):
+        g.node.insert(index + offset, node)
+    reshape.input[1] = "rows_by_positions_by_hidden"
+    g.input.append(helper.make_tensor_value_info(NUM_LOGITS, TensorProto.INT64, []))
+    logits = next(o for o in g.output if o.name == LOGITS)
+    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
+    logits.CopyFrom(
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", "positions", vocab])
+    )
+    helper.set_model_props(
+        proto,
+        {**{p.key: p.value for p in proto.metadata_props}, META + "num_logits_input": "1"},
+    )
+    return proto
 
 
 def save(proto: onnx.ModelProto, path: Path) -> Path:

@@ -134,6 +134,17 @@ class RepositoryCollector(Collector):
             "LLM tokens: kind=in (prompts admitted) or out (generated and sent)",
             labels=[*labels, "kind"],
         )
+        drafts = CounterMetricFamily(
+            "meshserve_worker_speculative_tokens",
+            "LLM speculative decoding: kind=proposed (by the draft model) or accepted (by the "
+            "target); the acceptance rate is accepted / proposed",
+            labels=[*labels, "kind"],
+        )
+        acceptance = GaugeMetricFamily(
+            "meshserve_worker_speculative_acceptance_rate",
+            "Draft tokens the target accepted, as a fraction of those proposed since start",
+            labels=labels,
+        )
         roof = GaugeMetricFamily(
             "meshserve_worker_roofline",
             "Where the model runs against the roofline (worker/roofline.py): figure="
@@ -169,8 +180,12 @@ class RepositoryCollector(Collector):
             sequences.add_metric([*key, "waiting"], len(engine.waiting))
             tokens.add_metric([*key, "in"], model.llm.prompt_tokens)
             tokens.add_metric([*key, "out"], model.llm.completion_tokens)
+            if engine.drafter is not None:
+                drafts.add_metric([*key, "proposed"], engine.stats.draft_tokens)
+                drafts.add_metric([*key, "accepted"], engine.stats.accepted_tokens)
+                acceptance.add_metric(key, engine.stats.acceptance_rate)
         yield from (loaded, depth, capacity, requests, request_seconds, phase_seconds)
-        yield from (inferences, executions, kv, sequences, tokens, roof)
+        yield from (inferences, executions, kv, sequences, tokens, drafts, acceptance, roof)
 
 
 def serve(repository: Repository, port: int, host: str, roofline: Roofline | None = None) -> int:

@@ -5,6 +5,7 @@ Each loaded model version owns its onnxruntime session, its batcher and its stat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
-from worker.llm.serving import LLMServing
+from worker.llm.serving import DRAFT_MODEL, LLMServing, draft_path
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
@@ -85,11 +86,16 @@ def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
 
 
 def serve_llm(
-    spec: cfg.ModelSpec, model: Model, model_dir: Path, **facts: object
+    spec: cfg.ModelSpec,
+    model: Model,
+    model_dir: Path,
+    draft: Model | None = None,
+    **facts: object,
 ) -> tuple[LLMServing, ModelStats]:
-    """The engine over `model` (one session, or a shard group's TPStepModel), started, its
-    runs counted in Triton's statistics fields; `facts` go into the load log line."""
-    llm = LLMServing(spec, model, model_dir)
+    """The engine over `model` (one session, or a shard group's TPStepModel), with its draft
+    model for speculative decoding if any, started, its runs counted in Triton's statistics
+    fields; `facts` go into the load log line."""
+    llm = LLMServing(spec, model, model_dir, draft)
     stats = ModelStats()
     llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
         rows, rows, 0, ns, 0, kind, tokens, llm.engine.cached_tokens() if kind == "decode" else 0
@@ -104,6 +110,7 @@ def serve_llm(
         max_num_seqs=llm.config.max_num_seqs,
         kv_cache_tokens=llm.config.kv_cache_tokens,
         kv_cache_bytes=llm.config.kv_cache_tokens * llm.engine.cache.shape.bytes_per_token,
+        num_speculative_tokens=llm.engine.drafter.num_tokens if llm.engine.drafter else 0,
         **facts,
     )
     return llm, stats
@@ -141,7 +148,12 @@ class Repository:
 
     def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
         path = model_dir / version / "model.onnx"
-        session = OnnxSession(path, self.options, self._providers)
+        options = self.options
+        if cfg.is_llm(config) and DRAFT_MODEL in config.parameters:
+            # The target's and the draft's runs alternate: a pool spinning after its run
+            # takes the cores from the other's (benchmarks/llm_speculative.py measures it).
+            options = dataclasses.replace(options, allow_spinning=False)
+        session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
         if cfg.is_llm(config):
@@ -192,7 +204,13 @@ class Repository:
         completed = cfg.complete_llm(config, self.default_max_queue_size)
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
         spec = cfg.spec(completed, version)
-        llm, stats = serve_llm(spec, StepModel(session), model_dir, provider=session.provider)
+        path = draft_path(spec, model_dir)
+        draft = None
+        if path is not None:  # on the target's provider, not spinning (see _load_version)
+            options = dataclasses.replace(self.options, allow_spinning=False)
+            draft = StepModel(OnnxSession(path, options, [session.provider]))
+        model = StepModel(session)
+        llm, stats = serve_llm(spec, model, model_dir, draft, provider=session.provider)
         return LoadedModel(spec, completed, session, stats, llm=llm)
 
     def get(self, name: str, version: str = "") -> LoadedModel:

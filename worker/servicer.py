@@ -268,6 +268,24 @@ def _roofline_usage(figures: dict[str, float]) -> list[pb.MemoryUsage]:
     return out
 
 
+SPECULATIVE = "meshserve.speculative."
+
+
+def _speculative_usage(model: LoadedModel) -> list[pb.MemoryUsage]:
+    """An LLM engine's draft tokens, as the roofline figures travel: proposed_tokens,
+    accepted_tokens and acceptance_ppm (parts per million); none without a draft model."""
+    engine = model.llm.engine if model.llm is not None else None
+    if engine is None or engine.drafter is None:
+        return []
+    s = engine.stats
+    figures = {
+        "proposed_tokens": s.draft_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "acceptance_ppm": round(s.acceptance_rate * 1e6),
+    }
+    return [pb.MemoryUsage(type=SPECULATIVE + k, byte_size=v) for k, v in figures.items()]
+
+
 def _statistics(model: LoadedModel, figures: dict[str, float]) -> pb.ModelStatistics:
     s = model.stats
     return pb.ModelStatistics(
@@ -293,5 +311,5 @@ def _statistics(model: LoadedModel, figures: dict[str, float]) -> pb.ModelStatis
             )
             for size, b in sorted(s.batches.items())
         ],
-        memory_usage=_roofline_usage(figures),
+        memory_usage=_roofline_usage(figures) + _speculative_usage(model),
     )

@@ -16,6 +16,24 @@ One loop owns the model, the cache and every sequence. Each iteration:
 
 Model runs go to one thread (onnxruntime releases the GIL), so gRPC keeps being served while
 a step computes; sampling and detokenizing run on the event loop between steps.
+
+With a draft model (speculative decoding, worker/llm/speculative.py), step 4 becomes, while
+one sequence is decoding: the draft proposes k tokens, greedily; the target scores the last
+token and the k drafts in one run (logits at all k + 1 positions); the sequence then samples
+position by position with its own sampler, keeping tokens while they equal the drafts, and
+ends with the first that differs (or the bonus token after k hits). With several sequences
+decoding, the plain batched step runs: onnxruntime's GroupQueryAttention on CPU takes
+several new tokens over a cache for one row only, so a verify run cannot batch rows, and
+separate runs per row would read the target's weights once per row where one decode step
+reads them once for all (vLLM, too, turns speculation off above a batch size).
+
+Every emitted token is the target's own choice, so greedy output is the target's, token for
+token. For sampled sequences this exact-match rule is the rejection-sampling rule of
+Leviathan et al. / Chen et al. for a greedy (one-hot) draft: a draft token d is kept with
+probability p(d), and on a miss the token comes from p without d, renormalized; it draws one
+random number per emitted token, as without a draft, so a seeded request gives the same
+text with or without one (but for float noise: a verify run's logits are computed for k + 1
+positions at once).
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import structlog
@@ -35,8 +54,9 @@ from tokenizers import Tokenizer
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.detokenize import Detokenizer
-from worker.llm.model import Model
+from worker.llm.model import Model, VerifyingModel
 from worker.llm.sampling import Sampler, SamplingParams
+from worker.llm.speculative import DraftConfig, Drafter
 
 log = structlog.get_logger()
 
@@ -75,6 +95,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     slot: int = -1
     computed: int = 0  # tokens whose keys and values are in the cache
+    drafted: int = 0  # tokens whose keys and values are in the draft model's cache
     finish_reason: str | None = None
     cancelled: bool = False
     arrived_ns: int = field(default_factory=time.perf_counter_ns)
@@ -86,6 +107,12 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    def since(self, position: int) -> list[int]:
+        """The prompt and generated tokens from `position` on."""
+        if position >= len(self.prompt):
+            return self.tokens[position - len(self.prompt) :]
+        return [*self.prompt[position:], *self.tokens]
 
 
 @dataclass
@@ -99,6 +126,13 @@ class EngineStats:
     joined_running: int = 0  # sequences that began decoding while others were decoding
     finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
     rejected: int = 0
+    draft_tokens: int = 0  # proposed by the draft model (k per speculative step)
+    accepted_tokens: int = 0  # drafts the target kept
+    draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 class Engine:
@@ -108,12 +142,28 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         on_execution=None,  # type: ignore[no-untyped-def]
+        draft: DraftConfig | None = None,
     ) -> None:
         facts = model.facts
-        if config.max_model_len > facts.max_positions:
+        positions = [facts.max_positions]
+        if draft is not None:
+            positions.append(draft.model.facts.max_positions)
+            if draft.model.facts.vocab_size != facts.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft.model.facts.vocab_size}) is not the "
+                    f"target's ({facts.vocab_size})"
+                )
+            if not getattr(model, "position_logits", False):
+                raise ValueError(
+                    "the target's step graph returns the last position's logits only; a draft "
+                    "needs one built with all_positions (quantize/llm_graph.py)"
+                )
+            if draft.num_tokens < 1:
+                raise ValueError(f"num_speculative_tokens {draft.num_tokens}: must be >= 1")
+        if config.max_model_len > min(positions):
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the graph's RoPE table of "
-                f"{facts.max_positions} positions"
+                f"{min(positions)} positions"
             )
         self.model = model
         self.tokenizer = tokenizer
@@ -130,6 +180,12 @@ class Engine:
             ),
             budget,
         )
+        self.drafter = None
+        if draft is not None:
+            shape = self.cache.shape
+            self.drafter = Drafter(draft, shape.slots, shape.max_len, budget)
+        # positions a run may write to (a draft writes up to k past a sequence's length)
+        self._position_limit = min(self.cache.shape.max_len, *positions)
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
         self.waiting: deque[Sequence] = deque()
@@ -224,6 +280,8 @@ class Engine:
             self._finish(seq, CANCELLED)
         self._pool.shutdown(wait=True)
         self.cache.close()
+        if self.drafter is not None:
+            self.drafter.close()
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -282,6 +340,13 @@ class Engine:
             return
         lo = min(s.slot for s in decoding)
         hi = max(s.slot for s in decoding) + 1
+        if self.drafter is not None and len(decoding) == 1:
+            # the verify run writes k + 1 tokens from the last one on, within the cache and
+            # the RoPE tables
+            k = min(self.drafter.num_tokens, self._position_limit - decoding[0].length)
+            if k > 0:
+                await self._speculate(loop, decoding[0], k)
+                return
         ids = np.zeros((hi - lo, 1), np.int64)
         lengths = np.ones(hi - lo, np.int64)
         # Rows between the decoding ones (free slots, prompts mid-prefill) run a dummy token
@@ -304,6 +369,47 @@ class Engine:
             if not seq.cancelled:
                 self._accept(seq, logits[seq.slot - lo])
 
+    async def _speculate(self, loop: asyncio.AbstractEventLoop, seq: Sequence, k: int) -> None:
+        """One decode step of one sequence with k drafts: the draft catches up and proposes,
+        the target scores the last token and the drafts in one run, the sequence keeps the
+        longest prefix the target agrees with plus the target's own next token."""
+        assert self.drafter is not None
+        pending = seq.since(seq.drafted)  # tokens the draft has not seen yet (1 or 2 mostly)
+        drafts = await loop.run_in_executor(
+            self._pool, self.drafter.propose, pending, seq.length, seq.slot, k
+        )
+        ids = np.asarray([[seq.tokens[-1], *drafts]], np.int64)
+        target = cast(VerifyingModel, self.model)
+        start = time.perf_counter_ns()
+        logits = await loop.run_in_executor(
+            self._pool,
+            target.run_positions,
+            self.cache,
+            ids,
+            np.asarray([seq.length + k]),
+            seq.slot,
+            seq.slot + 1,
+        )
+        self._executed("decode", 1, k + 1, time.perf_counter_ns() - start)
+        self.stats.decode_runs += 1
+        self.stats.decode_batches[1] += 1
+        self.stats.draft_tokens += k
+        self.stats.draft_ns = self.drafter.ns
+        length = seq.length
+        emitted = 0
+        while not seq.cancelled and seq.finish_reason is None and emitted <= k:
+            token = self._accept(seq, logits[0, emitted])
+            hit = emitted < k and token == drafts[emitted]
+            emitted += 1
+            self.stats.accepted_tokens += int(hit)
+            if not hit:
+                break
+        self.stats.decode_tokens += emitted
+        # The row's last token and the kept drafts are in the target's cache, and but for
+        # the last draft in the draft's; what lies past them is dead in both.
+        seq.computed += max(emitted, 1)
+        seq.drafted = min(seq.computed, length + k - 1)
+
     def cached_tokens(self) -> int:
         """Tokens in the cache over the generating sequences (what a decode run reads)."""
         return sum(s.computed for s in self.running if not s.prefilling)
@@ -312,8 +418,8 @@ class Engine:
         if self.on_execution is not None:
             self.on_execution(kind, rows, tokens, ns)
 
-    def _accept(self, seq: Sequence, logits: np.ndarray) -> None:
-        """Sample the sequence's next token and hand it its new text."""
+    def _accept(self, seq: Sequence, logits: np.ndarray) -> int:
+        """Sample the sequence's next token and hand it its new text; the token."""
         p = seq.params
         banned = None
         if len(seq.tokens) < p.min_tokens and not p.ignore_eos:
@@ -337,8 +443,9 @@ class Engine:
             if piece:
                 # Running counts on every piece: what a stream cut here has sent.
                 seq.outputs.put_nowait(Output(piece, False, None, len(seq.prompt), len(seq.tokens)))
-            return
+            return token
         self._finish(seq, reason, piece)
+        return token
 
     def _finish(self, seq: Sequence, reason: str, piece: str = "") -> None:
         if seq.finish_reason is not None:
@@ -366,6 +473,8 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.release(seq.slot, seq.reserve)
+            if self.drafter is not None:
+                self.drafter.release(seq.slot)
             seq.slot = -1
 
 

@@ -2,6 +2,8 @@
 
 `run` takes the new tokens of some rows, each row's length after them, and the cache slots
 the rows live in (contiguous, lo..hi-1); it returns the last position's logits per row.
+`run_positions` returns the logits of every new position (a speculative verify run): only a
+graph built with the `num_logits` input (quantize/llm_graph.py's all_positions) has them.
 The cache is bound as both the past and the present of every layer (IO binding), so
 onnxruntime writes the new keys and values straight into it.
 """
@@ -20,6 +22,7 @@ from worker.runtime import OnnxSession, RuntimeOptions
 
 META = "meshserve.llm."
 IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
+NUM_LOGITS = "num_logits"
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,14 @@ class Model(Protocol):
     ) -> np.ndarray: ...
 
 
+class VerifyingModel(Model, Protocol):
+    """A target model for speculative decoding: logits at every new position."""
+
+    def run_positions(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
+    ) -> np.ndarray: ...
+
+
 def is_step_graph(session: OnnxSession) -> bool:
     return any(a.name == SEQLENS for a in session.session.get_inputs())
 
@@ -60,6 +71,7 @@ class StepModel:
                 f"{session.path}: not a meshserve LLM step graph (metadata {e} missing); "
                 "build it with `python -m quantize build-repository`"
             ) from e
+        self.position_logits = meta.get(META + "num_logits_input") == "1"
         f = self.facts
         self._past = [(f"past_key.{i}", f"past_value.{i}") for i in range(f.layers)]
         self._present = [(f"present_key.{i}", f"present_value.{i}") for i in range(f.layers)]
@@ -73,18 +85,38 @@ class StepModel:
     ) -> np.ndarray:
         """ids [rows, new] int64 for slots lo..hi-1; lengths [rows]: each row's length
         including the new tokens. Returns logits [rows, vocab] float32."""
-        io = self._binding(cache, lo, hi)
+        logits = self._run(cache, ids, lengths, lo, hi, 1)
+        return logits[:, -1] if self.position_logits else logits
+
+    def run_positions(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
+    ) -> np.ndarray:
+        """As `run`, with the logits of every new position: [rows, new, vocab]."""
+        if not self.position_logits:
+            raise ValueError(
+                f"{self.session.path}: the step graph returns the last position's logits only; "
+                "build it with all_positions (quantize/llm_graph.py) to verify drafts"
+            )
+        return self._run(cache, ids, lengths, lo, hi, ids.shape[1])
+
+    def _run(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int, n: int
+    ) -> np.ndarray:
+        io = self._binding(cache, lo, hi, n)
         io.bind_cpu_input(IDS, np.ascontiguousarray(ids, dtype=np.int64))
         io.bind_cpu_input(SEQLENS, (lengths - 1).astype(np.int32))
         io.bind_cpu_input(TOTAL, np.array(int(lengths.max()), dtype=np.int32))
+        if self.position_logits:
+            io.bind_cpu_input(NUM_LOGITS, np.array(n, dtype=np.int64))
         self.session.session.run_with_iobinding(io)
         # a copy: the binding's output buffer is reused by the next run
         return np.array(io.get_outputs()[0].numpy())
 
-    def _binding(self, cache: KVCache, lo: int, hi: int) -> ort.IOBinding:
-        """One IO binding per row range, kept by the cache (whose memory it binds), with the
-        cache bound once: a step then rebinds only its three small inputs."""
-        key = (id(self), lo, hi)
+    def _binding(self, cache: KVCache, lo: int, hi: int, n: int) -> ort.IOBinding:
+        """One IO binding per row range (and count of positions with logits, whose output
+        shape onnxruntime keeps), kept by the cache (whose memory it binds), with the cache
+        bound once: a step then rebinds only its small inputs."""
+        key = (id(self), lo, hi, n)
         io = cache.bindings.get(key)
         if io is None:
             io = self.session.session.io_binding()

@@ -25,6 +25,7 @@ from worker.llm import sampling
 from worker.llm.cache import CacheShape
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
+from worker.llm.speculative import DraftConfig
 
 log = structlog.get_logger()
 
@@ -44,7 +45,18 @@ MAX_NUM_SEQS = "meshserve.max_num_seqs"
 KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
 PREFILL_CHUNK = "meshserve.prefill_chunk"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
-INT_PARAMETERS = (MAX_MODEL_LEN, MAX_NUM_SEQS, KV_CACHE_BYTES, PREFILL_CHUNK, MAX_TOKENS_LIMIT)
+# speculative decoding: a draft step graph (a path in the model's folder), and k
+DRAFT_MODEL = "meshserve.draft_model"
+NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+DEFAULT_SPECULATIVE_TOKENS = 4
+INT_PARAMETERS = (
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    KV_CACHE_BYTES,
+    PREFILL_CHUNK,
+    MAX_TOKENS_LIMIT,
+    NUM_SPECULATIVE_TOKENS,
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,30 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
     )
 
 
+def draft_path(spec: ModelSpec, model_dir: Path) -> Path | None:
+    """The draft model's step graph named by the config, checked to exist; None: no draft."""
+    name = spec.parameters.get(DRAFT_MODEL)
+    if not name:
+        return None
+    path = model_dir / name
+    if not path.is_file():
+        raise ConfigError(f"model {spec.name!r}: {DRAFT_MODEL} {path} does not exist")
+    return path
+
+
+def draft_config(spec: ModelSpec, draft: Model | None) -> DraftConfig | None:
+    if draft is None:
+        return None
+    k = int(spec.parameters.get(NUM_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS))
+    if k < 1:
+        raise ConfigError(f"model {spec.name!r}: {NUM_SPECULATIVE_TOKENS} must be >= 1")
+    return DraftConfig(draft, k)
+
+
 class LLMServing:
-    def __init__(self, spec: ModelSpec, model: Model, model_dir: Path) -> None:
+    def __init__(
+        self, spec: ModelSpec, model: Model, model_dir: Path, draft: Model | None = None
+    ) -> None:
         path = model_dir / spec.parameters.get(TOKENIZER, "tokenizer.json")
         if not path.is_file():
             raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
@@ -90,7 +124,10 @@ class LLMServing:
         tokenizer.no_truncation()
         self.spec = spec
         self.config = engine_config(spec, model)
-        self.engine = Engine(model, tokenizer, self.config)
+        try:
+            self.engine = Engine(model, tokenizer, self.config, draft=draft_config(spec, draft))
+        except ValueError as e:
+            raise ConfigError(f"model {spec.name!r}: {e}") from e
         self.max_tokens_limit = int(
             spec.parameters.get(MAX_TOKENS_LIMIT, self.config.max_model_len - 1)
         )
