@@ -588,7 +588,7 @@ def main() -> None:
         for c in configs:  # build what is missing before anything is measured
             artifact(c.model, c.recipe, args.cache)
         profile = probe.probe(2.0)
-        overhead = probe.mesh_overhead(tmp / "probe", 3.0)
+        overhead = probe.mesh_overhead(tmp / "probe", 6.0)
         profile = Profile(**{**profile.as_dict(), **overhead})
         profiles.save(profile, RESULTS.parent.parent / profiles.DEFAULT_PROBED)
         analyses: dict[str, ModelAnalysis] = {}
