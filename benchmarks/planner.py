@@ -1,26 +1,28 @@
 """Issue 14, item 6: the planner's predictions against the real mesh on this machine.
 
-    python -m benchmarks.planner [--seconds 5] [--skip-llm]
+    python -m benchmarks.planner [--seconds 5] [--skip-llm] [--reanalyse]
 
 First `planner probe --mesh` measures this machine's roof and the mesh's own cost per call
-(under the same load as what follows). Then each model x recipe is timed alone, outside the
-mesh (planner/calibrate.py: its session at batch 1 and at the largest batch, one thread as
-the workers run it), which fits the Roofline's fixed cost per run and achievable fraction.
-Then, for each configuration (MiniLM fp32 / int8, 1-3 workers, two batch limits; SmolLM2
-int8 weight-only through the LLM engine at two batch limits), it predicts twice (the bare
-Roofline on the probed profile, and the Roofline calibrated by the standalone runs) and
-measures:
+(its CPU per call, the router's part of it, and the trip's p99 at three open-loop rates with
+the cores each kept busy). Then each model x recipe is calibrated twice, outside the mesh:
+its session timed alone (planner/calibrate.py: batch 1 and the largest, one thread as the
+workers run it), and, for the encoders, served by one worker alone at batch limits 1 and the
+largest (planner/serving.py: seconds per batch and host CPU per call at saturation). Then,
+for each configuration (MiniLM fp32 / int8, 1-3 workers, two batch limits; SmolLM2 int8
+weight-only through the LLM engine at two batch limits), it predicts three times (the bare
+Roofline on the probed profile; fitted to the session alone; fitted to the worker alone,
+"served", the planner's best and the one judged) and measures:
 - throughput: predicted capacity (saturation throughput) against a closed loop with enough
-  callers to keep every replica's queue from running dry (2 x replicas x max batch, at
-  least 8, at most 48);
+  callers to keep every replica's queue from running dry (4 x replicas x max batch, at
+  least 8, at most 64);
 - p99: predicted at an open-loop Poisson rate of half the measured throughput (stated in
   each row as offered_rps), against that run.
 The workers' own statistics are read after each loop, so the batch the batcher formed and
 its run time are known for the closed and the open loop apart. Workers and router share this
 machine's cores with the client, so the prediction uses the shared-host form of the queueing
-model (planner/queueing.py). Every miss gets the reason the numbers show: the run itself (the
-worker's compute time per run against the prediction's), the batch the batcher formed, or the
-mesh around it. Writes benchmarks/results/planner.json, planner_roofline.png (this machine)
+model (planner/queueing.py). Every miss of the best prediction gets the reason the numbers
+show: the batches, a replica's seconds per batch, the host CPU per call, the cores the open
+loop kept busy. Writes benchmarks/results/planner.json, planner_roofline.png (this machine)
 and planner_roofline_h200.png (the same models on the H200 profile).
 """
 
