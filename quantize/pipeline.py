@@ -184,9 +184,10 @@ STUDENT_FILE = "student.json"  # how a student was trained: its plan, text and l
 def training_text(
     cache: Path, per_topic: int | None = None, progress: Callable[[], None] | None = None
 ) -> list[str]:
-    """Distillation text for every student, built once into CACHE/distill/text-g<N>.json:
-    N sentences per topic that the smollm2 source writes (default distill.PER_TOPIC; 0:
-    none, SmolLM2 is not even loaded), and Python's language reference."""
+    """Distillation text for every student, built once into
+    CACHE/distill/text-g<N>-<recipe>.json: N answers per topic and template
+    that the smollm2 source writes (default distill.PER_TOPIC; 0: none, SmolLM2 is not even
+    loaded), Python's language reference and the standard library's docstrings."""
     count = distill.PER_TOPIC if per_topic is None else per_topic
 
     def generator() -> tuple[LlamaDecoder, Tokenizer]:
@@ -194,7 +195,7 @@ def training_text(
         assert isinstance(loaded.model, LlamaDecoder)
         return loaded.model, loaded.tokenizer
 
-    path = cache / "distill" / f"text-g{count}.json"
+    path = cache / "distill" / f"text-g{count}-{distill.text_recipe()}.json"
     return distill.training_text(path, generator, count, progress)
 
 
@@ -229,7 +230,6 @@ def distill_model(
     except distill.DistillError as e:
         raise BuildError(f"model {name!r}: {e}") from e
     texts = training_text(cache, per_topic, on_text)
-    started = time.perf_counter()
     try:
         trained = distill.train(
             loaded.model,
@@ -251,8 +251,8 @@ def distill_model(
         "loss_last": trained.losses[-1] if trained.losses else None,
         "losses": [round(x, 5) for x in trained.losses],
         "resumed_from_step": trained.resumed_from,
-        "train_seconds": round(time.perf_counter() - started, 1),
-        "torch_threads": distill.THREADS,
+        "train_seconds": round(trained.seconds, 1),
+        "torch_threads": trained.threads,
     }
 
     def write(tmp: Path) -> None:
