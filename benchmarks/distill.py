@@ -1,6 +1,6 @@
 """Distillation beside quantization: teacher fp32 / int8 against student fp32 / int8.
 
-    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30]
+    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30] [--layers K]
 
 Per model: size, onnxruntime CPU latency (MiniLM: one forward pass of 16-token sentences
 at batch 1 and 16; SmolLM2: one engine decode step at batch 1 and 16), all four measured
@@ -31,9 +31,9 @@ TARGET_SPEEDUP = 4.0
 TARGET_COSINE = 0.95
 
 
-def artifacts(model: str, cache: Path) -> dict[str, pipeline.Artifact]:
+def artifacts(model: str, cache: Path, layers: int | None) -> dict[str, pipeline.Artifact]:
     kind = pipeline.source(model).kind
-    layers = distill.DEFAULTS[kind].layers
+    layers = layers or distill.DEFAULTS[kind].layers
     names = {
         "teacher fp32": pipeline.FP32,
         "teacher int8": TEACHER_INT8[kind],
@@ -54,9 +54,9 @@ def gate(recipe: str, metrics: dict) -> dict:
     return {"recipe": recipe, "accepted": not failures, "failures": failures}
 
 
-def bench_model(model: str, repeats: int, cache: Path) -> dict:
+def bench_model(model: str, repeats: int, cache: Path, layers: int | None = None) -> dict:
     kind = pipeline.source(model).kind
-    found = artifacts(model, cache)
+    found = artifacts(model, cache, layers)
     recipes = {label: a.folder.name.removeprefix("engine-") for label, a in found.items()}
     paths = {label: a.model for label, a in found.items()}
     teacher = found["teacher fp32"]
@@ -116,11 +116,16 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["minilm"], choices=sorted(pipeline.SOURCES))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
+    parser.add_argument(
+        "--layers", type=int, help="the student's layers, for one --model (default: its plan's)"
+    )
     args = parser.parse_args()
+    if args.layers is not None and len(args.model) != 1:
+        parser.error("--layers needs exactly one --model")
     previous = RESULTS / "distill.json"
     old = json.loads(previous.read_text()) if previous.exists() else {"models": {}}
     kept = {m: {"repeats": old.get("repeats"), **v} for m, v in old["models"].items()}
-    measured = {m: bench_model(m, args.repeats, args.cache) for m in args.model}
+    measured = {m: bench_model(m, args.repeats, args.cache, args.layers) for m in args.model}
     models = {m: measured.get(m, v) for m, v in kept.items()} | measured
     path: Path = write_result(
         "distill", {"benchmark": "distill", "machine": machine(), "models": models}
