@@ -209,19 +209,19 @@ def distill_model(
     per_topic: int | None = None,
 ) -> Artifact:
     """The fp32 student of `layers` layers, trained against the teacher and exported to
-    CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan;
-    training resumes from CACHE/<name>/distill-l<layers>.pt after an interruption)."""
+    CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan and
+    text; training resumes from CACHE/<name>/distill-l<layers>.pt after an interruption)."""
     model = source(name)
     recipe = recipe_for(model, f"{model.kind}-distill-l{layers}")
     artifact = artifact_for(cache, name, recipe.name)
     plan = distill.plan_for(model.kind, layers, steps)
     record = artifact.folder / STUDENT_FILE
-    if (
-        artifact.exists()
-        and record.exists()
-        and json.loads(record.read_text())["plan"] == asdict(plan)
-    ):
-        return artifact
+    if artifact.exists() and record.exists():
+        built = json.loads(record.read_text())
+        if built["plan"] == asdict(plan) and built["text_sha256"] == distill.digest(
+            training_text(cache, per_topic, on_text)
+        ):
+            return artifact
     try:
         loaded = model.load()
         kept = distill.kept_layers(loaded.model.config.layers, layers)  # type: ignore[union-attr, arg-type]

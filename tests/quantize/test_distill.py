@@ -156,7 +156,7 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
         assert report["gate"][0] == {"metric": "mean_cosine", "op": ">=", "threshold": 0.95}
     (path,) = (tmp_path / "cache/distill").glob("text-g1-*.json")
     text = json.loads(path.read_text())
-    assert text["generated"] > 0 and text["docstrings"] > 1000
+    assert text["generated"] > 0 and text["docstrings"] == 0  # distill.PROSE is off
     assert text["texts"] == distill.held_out(text["texts"])
 
     # what an accepted student gets: further versions after those the repository has
