@@ -1,6 +1,6 @@
 """Distillation beside quantization: teacher fp32 / int8 against student fp32 / int8.
 
-    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30]
+    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30] [--layers K]
 
 Per model: size, onnxruntime CPU latency (MiniLM: one forward pass of 16-token sentences
 at batch 1 and 16; SmolLM2: one engine decode step at batch 1 and 16), all four measured
@@ -8,7 +8,9 @@ in alternation, and the gate's metrics of each against the fp32 teacher with the
 of its own recipe's gate. The students are the default plans of quantize/distill.py,
 trained (under the bench lock) on first use into build/quantize and reused after.
 Target (issue 16, MiniLM): student int8 >= 4x teacher fp32 at batch 16 with mean cosine
->= 0.95 and the evaluation set's rankings kept. Writes benchmarks/results/distill.json.
+>= 0.95 and the evaluation set's rankings kept. Writes benchmarks/results/distill.json;
+a model not named in --model keeps its entry from the previous file (each entry states
+its own repeats), so re-measuring MiniLM does not retrain or drop SmolLM2.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.common import ROOT, machine, write_result
+from benchmarks.common import RESULTS, ROOT, machine, write_result
 from quantize import distill, evaluate, pipeline
 from quantize.recipes import DECODER, ENCODER, distill_recipe
 
@@ -29,9 +31,9 @@ TARGET_SPEEDUP = 4.0
 TARGET_COSINE = 0.95
 
 
-def artifacts(model: str, cache: Path) -> dict[str, pipeline.Artifact]:
+def artifacts(model: str, cache: Path, layers: int | None) -> dict[str, pipeline.Artifact]:
     kind = pipeline.source(model).kind
-    layers = distill.DEFAULTS[kind].layers
+    layers = layers or distill.DEFAULTS[kind].layers
     names = {
         "teacher fp32": pipeline.FP32,
         "teacher int8": TEACHER_INT8[kind],
@@ -52,9 +54,9 @@ def gate(recipe: str, metrics: dict) -> dict:
     return {"recipe": recipe, "accepted": not failures, "failures": failures}
 
 
-def bench_model(model: str, repeats: int, cache: Path) -> dict:
+def bench_model(model: str, repeats: int, cache: Path, layers: int | None = None) -> dict:
     kind = pipeline.source(model).kind
-    found = artifacts(model, cache)
+    found = artifacts(model, cache, layers)
     recipes = {label: a.folder.name.removeprefix("engine-") for label, a in found.items()}
     paths = {label: a.model for label, a in found.items()}
     teacher = found["teacher fp32"]
@@ -84,6 +86,7 @@ def bench_model(model: str, repeats: int, cache: Path) -> dict:
     student = json.loads(student_file.read_text())
     result = {
         "kind": kind,
+        "repeats": repeats,
         "recipes": recipes,
         "size_bytes": {k: p.stat().st_size for k, p in paths.items()},
         "latency_ms": latency,
@@ -113,11 +116,19 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["minilm"], choices=sorted(pipeline.SOURCES))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
+    parser.add_argument(
+        "--layers", type=int, help="the student's layers, for one --model (default: its plan's)"
+    )
     args = parser.parse_args()
-    models = {m: bench_model(m, args.repeats, args.cache) for m in args.model}
+    if args.layers is not None and len(args.model) != 1:
+        parser.error("--layers needs exactly one --model")
+    previous = RESULTS / "distill.json"
+    old = json.loads(previous.read_text()) if previous.exists() else {"models": {}}
+    kept = {m: {"repeats": old.get("repeats"), **v} for m, v in old["models"].items()}
+    measured = {m: bench_model(m, args.repeats, args.cache, args.layers) for m in args.model}
+    models = {m: measured.get(m, v) for m, v in kept.items()} | measured
     path: Path = write_result(
-        "distill",
-        {"benchmark": "distill", "machine": machine(), "repeats": args.repeats, "models": models},
+        "distill", {"benchmark": "distill", "machine": machine(), "models": models}
     )
     print(f"wrote {path}")
 

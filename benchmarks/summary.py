@@ -733,14 +733,15 @@ def distill_section(r: dict) -> str:
     for model, m in r["models"].items():
         s = m["student"]
         resumed = s.get("resumed_from_step", 0)
-        timed = f"resumed at step {resumed}, then " if resumed else ""
+        timed = f" (this build resumed its checkpoint at step {resumed})" if resumed else ""
+        repeats = f", median of {m['repeats']} runs" if m.get("repeats") else ""
         parts.append(
             f"### {model}: {s['plan']['layers']}-layer student (layers {s['kept_layers']} of "
             f"the teacher), {s['plan']['steps']} steps of {s['plan']['batch']} on "
-            f"{s['texts']} sentences, {timed}{s['train_seconds']} s on "
-            f"{s['torch_threads']} threads; "
+            f"{s['texts']} sentences, {s['train_seconds']} s of training on "
+            f"{s['torch_threads']} torch threads{timed}; "
             f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}. Latency: "
-            f"{m['latency_measures']}."
+            f"{m['latency_measures']}{repeats}."
         )
         first = "mean_cosine" if m["kind"] == "encoder" else "top1_agreement"
         second = "triplet_order_kept" if m["kind"] == "encoder" else "kl_divergence"

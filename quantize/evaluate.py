@@ -19,9 +19,13 @@ EVALSET = Path(__file__).resolve().parent / "evalset"
 PAD = 0
 
 
-def session(path: Path, provider: str = "CPUExecutionProvider") -> ort.InferenceSession:
+def session(
+    path: Path, provider: str = "CPUExecutionProvider", spinning: bool = True
+) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), sess_options=so, providers=[provider])
 
 
@@ -243,9 +247,11 @@ def encoder_feeds(batch: int, vocab: int, seq: int = 16) -> dict[str, np.ndarray
 def encoder_latency(
     paths: dict[str, Path], batch: int, vocab: int, repeats: int = 30
 ) -> dict[str, float]:
-    """Median ms of one forward pass of `batch` 16-token sentences, per file."""
+    """Median ms of one forward pass of `batch` 16-token sentences, per file. Intra-op
+    threads do not spin: measured in alternation, a session's idle spinning pool would
+    take the cores from the next one (worker/runtime.py says the same of shard groups)."""
     feeds = encoder_feeds(batch, vocab)
-    sessions = {k: session(p) for k, p in paths.items()}
+    sessions = {k: session(p, spinning=False) for k, p in paths.items()}
     return paired_ms({k: _runner(s, feeds) for k, s in sessions.items()}, repeats)
 
 

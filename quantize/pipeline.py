@@ -184,9 +184,10 @@ STUDENT_FILE = "student.json"  # how a student was trained: its plan, text and l
 def training_text(
     cache: Path, per_topic: int | None = None, progress: Callable[[], None] | None = None
 ) -> list[str]:
-    """Distillation text for every student, built once into CACHE/distill/text-g<N>.json:
-    N sentences per topic that the smollm2 source writes (default distill.PER_TOPIC; 0:
-    none, SmolLM2 is not even loaded), and Python's language reference."""
+    """Distillation text for every student, built once into
+    CACHE/distill/text-g<N>-<recipe>.json: N answers per topic and template
+    that the smollm2 source writes (default distill.PER_TOPIC; 0: none, SmolLM2 is not even
+    loaded), Python's language reference and the standard library's docstrings."""
     count = distill.PER_TOPIC if per_topic is None else per_topic
 
     def generator() -> tuple[LlamaDecoder, Tokenizer]:
@@ -194,7 +195,7 @@ def training_text(
         assert isinstance(loaded.model, LlamaDecoder)
         return loaded.model, loaded.tokenizer
 
-    path = cache / "distill" / f"text-g{count}.json"
+    path = cache / "distill" / f"text-g{count}-{distill.text_recipe()}.json"
     return distill.training_text(path, generator, count, progress)
 
 
@@ -208,19 +209,19 @@ def distill_model(
     per_topic: int | None = None,
 ) -> Artifact:
     """The fp32 student of `layers` layers, trained against the teacher and exported to
-    CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan;
-    training resumes from CACHE/<name>/distill-l<layers>.pt after an interruption)."""
+    CACHE/<name>/<kind>-distill-l<layers>/ (reused when trained under the same plan and
+    text; training resumes from CACHE/<name>/distill-l<layers>.pt after an interruption)."""
     model = source(name)
     recipe = recipe_for(model, f"{model.kind}-distill-l{layers}")
     artifact = artifact_for(cache, name, recipe.name)
     plan = distill.plan_for(model.kind, layers, steps)
     record = artifact.folder / STUDENT_FILE
-    if (
-        artifact.exists()
-        and record.exists()
-        and json.loads(record.read_text())["plan"] == asdict(plan)
-    ):
-        return artifact
+    if artifact.exists() and record.exists():
+        built = json.loads(record.read_text())
+        if built["plan"] == asdict(plan) and built["text_sha256"] == distill.digest(
+            training_text(cache, per_topic, on_text)
+        ):
+            return artifact
     try:
         loaded = model.load()
         kept = distill.kept_layers(loaded.model.config.layers, layers)  # type: ignore[union-attr, arg-type]
@@ -229,7 +230,6 @@ def distill_model(
     except distill.DistillError as e:
         raise BuildError(f"model {name!r}: {e}") from e
     texts = training_text(cache, per_topic, on_text)
-    started = time.perf_counter()
     try:
         trained = distill.train(
             loaded.model,
@@ -251,8 +251,8 @@ def distill_model(
         "loss_last": trained.losses[-1] if trained.losses else None,
         "losses": [round(x, 5) for x in trained.losses],
         "resumed_from_step": trained.resumed_from,
-        "train_seconds": round(time.perf_counter() - started, 1),
-        "torch_threads": distill.THREADS,
+        "train_seconds": round(trained.seconds, 1),
+        "torch_threads": trained.threads,
     }
 
     def write(tmp: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -97,6 +98,33 @@ def test_training_text_holds_out_the_evaluation_sets() -> None:
     assert distill.held_out(texts) == ["Keep me."]
 
 
+def test_every_whole_sentence_of_an_answer_is_kept_without_its_list_marks() -> None:
+    answer = '1. **Rain** fell all day.\n2) "Did you bring an umbrella?" she asked me.\n- Two of'
+    assert distill.answer_sentences(answer) == [
+        "Rain fell all day.",
+        "Did you bring an umbrella? she asked me.",
+    ]
+
+
+def test_the_learning_rate_warms_up_then_falls_to_its_floor() -> None:
+    plan = distill.plan_for("encoder", 2, 100)
+    assert plan.decay_steps == 100
+    scale = [distill.learning_rate_scale(plan, s) for s in range(120)]
+    assert scale[0] == pytest.approx(1 / distill.WARMUP) and scale[distill.WARMUP - 1] > 0.95
+    falling = scale[distill.WARMUP :]
+    assert all(a >= b for a, b in itertools.pairwise(falling))
+    assert scale[100] == scale[119] == pytest.approx(distill.LR_FLOOR)
+    flat = replace(plan, decay_steps=0)
+    assert distill.learning_rate_scale(flat, 99) == 1.0
+
+
+def test_the_standard_library_docstrings_give_prose_sentences() -> None:
+    sentences = distill.docstring_sentences()
+    assert len(sentences) > 5000
+    assert all(5 <= len(s.split()) <= 40 for s in sentences)
+    assert "Put an item into the queue without blocking." in sentences  # queue.Queue
+
+
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {
         str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
@@ -110,9 +138,9 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(distill, "PER_TOPIC", 1)
-    monkeypatch.setattr(distill, "TOPICS", distill.TOPICS[:8])  # 48 prompts, a few seconds
+    monkeypatch.setattr(distill, "TOPICS", distill.TOPICS[:8])  # 56 prompts, a few seconds
     # hotter sampling: at 1.0 the random tiny decoder writes nothing but "." tokens
-    monkeypatch.setattr(distill, "SAMPLE_TEMPERATURE", 20.0)
+    monkeypatch.setattr(distill, "SAMPLE_TEMPERATURES", (20.0,))
     out = tmp_path / "repo"
     build = ("build-repository", "--output", str(out), "--model", "minilm", "--recipe")
     assert run(tmp_path, *build, "encoder-copy") == 0
@@ -126,8 +154,10 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
         report = json.loads((tmp_path / f"reports/minilm/{recipe}.json").read_text())
         assert report["verdict"] == "refused" and report["failures"]
         assert report["gate"][0] == {"metric": "mean_cosine", "op": ">=", "threshold": 0.95}
-    text = json.loads((tmp_path / "cache/distill/text-g1.json").read_text())
-    assert text["generated"] > 0 and text["texts"] == distill.held_out(text["texts"])
+    (path,) = (tmp_path / "cache/distill").glob("text-g1-*.json")
+    text = json.loads(path.read_text())
+    assert text["generated"] > 0 and text["docstrings"] == 0  # distill.PROSE is off
+    assert text["texts"] == distill.held_out(text["texts"])
 
     # what an accepted student gets: further versions after those the repository has
     assert pipeline.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
