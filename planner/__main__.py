@@ -46,7 +46,6 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    base = profiles.load(args.profile)
     versions = model_versions(Path(args.model_repository), args.model)
     version = args.version or versions[-1].version
     m = next((v for v in versions if v.version == version), None)
@@ -59,6 +58,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             "calibration of whole calls does not fit; its decode steps are timed by "
             "planner/calibrate.py"
         )
+    base = profiles.load(args.profile)
     top = args.max_batch or m.max_batch_size or 8
     path = Path(args.model_repository) / args.model / version / "model.onnx"
     tokens = m.default_tokens

@@ -164,5 +164,5 @@ def test_cli_calibrate_fits_a_profile_that_plan_reads(
     plan_args = ["plan", *common, "--qps", "50", "--p99-ms", "500", "--profile", str(out)]
     assert main([*plan_args, "--price-per-hour", "0.5", "--recipe", "fp32"]) == 0
     assert "cheapest" in capsys.readouterr().out
-    assert main(["calibrate", *common, "--version", "9"]) == 2
+    assert main(["calibrate", *common, "--version", "9", "--profile", str(base_path)]) == 2
     assert "has no version '9'" in capsys.readouterr().err
