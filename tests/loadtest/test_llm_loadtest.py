@@ -192,7 +192,8 @@ def test_open_loop_and_errors_by_code_against_the_real_model(llm_worker) -> None
     assert result["requests"] == 0 and sum(result["errors"].values()) == 3
     (message,) = result["errors"]
     assert message.startswith("stream: unknown model 'nope'"), message
-    late = LLMLoad(address, MODEL, few, 64, sampling=GREEDY, timeout=0.05)
+    # 64 tokens cannot stream in 50 ms (the 4-token prompt can, on a fast machine)
+    late = LLMLoad(address, MODEL, few[:1], 64, sampling=GREEDY, timeout=0.05)
     late.duration, late.max_requests = 5.0, 2
     result = asyncio.run(closed_loop(late, concurrency=1))
     assert result["errors"] == {"DEADLINE_EXCEEDED": 2}
