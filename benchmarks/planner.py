@@ -38,8 +38,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import grpc
-
 from benchmarks.common import RESULTS, closed_loop, machine, open_loop, write_result
 from deploy.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
@@ -54,12 +52,13 @@ from planner.queueing import Prediction, between, predict
 from planner.roofline import diagnose, run_seconds
 from planner.serving import (
     ServingCalibration,
+    batch_totals,
     calibrate_serving,
     encoder_request,
+    model_statistics,
     served_profile,
 )
 from protos import grpc_service_pb2 as pb
-from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm, pipeline
 
 CACHE = Path("build/quantize")
@@ -137,14 +136,10 @@ def worker_totals(workers: list[str], model: str) -> dict:
     runs = rows = ns = 0
     achieved: dict[str, list[float]] = {}
     for address in workers:
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+        reply = model_statistics(address, model)
+        r, w, n = batch_totals(reply)
+        runs, rows, ns = runs + r, rows + w, ns + n
         for s in reply.model_stats:
-            for b in s.batch_stats:
-                runs += b.compute_infer.count
-                rows += b.batch_size * b.compute_infer.count
-                ns += b.compute_infer.ns
             for m in s.memory_usage:
                 achieved.setdefault(m.type.removeprefix("meshserve.roofline."), []).append(
                     m.byte_size
@@ -207,15 +202,11 @@ def predicted(
     if served:
         # the cores busy: other jobs', the open loop's fixed part (probed), and per call the
         # CPU the worker alone measured beside the run plus the run's share
-        b = p.batch
-        fixed = profile.mesh_open_cores
-        busy = (
-            profile.background_cores
-            + fixed
-            + offered * (profile.mesh_cpu_s + between(service, b) / b)
-        )
-        p = at(profile.trip_p99(busy))
-        extra = {"busy_cores": busy, "trip_p99_ms": profile.trip_p99(busy) * 1e3}
+        per_call = profile.mesh_cpu_s + between(service, p.batch) / p.batch
+        busy = profile.background_cores + profile.mesh_open_cores + offered * per_call
+        trip = profile.trip_p99(busy)
+        p = at(trip)
+        extra = {"busy_cores": busy, "trip_p99_ms": trip * 1e3}
     return {
         "capacity_rps": p.capacity_rps,
         "limit": p.limit,
@@ -243,17 +234,15 @@ def predictions(
 ) -> dict:
     """The three predictions of one row against its measurement `m`, and why the best one
     missed. An LLM row has no serving calibration: its best is the calibrated one."""
+    used = cal.profile(profile)
     out = {
         "roofline": compare(c, a, profile, m, None),
-        "calibrated": compare(c, a, cal.profile(profile), m, cal.prefill_s or None),
+        "calibrated": compare(c, a, used, m, cal.prefill_s or None),
     }
     out[BEST] = out["calibrated"]
-    used = profile
     if serving:
         used = served_profile(profile, serving, a, c.max_batch, TOKENS)
         out[BEST] = compare(c, a, used, m, None, served=True)
-    elif cal:
-        used = cal.profile(profile)
     out["explanation"] = explain(c, out[BEST], m, used) if missed(out[BEST]) else []
     return out
 

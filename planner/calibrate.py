@@ -109,32 +109,37 @@ def _session(path: Path, threads: int):  # type: ignore[no-untyped-def]
     return OnnxSession(path, RuntimeOptions(providers="cpu", intra_op_threads=threads), [CPU])
 
 
+def encoder_feeds(path: Path, batch: int, tokens: int) -> dict[str, np.ndarray]:
+    """Inputs of `batch` items: `tokens` for every dimension the graph leaves open past the
+    batch, token ids (a mask of ones, token types of zeros) for integer inputs, random
+    values for float ones."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for graph_input in onnx.load(str(path), load_external_data=False).graph.input:
+        t = graph_input.type.tensor_type
+        shape = [batch] + [d.dim_value or tokens for d in t.shape.dim[1:]]
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        name = graph_input.name
+        if np.issubdtype(dtype, np.floating):
+            value = rng.standard_normal(shape)
+        elif "mask" in name:
+            value = np.ones(shape)
+        elif "type" in name:
+            value = np.zeros(shape)
+        else:
+            value = rng.integers(1000, 2000, shape).astype(np.float64)
+        feeds[name] = value.astype(dtype)
+    return feeds
+
+
 def encoder_runs(
     path: Path, batches: list[int], tokens: int, threads: int, budget_s: float
 ) -> dict[int, float]:
-    """Seconds per run of the model at each batch: `tokens` for every dimension the graph
-    leaves open past the batch, token ids (a mask of ones, token types of zeros) for integer
-    inputs, random values for float ones."""
+    """Seconds per run of the model at each batch (inputs: encoder_feeds)."""
     session = _session(path, threads).session
-    rng = np.random.default_rng(0)
-    inputs = onnx.load(str(path), load_external_data=False).graph.input
     out = {}
     for b in batches:
-        feeds = {}
-        for graph_input in inputs:
-            t = graph_input.type.tensor_type
-            shape = [b] + [d.dim_value or tokens for d in t.shape.dim[1:]]
-            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-            name = graph_input.name
-            if np.issubdtype(dtype, np.floating):
-                value = rng.standard_normal(shape)
-            elif "mask" in name:
-                value = np.ones(shape)
-            elif "type" in name:
-                value = np.zeros(shape)
-            else:
-                value = rng.integers(1000, 2000, shape).astype(np.float64)
-            feeds[name] = value.astype(dtype)
+        feeds = encoder_feeds(path, b, tokens)
         out[b] = _timed(lambda f=feeds: session.run(None, f), budget_s)  # type: ignore[misc]
     return out
 

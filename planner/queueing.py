@@ -251,15 +251,10 @@ def _continuous(
     k = lam / c x T(k) (interpolated between whole batches); a call waits only when every
     slot is taken: M/D/m over m = c x max_batch slots (Erlang C, M/D/c's tail)."""
 
-    def latency(k: float) -> float:
-        lo = max(1, min(max_batch, math.floor(k)))
-        hi = min(max_batch, lo + 1)
-        return run(lo) + (run(hi) - run(lo)) * (min(k, max_batch) - lo)
-
     k = 1.0
     for _ in range(50):
-        k = min(float(max_batch), max(1.0, offered_rps / replicas * latency(k)))
-    t = latency(k)
+        k = min(float(max_batch), max(1.0, offered_rps / replicas * between(run, k)))
+    t = between(run, k)
     slots = replicas * max_batch
     util = offered_rps / capacity
     if not math.isfinite(t) or util >= 1 or offered_rps * t >= slots:

@@ -29,14 +29,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
-from onnx import helper
 
 from common.net import free_port
 from deploy import processes
 from loadtest.runner import Load, closed_loop
 from planner.analysis import ModelAnalysis
-from planner.calibrate import Calibration, refit
+from planner.calibrate import Calibration, encoder_feeds, refit
 from planner.probe import cpu_seconds
 from planner.profiles import Profile
 from planner.roofline import run_seconds
@@ -89,29 +87,6 @@ class ServingCalibration:
         return cls([Served(**s) for s in d["served"]])
 
 
-def encoder_feeds(path: Path, batch: int, tokens: int) -> dict[str, np.ndarray]:
-    """Inputs of `batch` items: `tokens` for every dimension the graph leaves open past the
-    batch, token ids (a mask of ones, token types of zeros) for integer inputs, random
-    values for float ones."""
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for graph_input in onnx.load(str(path), load_external_data=False).graph.input:
-        t = graph_input.type.tensor_type
-        shape = [batch] + [d.dim_value or tokens for d in t.shape.dim[1:]]
-        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        name = graph_input.name
-        if np.issubdtype(dtype, np.floating):
-            value = rng.standard_normal(shape)
-        elif "mask" in name:
-            value = np.ones(shape)
-        elif "type" in name:
-            value = np.zeros(shape)
-        else:
-            value = rng.integers(1000, 2000, shape).astype(np.float64)
-        feeds[name] = value.astype(dtype)
-    return feeds
-
-
 def encoder_request(path: Path, model: str, tokens: int) -> pb.ModelInferRequest:
     """One item, as a client sends it."""
     request = pb.ModelInferRequest(model_name=model)
@@ -122,11 +97,14 @@ def encoder_request(path: Path, model: str, tokens: int) -> pb.ModelInferRequest
     return request
 
 
-def worker_runs(address: str, model: str) -> tuple[int, int, int]:
-    """(runs, rows, compute ns) so far, from the worker's ModelStatistics."""
+def model_statistics(address: str, model: str) -> pb.ModelStatisticsResponse:
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+        return stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+
+
+def batch_totals(reply: pb.ModelStatisticsResponse) -> tuple[int, int, int]:
+    """(runs, rows, compute ns) so far, summed over a ModelStatistics reply's batch sizes."""
     runs = rows = ns = 0
     for s in reply.model_stats:
         for b in s.batch_stats:
@@ -160,11 +138,11 @@ def serve_once(
         # the warm-up second runs too: statistics and CPU are read around the measured window
         warm = Load(address, [body], 1.0, 0.0, 30.0)
         asyncio.run(closed_loop(warm, callers))
-        runs0, rows0, ns0 = worker_runs(address, model)
+        runs0, rows0, ns0 = batch_totals(model_statistics(address, model))
         cpu0 = cpu_seconds(pids)
         result = asyncio.run(closed_loop(Load(address, [body], seconds, 0.0, 30.0), callers))
         cpu1 = cpu_seconds(pids)
-        runs1, rows1, ns1 = worker_runs(address, model)
+        runs1, rows1, ns1 = batch_totals(model_statistics(address, model))
     finally:
         worker.stop(30)
     runs, rows = runs1 - runs0, rows1 - rows0
