@@ -6,11 +6,12 @@ First `planner probe --mesh` measures this machine's roof and the mesh's own cos
 (its CPU per call, the router's part of it, and the trip's p99 at three open-loop rates with
 the cores each kept busy). Then each model x recipe is calibrated twice, outside the mesh:
 its session timed alone (planner/calibrate.py: batch 1 and the largest, one thread as the
-workers run it), and, for the encoders, served by one worker alone at batch limits 1 and the
-largest (planner/serving.py: seconds per batch and host CPU per call at saturation). Then,
+workers run it), and, for the encoders, served through a one-worker mesh at batch limits 2
+and twice the largest checked (planner/serving.py: seconds per batch and host CPU per call at
+saturation; no checked configuration is a calibration point). Then,
 for each configuration (MiniLM fp32 / int8, 1-3 workers, two batch limits; SmolLM2 int8
 weight-only through the LLM engine at two batch limits), it predicts three times (the bare
-Roofline on the probed profile; fitted to the session alone; fitted to the worker alone,
+Roofline on the probed profile; fitted to the session alone; fitted to the one-worker mesh,
 "served", the planner's best and the one judged) and measures:
 - throughput: predicted capacity (saturation throughput) against a closed loop with enough
   callers to keep every replica's queue from running dry (4 x replicas x max batch, at
@@ -173,7 +174,7 @@ def predicted(
 ) -> tuple[dict, float]:
     """The planner's prediction at `offered` calls/s, and its capacity. `prefill_s`: a
     decoder's prefill as the calibration run timed it. `served`: `profile` is fitted to a
-    worker serving the model alone (served_profile): its S(b) already holds the wait for a
+    one-worker mesh serving the model (served_profile): its S(b) already holds the wait for a
     core, and the mesh trip's p99 is the probe's at the cores this load keeps busy."""
     llm_call = c.model == "smollm2"
     w = Workload(offered, 1.0, PROMPT if llm_call else TOKENS, MAX_TOKENS if llm_call else 0)
@@ -201,7 +202,7 @@ def predicted(
     extra = {}
     if served:
         # the cores busy: other jobs', the open loop's fixed part (probed), and per call the
-        # CPU the worker alone measured beside the run plus the run's share
+        # CPU the one-worker mesh measured beside the run plus the run's share
         per_call = profile.mesh_cpu_s + between(service, p.batch) / p.batch
         busy = profile.background_cores + profile.mesh_open_cores + offered * per_call
         trip = profile.trip_p99(busy)
@@ -514,13 +515,15 @@ def calibrations_for(
 
 
 def servings_for(configs: list[Config], cache: Path, seconds: float) -> dict:
-    """Each encoder model x recipe served by one worker alone at batch limits 1 and its
-    configurations' largest (planner/serving.py)."""
+    """Each encoder model x recipe served through a one-worker mesh (planner/serving.py) at
+    batch limits 2 and twice its configurations' largest: the planner then predicts every
+    checked batch limit (1 and 8) and replica count from points it was not fitted at."""
     out = {}
     for key in dict.fromkeys(f"{c.model} {c.recipe}" for c in configs if c.model != "smollm2"):
         model, recipe = key.split(" ")
         top = max(c.max_batch for c in configs if f"{c.model} {c.recipe}" == key)
-        out[key] = calibrate_serving(artifact(model, recipe, cache), model, top, TOKENS, seconds)
+        limits = (2, 2 * top)
+        out[key] = calibrate_serving(artifact(model, recipe, cache), model, limits, TOKENS, seconds)
         print(f"serving {key}: {out[key].as_dict()}", flush=True)
     return out
 

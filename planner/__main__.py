@@ -9,7 +9,7 @@ python -m planner plan --model M --qps Q --p99-ms L [--context C --max-tokens K]
                        --price-per-hour H [--model-repository DIR] [--json]
 
 A profile is H200, H100, A100, L4, `local` (what `probe` wrote) or a profile JSON file.
-`calibrate` serves one encoder version by a worker alone on this machine and writes the
+`calibrate` serves one encoder version through a one-worker mesh on this machine and writes the
 local profile fitted to it (planner/serving.py), for `plan --profile FILE --recipe R`.
 """
 
@@ -62,7 +62,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     top = args.max_batch or m.max_batch_size or 8
     path = Path(args.model_repository) / args.model / version / "model.onnx"
     tokens = m.default_tokens
-    served = calibrate_serving(path, args.model, top, tokens, args.seconds)
+    served = calibrate_serving(path, args.model, (1, top), tokens, args.seconds)
     profile = served_profile(base, served, m, top, tokens)
     out = Path(args.output or f"build/planner/{args.model}-v{version}-served.json")
     profiles.save(profile, out)

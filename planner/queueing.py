@@ -97,6 +97,17 @@ def wait_quantile(c_wait: float, theta: float, p: float) -> float:
     return math.log(c_wait / p) / theta if theta > 0 else math.inf
 
 
+def poisson_quantile(mean: float, p: float) -> int:
+    """The smallest n with P(N <= n) >= p, N ~ Poisson(mean)."""
+    term = total = math.exp(-mean)
+    n = 0
+    while total < p and n < 10_000:
+        n += 1
+        term *= mean / n
+        total += term
+    return n
+
+
 def between(service: Callable[[int], float], b: float) -> float:
     """service(b) for a mean batch b between whole batches: linear between them."""
     lo = math.floor(b)
@@ -249,7 +260,11 @@ def _continuous(
     a generation holds one for T(k), the time of a generation among k running ones (run(k):
     k prefills and the shared decode steps). k settles where Little's law puts it,
     k = lam / c x T(k) (interpolated between whole batches); a call waits only when every
-    slot is taken: M/D/m over m = c x max_batch slots (Erlang C, M/D/c's tail)."""
+    slot is taken: M/D/m over m = c x max_batch slots (Erlang C, M/D/c's tail). The 99th
+    percentile call is also a slow one: it arrives (Poisson arrivals see the time average)
+    while more sequences run than the mean, and every step it shares is slower. The others
+    running on its replica are M/G/inf's Poisson(lam / c x T), so it takes T(k99), k99 = 1 +
+    that count's 99th percentile, at most max_batch."""
 
     k = 1.0
     for _ in range(50):
@@ -264,7 +279,8 @@ def _continuous(
     c_wait = erlang_c(slots, offered_rps * t)
     theta = md_c_decay(offered_rps, slots, t)
     q99, q50 = wait_quantile(c_wait, theta, 0.01), wait_quantile(c_wait, theta, 0.5)
-    p99 = (mesh_latency_p99_s or mesh_latency_s) + t + q99
+    crowded = min(float(max_batch), 1.0 + poisson_quantile(offered_rps / replicas * t, 0.99))
+    p99 = (mesh_latency_p99_s or mesh_latency_s) + max(t, between(run, crowded)) + q99
     return Prediction(
         capacity, offered_rps, k, util, mesh_latency_s + t + q50, p99, limit, max_batch
     )

@@ -1,37 +1,40 @@
-"""A calibration in a serving worker: the model served by one worker alone (no router, no
-Redis), the load tool's client on this host, as the mesh will run it.
+"""A calibration in the serving path: the model served by a one-worker mesh (a private
+Redis, one worker, the router), the load tool's client on this host, as the mesh will run it.
 
-A bare onnxruntime session (planner/calibrate.py) times the arithmetic. A serving worker
+A bare onnxruntime session (planner/calibrate.py) times the arithmetic. The serving path
 adds what the arithmetic does not show, and on a small shared host it is most of the cost:
-gRPC and the codec on the worker's event loop, the batcher, the run's thread waiting for the
-interpreter lock after onnxruntime returns, the client's own CPU. Here, for each batch limit
-L, a closed loop with enough callers to keep L calls queued (2 L, at least 4) saturates the
-worker, and four figures come back from its own statistics and /proc: the batch it formed,
-the wall time of its runs, calls/s and the host CPU seconds per call (the client's and the
-worker's).
+gRPC and the codec on the worker's and the router's event loops, the batcher, the run's
+thread waiting for the interpreter lock after onnxruntime returns, the router relaying the
+model's answer (24.6 KB for a MiniLM item), the client's own CPU, and each process's runs
+stretched by the others on the same cores. A worker timed alone, without the router beside
+it, ran MiniLM int8 at batch 1 in 1.0-1.7 ms where the mesh's worker took 2.0 ms, and cost
+1.7 ms of host CPU per call where the mesh cost 4.1 ms (benchmarks/results/planner.json
+before this change): the router is the third busy process on two cores. So each batch limit
+L is served through the router: a closed loop with enough callers to keep L calls queued (2 L,
+at least 4) saturates the replica, and four figures come back from the worker's own
+statistics and /proc: the batch it formed, the wall time of its runs, calls/s and the host
+CPU seconds per call (client, router, Redis and worker).
 
 The queueing model's S(b) is then the seconds per batch at saturation, b / (calls/s): the
 run and the worker's own work between runs (answering the last batch, forming the next on
-its event loop), for which the replica is as good as busy. A worker alone answered MiniLM
-int8 at 846 calls/s in batches of 7.9 with runs of 7.0 ms: 9.3 ms per batch, 2.3 ms of it
-between runs. Host CPU per call falls with the batch as f + g / b (the run's share spread
-over the batch), through both points. The mesh adds the router's and Redis' CPU per call
-(probed: planner/probe.py). Nothing here sees the mesh's configurations or their
-measurements.
+its event loop), for which the replica is as good as busy. Host CPU per call falls with the
+batch as f + g / b (the run's share spread over the batch), through both points. Only the
+calibrated limits are seen here: what other replica counts, batch limits and loads do is the
+planner's prediction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from common.net import free_port
-from deploy import processes
+from deploy.processes import LocalMesh
 from loadtest.runner import Load, closed_loop
 from planner.analysis import ModelAnalysis
 from planner.calibrate import Calibration, encoder_feeds, refit
@@ -46,13 +49,13 @@ WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 
 @dataclass(frozen=True)
 class Served:
-    """One batch limit's saturated run on a worker alone."""
+    """One batch limit's saturated run through a one-worker mesh."""
 
     max_batch: int
     batch: float  # the mean batch the worker formed
     run_s: float  # mean wall time of a run
     rps: float
-    cpu_per_call_s: float  # client + worker
+    cpu_per_call_s: float  # client, router, Redis and worker
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class ServingCalibration:
         return {max(1, round(s.batch)): s.batch / s.rps for s in self.served}
 
     def cpu_per_call_s(self, batch: float) -> float:
-        """Host CPU per call (client + worker) at `batch`: f + g / b through both points."""
+        """Host CPU per call (the whole mesh and its client) at `batch`: f + g / b through
+        both points."""
         lo, hi = self.served[0], self.served[-1]
         if hi.batch <= lo.batch:
             return lo.cpu_per_call_s
@@ -114,10 +118,9 @@ def batch_totals(reply: pb.ModelStatisticsResponse) -> tuple[int, int, int]:
     return runs, rows, ns
 
 
-def serve_once(
-    path: Path, model: str, max_batch: int, tokens: int, seconds: float, workdir: Path
-) -> Served:
-    folder = workdir / f"b{max_batch}" / model
+def repository(path: Path, model: str, max_batch: int, root: Path) -> Path:
+    """A one-model repository serving `path` at batch limit `max_batch`."""
+    folder = root / model
     (folder / "1").mkdir(parents=True)
     try:  # a hard link when on the same disk: no second copy
         (folder / "1" / "model.onnx").hardlink_to(path)
@@ -127,24 +130,32 @@ def serve_once(
         f'name: "{model}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch}\n'
         "dynamic_batching { }\n"
     )
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    worker = processes.worker_process(folder.parent, port, workdir, None, *WORKER_ARGS).start()
+    return root
+
+
+def serve_once(
+    path: Path, model: str, max_batch: int, tokens: int, seconds: float, workdir: Path
+) -> Served:
+    repo = repository(path, model, max_batch, workdir / f"b{max_batch}" / "repo")
+    mesh = LocalMesh(workdir / f"b{max_batch}" / "logs", worker_args=WORKER_ARGS)
+    mesh.start_redis()
     try:
-        processes.wait_serving(address, worker)
+        worker = mesh.add_worker(repo)
+        mesh.wait_registered(1, timeout=120)
+        router = mesh.start_router()
+        ours = [*mesh.workers.values(), mesh.router, mesh.redis_server]
+        pids = [p.popen.pid for p in ours if p is not None and p.popen is not None]
         body = encoder_request(path, model, tokens).SerializeToString()
         callers = max(4, 2 * max_batch)
-        pids = [worker.popen.pid] if worker.popen else []
         # the warm-up second runs too: statistics and CPU are read around the measured window
-        warm = Load(address, [body], 1.0, 0.0, 30.0)
-        asyncio.run(closed_loop(warm, callers))
-        runs0, rows0, ns0 = batch_totals(model_statistics(address, model))
+        asyncio.run(closed_loop(Load(router, [body], 1.0, 0.0, 30.0), callers))
+        runs0, rows0, ns0 = batch_totals(model_statistics(worker, model))
         cpu0 = cpu_seconds(pids)
-        result = asyncio.run(closed_loop(Load(address, [body], seconds, 0.0, 30.0), callers))
+        result = asyncio.run(closed_loop(Load(router, [body], seconds, 0.0, 30.0), callers))
         cpu1 = cpu_seconds(pids)
-        runs1, rows1, ns1 = batch_totals(model_statistics(address, model))
+        runs1, rows1, ns1 = batch_totals(model_statistics(worker, model))
     finally:
-        worker.stop(30)
+        mesh.stop()
     runs, rows = runs1 - runs0, rows1 - rows0
     if not runs or not rows:
         raise RuntimeError(f"{model} at max batch {max_batch}: no run in {seconds} s: {result}")
@@ -158,37 +169,38 @@ def serve_once(
 
 
 def calibrate_serving(
-    path: Path, model: str, max_batch: int, tokens: int = 16, seconds: float = 3.0
+    path: Path, model: str, limits: Sequence[int], tokens: int = 16, seconds: float = 3.0
 ) -> ServingCalibration:
-    """The model served alone at batch limits 1 and `max_batch`."""
+    """The model served through a one-worker mesh at each batch limit in `limits` (the
+    smallest and the largest are the points the fits pass through)."""
     with tempfile.TemporaryDirectory() as tmp:
         return ServingCalibration(
-            [serve_once(path, model, b, tokens, seconds, Path(tmp)) for b in sorted({1, max_batch})]
+            [serve_once(path, model, b, tokens, seconds, Path(tmp)) for b in sorted(set(limits))]
         )
 
 
 def served_profile(
     base: Profile, serving: ServingCalibration, a: ModelAnalysis, max_batch: int, tokens: int
 ) -> Profile:
-    """`base` fitted to the model as a worker alone served it: S(b) through its seconds per
-    batch at saturation (the Roofline's fixed cost per run and reachable fraction, fitted
-    by planner/calibrate.refit), and the mesh's CPU per call made the model's own: the
-    client's and worker's at this batch limit plus the router's and Redis' (probed). Under
-    Poisson arrivals the probe's per-call CPU scales by the ratio of the model's CPU per
-    call beside its run, at batch 1, to the probe's tiny call's."""
+    """`base` fitted to the model as the one-worker mesh served it: S(b) through its
+    seconds per batch at saturation (the Roofline's fixed cost per run and reachable
+    fraction, fitted by planner/calibrate.refit), and the mesh's CPU per call beside the run
+    made the model's own, at this batch limit. Under Poisson arrivals the probe's per-call
+    CPU scales by the ratio of the model's CPU per call beside its run, at batch 1, to the
+    probe's tiny call's."""
     fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, tokens)
     profile = fitted.profile(base)
 
     def beside_run(b: int) -> float:
         run = run_seconds(a, profile, b, 0, 1, 1, tokens)
-        return max(0.0, serving.cpu_per_call_s(b) - run / b) + base.mesh_router_cpu_s
+        return max(0.0, serving.cpu_per_call_s(b) - run / b)
 
     scale = beside_run(1) / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
     return replace(
         profile,
         name=f"{base.name}, fitted to {a.name} v{a.version} ({a.recipe}) as served",
-        source=f"{base.source}; {a.name} v{a.version} served by one worker alone "
-        f"(planner/serving.py): {serving.as_dict()}",
+        source=f"{base.source}; {a.name} v{a.version} served through a one-worker "
+        f"mesh (planner/serving.py): {serving.as_dict()}",
         mesh_cpu_s=beside_run(max_batch),
         mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
     )

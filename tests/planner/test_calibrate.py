@@ -52,10 +52,10 @@ def test_decoder_calibration_times_prefill_and_steps(tiny_llm_path: Path) -> Non
 
 
 def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Path]) -> None:
-    """A worker process serving the model alone, at batch limits 1 and 4: the batches it
-    formed, its seconds per batch and the host CPU per call, read back as the planner uses
-    them."""
-    cal = calibrate_serving(wide_paths[0], "wide", 4, tokens=1, seconds=1.0)
+    """A one-worker mesh (Redis, worker, router) serving the model at batch limits 1 and 4:
+    the batches the worker formed, its seconds per batch and the host CPU per call, read
+    back as the planner uses them."""
+    cal = calibrate_serving(wide_paths[0], "wide", (4, 1), tokens=1, seconds=1.0)
     one, four = cal.served
     assert (one.max_batch, four.max_batch) == (1, 4)
     assert one.batch == 1.0 and 1.0 < four.batch <= 4.0  # 8 callers keep 4 queued

@@ -12,7 +12,7 @@ import pytest
 
 from planner import profiles
 from planner.analysis import DECODER, ENCODER, ModelAnalysis
-from planner.queueing import erlang_c, md_c_decay, predict, wait_quantile
+from planner.queueing import erlang_c, md_c_decay, poisson_quantile, predict, wait_quantile
 from planner.roofline import diagnose
 
 # Llama-3-8B's shape in bf16 (the reference model): 8.03 B parameters, of which
@@ -195,6 +195,15 @@ def test_continuous_batching_joins_running_sequences() -> None:
     k = per_step.batch
     t = generation(1) + (generation(2) - generation(1)) * (k - 1)
     assert k > 1 and k == pytest.approx(2.0 * t, rel=1e-3)
+    # The p99 call runs among the 99th percentile of others (Poisson(lam T), 1 + that
+    # capped at the 4 slots), not among the mean k.
+    assert 1 + poisson_quantile(2.0 * t, 0.99) >= 4
+    assert per_step.p99_s >= generation(4) > generation(2)
+
+
+def test_poisson_quantile() -> None:
+    assert [poisson_quantile(m, 0.99) for m in (0.0, 1.0, 10.0)] == [0, 4, 18]
+    assert poisson_quantile(1.0, 0.5) == 1
 
 
 def test_a_service_measured_under_load_is_not_slowed_again() -> None:
