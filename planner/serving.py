@@ -18,7 +18,13 @@ CPU seconds per call (client, router, Redis and worker).
 The queueing model's S(b) is then the seconds per batch at saturation, b / (calls/s): the
 run and the worker's own work between runs (answering the last batch, forming the next on
 its event loop), for which the replica is as good as busy. Host CPU per call falls with the
-batch as f + g / b (the run's share spread over the batch), through both points. Only the
+batch as f + g / b (the run's share spread over the batch), through both points.
+
+At the largest limit, three open loops (Poisson arrivals at TAIL_SHARES of its saturated
+rate) measure the trip's tail with the model's own call: the p99 less the mean run, against
+the host's busy cores (ours, read from /proc, and other jobs'). On two shared cores that
+wait for a core is most of a p99 (planner/probe.py measures the same with a 16-byte call,
+whose CPU and answer are not the model's). Only the
 calibrated limits are seen here: what other replica counts, batch limits and loads do is the
 planner's prediction.
 """
@@ -28,17 +34,17 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
 from deploy.processes import LocalMesh
-from loadtest.runner import Load, closed_loop
+from loadtest.runner import Load, closed_loop, open_loop
 from planner.analysis import ModelAnalysis
 from planner.calibrate import Calibration, encoder_feeds, refit
-from planner.probe import cpu_seconds
+from planner.probe import background_cores, cpu_seconds
 from planner.profiles import Profile
 from planner.roofline import run_seconds
 from protos import grpc_service_pb2 as pb
@@ -56,6 +62,9 @@ class Served:
     run_s: float  # mean wall time of a run
     rps: float
     cpu_per_call_s: float  # client, router, Redis and worker
+    # Under Poisson arrivals at shares of `rps`: [cores busy (ours and other jobs'), the
+    # p99 of a call less the mean run], the trip's tail with the model's own payload
+    tail: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,13 @@ def repository(path: Path, model: str, max_batch: int, root: Path) -> Path:
 
 
 def serve_once(
-    path: Path, model: str, max_batch: int, tokens: int, seconds: float, workdir: Path
+    path: Path,
+    model: str,
+    max_batch: int,
+    tokens: int,
+    seconds: float,
+    workdir: Path,
+    tail_shares: Sequence[float] = (),
 ) -> Served:
     repo = repository(path, model, max_batch, workdir / f"b{max_batch}" / "repo")
     mesh = LocalMesh(workdir / f"b{max_batch}" / "logs", worker_args=WORKER_ARGS)
@@ -154,6 +169,20 @@ def serve_once(
         result = asyncio.run(closed_loop(Load(router, [body], seconds, 0.0, 30.0), callers))
         cpu1 = cpu_seconds(pids)
         runs1, rows1, ns1 = batch_totals(model_statistics(worker, model))
+        tail = []
+        for share in tail_shares:
+            other = background_cores(1.0)
+            before = batch_totals(model_statistics(worker, model)), cpu_seconds(pids)
+            opened = asyncio.run(
+                open_loop(
+                    Load(router, [body], seconds, 0.0, 30.0), share * result["throughput_rps"]
+                )
+            )
+            after = batch_totals(model_statistics(worker, model)), cpu_seconds(pids)
+            runs, ns = after[0][0] - before[0][0], after[0][2] - before[0][2]
+            run_s = ns / runs / 1e9 if runs else 0.0
+            busy = other + (after[1] - before[1]) / seconds
+            tail.append([round(busy, 3), max(0.0, opened["p99_ms"] / 1e3 - run_s)])
     finally:
         mesh.stop()
     runs, rows = runs1 - runs0, rows1 - rows0
@@ -165,17 +194,28 @@ def serve_once(
         run_s=(ns1 - ns0) / runs / 1e9,
         rps=result["throughput_rps"],
         cpu_per_call_s=(cpu1 - cpu0) / rows,
+        tail=tail,
     )
+
+
+TAIL_SHARES = (0.25, 0.5, 0.75)  # of the largest limit's saturated calls/s
 
 
 def calibrate_serving(
     path: Path, model: str, limits: Sequence[int], tokens: int = 16, seconds: float = 3.0
 ) -> ServingCalibration:
     """The model served through a one-worker mesh at each batch limit in `limits` (the
-    smallest and the largest are the points the fits pass through)."""
+    smallest and the largest are the points the fits pass through), and at the largest the
+    trip's tail under Poisson arrivals at TAIL_SHARES of its saturated rate."""
+    top = max(limits)
     with tempfile.TemporaryDirectory() as tmp:
         return ServingCalibration(
-            [serve_once(path, model, b, tokens, seconds, Path(tmp)) for b in sorted(set(limits))]
+            [
+                serve_once(
+                    path, model, b, tokens, seconds, Path(tmp), TAIL_SHARES if b == top else ()
+                )
+                for b in sorted(set(limits))
+            ]
         )
 
 
@@ -185,7 +225,8 @@ def served_profile(
     """`base` fitted to the model as the one-worker mesh served it: S(b) through its
     seconds per batch at saturation (the Roofline's fixed cost per run and reachable
     fraction, fitted by planner/calibrate.refit), and the mesh's CPU per call beside the run
-    made the model's own, at this batch limit. Under Poisson arrivals the probe's per-call
+    made the model's own, at this batch limit, and the trip's tail with the model's call.
+    Under Poisson arrivals the probe's per-call
     CPU scales by the ratio of the model's CPU per call beside its run, at batch 1, to the
     probe's tiny call's."""
     fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, tokens)
@@ -202,5 +243,6 @@ def served_profile(
         source=f"{base.source}; {a.name} v{a.version} served through a one-worker "
         f"mesh (planner/serving.py): {serving.as_dict()}",
         mesh_cpu_s=beside_run(max_batch),
+        mesh_tail=serving.served[-1].tail or base.mesh_tail,
         mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
     )

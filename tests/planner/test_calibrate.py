@@ -62,6 +62,12 @@ def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Pat
     for s in cal.served:
         assert s.rps > 0 and 0 < s.run_s < s.batch / s.rps  # a run is part of its cycle
         assert s.cpu_per_call_s > 0
+    # the trip's tail under Poisson arrivals, at the largest limit only: more busy cores
+    # at each larger share of its rate
+    assert not one.tail and len(four.tail) == 3
+    assert all(p99 >= 0 for _, p99 in four.tail)
+    busy = [b for b, _ in four.tail]
+    assert busy == sorted(busy) and busy[0] > 0
     cycles = cal.cycles_s()
     assert set(cycles) == {1, round(four.batch)}
     # f + g / b passes through both points
