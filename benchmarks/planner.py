@@ -375,7 +375,7 @@ def explain(c: Config, pred: dict, meas: dict, profile: Profile) -> list[str]:
                 f"open loop: the host's cores were {busy:.2f} busy (ours and other jobs') "
                 f"against {pred['busy_cores']:.2f} predicted"
                 + (
-                    f", so the trip's tail read off the probe is {tail:.1f} ms, not "
+                    f", so the trip's tail there is {tail:.1f} ms, not "
                     f"{pred['trip_p99_ms']:.1f}"
                     if abs(tail - pred["trip_p99_ms"]) > 0.1 * pred["trip_p99_ms"]
                     else ""

@@ -233,20 +233,25 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
     }
 
 
+def host_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host so far, from /proc/stat."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is inside user already
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The host's mean busy cores (every process's) between two host_cpu() samples."""
+    cores = os.cpu_count() or 1
+    return cores * (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
 def background_cores(seconds: float = 1.0) -> float:
     """Other jobs' mean CPU demand, in cores: the host's busy time in /proc/stat over
     `seconds` during which this process only sleeps (and the mesh is stopped)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle, iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is inside user already
-
-    busy0, total0 = sample()
+    before = host_cpu()
     time.sleep(seconds)
-    busy1, total1 = sample()
-    cores = os.cpu_count() or 1
-    return cores * (busy1 - busy0) / max(total1 - total0, 1)
+    return busy_cores(before, host_cpu())
 
 
 def cpu_seconds(pids: list[int], client: bool = True) -> float:

@@ -81,22 +81,18 @@ class Profile:
 
     def trip_p99(self, busy_cores: float) -> float:
         """The mesh trip's 99th percentile while `busy_cores` of the host's cores are busy
-        (ours and other jobs'): through the probed points, linear in 1 / (cores - busy), as
-        a wait for one of n servers grows (M/M/n); flat below the least loaded point, the
-        last two points' line beyond the most loaded; unbounded once the cores are full.
-        Without probed points, mesh_latency_p99_s."""
-        points = sorted((c, p) for c, p in self.mesh_tail if c < self.cores)
+        (ours and other jobs'): a + k / (cores - busy), as a wait for one of n servers grows
+        (M/M/n), fitted to the probed points by least squares with a, k >= 0 (a single
+        point: flat; each point is one window's p99, and one noisy window must not bend the
+        curve); unbounded once the cores are full. Without probed points,
+        mesh_latency_p99_s."""
+        points = [(1 / (self.cores - c), p) for c, p in self.mesh_tail if c < self.cores]
         if not points:
             return self.mesh_latency_p99_s or self.mesh_latency_s
         if busy_cores >= self.cores:
             return math.inf
-        if busy_cores <= points[0][0] or len(points) == 1:
-            return points[0][1]
-        x = [1 / (self.cores - c) for c, _ in points]
-        at = 1 / (self.cores - busy_cores)
-        i = next((k for k in range(1, len(x)) if at <= x[k]), len(x) - 1)
-        (x0, p0), (x1, p1) = (x[i - 1], points[i - 1][1]), (x[i], points[i][1])
-        return max(0.0, p0 + (p1 - p0) * (at - x0) / (x1 - x0)) if x1 > x0 else p1
+        a, k = _nonnegative_line(points)
+        return a + k / (self.cores - busy_cores)
 
     def ridge(self, dtype: str = "fp32") -> float:
         """FLOP per byte where the roof turns from bandwidth-bound to compute-bound."""
@@ -224,3 +220,17 @@ def load(name_or_path: str) -> Profile:
             f"{path}: not a profile ({e}); expected the fields of planner.profiles.Profile: "
             "name, memory_bandwidth, flops {dtype: FLOP/s}, memory_bytes, source, ..."
         ) from e
+
+
+def _nonnegative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, k) minimising sum (a + k x - y)^2 over `points` with a, k >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    k = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    if k <= 0:
+        return max(my, 0.0), 0.0
+    if my - k * mx >= 0:
+        return my - k * mx, k
+    return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)

@@ -22,11 +22,10 @@ batch as f + g / b (the run's share spread over the batch), through both points.
 
 At the largest limit, three open loops (Poisson arrivals at TAIL_SHARES of its saturated
 rate) measure the trip's tail with the model's own call: the p99 less the mean run, against
-the host's busy cores (ours, read from /proc, and other jobs'). On two shared cores that
-wait for a core is most of a p99 (planner/probe.py measures the same with a 16-byte call,
-whose CPU and answer are not the model's). Only the
-calibrated limits are seen here: what other replica counts, batch limits and loads do is the
-planner's prediction.
+the host's busy cores over the window (ours and other jobs', from /proc/stat). On two shared
+cores that wait for a core is most of a p99 (planner/probe.py measures the same with a
+16-byte call, whose CPU and answer are not the model's). Only the calibrated limits are seen
+here: what other replica counts, batch limits and loads do is the planner's prediction.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from deploy.processes import LocalMesh
 from loadtest.runner import Load, closed_loop, open_loop
 from planner.analysis import ModelAnalysis
 from planner.calibrate import Calibration, encoder_feeds, refit
-from planner.probe import background_cores, cpu_seconds
+from planner.probe import busy_cores, cpu_seconds, host_cpu
 from planner.profiles import Profile
 from planner.roofline import run_seconds
 from protos import grpc_service_pb2 as pb
@@ -171,17 +170,13 @@ def serve_once(
         runs1, rows1, ns1 = batch_totals(model_statistics(worker, model))
         tail = []
         for share in tail_shares:
-            other = background_cores(1.0)
-            before = batch_totals(model_statistics(worker, model)), cpu_seconds(pids)
-            opened = asyncio.run(
-                open_loop(
-                    Load(router, [body], seconds, 0.0, 30.0), share * result["throughput_rps"]
-                )
-            )
-            after = batch_totals(model_statistics(worker, model)), cpu_seconds(pids)
+            rate = share * result["throughput_rps"]
+            before = batch_totals(model_statistics(worker, model)), host_cpu()
+            opened = asyncio.run(open_loop(Load(router, [body], seconds, 0.0, 30.0), rate))
+            after = batch_totals(model_statistics(worker, model)), host_cpu()
             runs, ns = after[0][0] - before[0][0], after[0][2] - before[0][2]
             run_s = ns / runs / 1e9 if runs else 0.0
-            busy = other + (after[1] - before[1]) / seconds
+            busy = busy_cores(before[1], after[1])  # ours and other jobs'
             tail.append([round(busy, 3), max(0.0, opened["p99_ms"] / 1e3 - run_s)])
     finally:
         mesh.stop()
@@ -229,7 +224,17 @@ def served_profile(
     Under Poisson arrivals the probe's per-call
     CPU scales by the ratio of the model's CPU per call beside its run, at batch 1, to the
     probe's tiny call's."""
-    fitted = refit(Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1), a, base, tokens)
+    cycles = serving.cycles_s()
+    fitted = refit(Calibration(cycles, 0.0, 0.0, 1.0, 1), a, base, tokens)
+    if fitted.call_overhead_s < 0:
+        # A cycle growing faster than the Roofline's bytes and FLOPs (a tiny model, whose
+        # weights are its bytes at every batch: the serving work per row is the growth) would
+        # give a negative fixed cost, and S(b) below zero at more threads or smaller batches:
+        # the cycle at the largest batch scaled by the roof, as planner/calibrate.fit does
+        # for one point.
+        fitted = refit(
+            Calibration({max(cycles): cycles[max(cycles)]}, 0.0, 0.0, 1.0, 1), a, base, tokens
+        )
     profile = fitted.profile(base)
 
     def beside_run(b: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,12 +63,11 @@ def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Pat
     for s in cal.served:
         assert s.rps > 0 and 0 < s.run_s < s.batch / s.rps  # a run is part of its cycle
         assert s.cpu_per_call_s > 0
-    # the trip's tail under Poisson arrivals, at the largest limit only: more busy cores
-    # at each larger share of its rate
+    # the trip's tail under Poisson arrivals, at the largest limit only, against the host's
+    # busy cores (ours and other jobs': how many depends on what else runs here)
     assert not one.tail and len(four.tail) == 3
-    assert all(p99 >= 0 for _, p99 in four.tail)
-    busy = [b for b, _ in four.tail]
-    assert busy == sorted(busy) and busy[0] > 0
+    cores = os.cpu_count() or 1
+    assert all(0 < busy <= cores * 1.01 and p99 >= 0 for busy, p99 in four.tail)
     cycles = cal.cycles_s()
     assert set(cycles) == {1, round(four.batch)}
     # f + g / b passes through both points

@@ -140,7 +140,7 @@ def test_cli_plan_and_its_errors(
 def test_cli_calibrate_fits_a_profile_that_plan_reads(
     repository: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A real worker serves the MLP alone at batch limits 1 and 4; the fitted profile is a
+    """A one-worker mesh serves the MLP at batch limits 1 and 4; the fitted profile is a
     profile file `plan` takes, whose S(b) passes through the served seconds per batch."""
     base = replace(
         profiles.load("L4"),
@@ -158,8 +158,9 @@ def test_cli_calibrate_fits_a_profile_that_plan_reads(
     served = json.loads(capsys.readouterr().out)
     assert [s["max_batch"] for s in served["served"]] == [1, 4]
     fitted = profiles.load(str(out))
-    # the router's CPU per call, and the client's and worker's beside the run
-    assert "as served" in fitted.name and fitted.mesh_cpu_s >= base.mesh_router_cpu_s
+    # the mesh's CPU per call beside the run, and the trip's tail with the model's call
+    assert "as served" in fitted.name and fitted.mesh_cpu_s >= 0
+    assert fitted.mesh_tail == served["served"][-1]["tail"] and len(fitted.mesh_tail) == 3
     assert fitted.call_overhead_s != base.call_overhead_s  # the fit moved the roof
     plan_args = ["plan", *common, "--qps", "50", "--p99-ms", "500", "--profile", str(out)]
     assert main([*plan_args, "--price-per-hour", "0.5", "--recipe", "fp32"]) == 0
