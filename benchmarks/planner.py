@@ -154,12 +154,17 @@ def worker_runs(before: dict, after: dict) -> dict:
     rows = after["rows"] - before["rows"]
     ns = after["ns"] - before["ns"]
     cpu_s = after["cpu_s"] - before["cpu_s"]
+    wall = after["at"] - before["at"]
+    busy = probe.busy_cores(before["host"], after["host"])
     return {
         "runs": runs,
         "mean_batch": rows / runs if runs else 0.0,
         "run_ms": ns / runs / 1e6 if runs else 0.0,
         # every process of ours (client, router, workers, Redis) per call served
         "host_cpu_ms_per_call": cpu_s / rows * 1e3 if rows else 0.0,
+        # other jobs' cores meanwhile: the host's busy cores less ours (the prediction
+        # takes other jobs' demand as probed before the row; a row they crowded shows here)
+        "other_cores": round(max(0.0, busy - cpu_s / wall), 3) if wall > 0 else 0.0,
         "reported": {k: statistics.mean(v) for k, v in after["achieved"].items()},
     }
 
@@ -375,11 +380,17 @@ def explain(c: Config, pred: dict, meas: dict, profile: Profile) -> list[str]:
                 f"open loop: the host's cores were {busy:.2f} busy (ours and other jobs') "
                 f"against {pred['busy_cores']:.2f} predicted"
                 + (
-                    f", so the trip's tail there is {tail:.1f} ms, not "
-                    f"{pred['trip_p99_ms']:.1f}"
+                    f", so the trip's tail there is {tail:.1f} ms, not {pred['trip_p99_ms']:.1f}"
                     if abs(tail - pred["trip_p99_ms"]) > 0.1 * pred["trip_p99_ms"]
                     else ""
                 )
+            )
+    for loop, figures in (("closed", closed), ("open", opened)):
+        other = figures.get("other_cores", 0.0)
+        if other > meas["background_cores"] + 0.2:
+            why.append(
+                f"{loop} loop: other jobs on this machine took {other:.2f} cores meanwhile, "
+                f"where {meas['background_cores']:.2f} was measured before the row"
             )
     if llm:
         why.append(
@@ -428,7 +439,12 @@ def run_config(
         pids = [p.popen.pid for p in processes if p is not None and p.popen is not None]
 
         def stats() -> dict:
-            return {**worker_totals(workers, c.model), "cpu_s": probe.cpu_seconds(pids)}
+            return {
+                **worker_totals(workers, c.model),
+                "cpu_s": probe.cpu_seconds(pids),
+                "host": probe.host_cpu(),
+                "at": time.monotonic(),
+            }
 
         start = stats()
 
