@@ -172,7 +172,9 @@ def serve_once(
         for share in tail_shares:
             rate = share * result["throughput_rps"]
             before = batch_totals(model_statistics(worker, model)), host_cpu()
-            opened = asyncio.run(open_loop(Load(router, [body], seconds, 0.0, 30.0), rate))
+            # twice the window: a p99 wants a few hundred calls even at the lowest rate
+            load = Load(router, [body], 2 * seconds, 0.0, 30.0)
+            opened = asyncio.run(open_loop(load, rate))
             after = batch_totals(model_statistics(worker, model)), host_cpu()
             runs, ns = after[0][0] - before[0][0], after[0][2] - before[0][2]
             run_s = ns / runs / 1e9 if runs else 0.0
