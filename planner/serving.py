@@ -21,16 +21,19 @@ its event loop), for which the replica is as good as busy. Host CPU per call fal
 batch as f + g / b (the run's share spread over the batch), through both points.
 
 At the largest limit, three open loops (Poisson arrivals at TAIL_SHARES of its saturated
-rate) measure the trip's tail with the model's own call: the p99 less the mean run, against
-the host's busy cores over the window (ours and other jobs', from /proc/stat). On two shared
-cores that wait for a core is most of a p99 (planner/probe.py measures the same with a
-16-byte call, whose CPU and answer are not the model's). Only the calibrated limits are seen
-here: what other replica counts, batch limits and loads do is the planner's prediction.
+rate) measure the trip's tail with the model's own call: the p99 less what the queueing
+model gives the replica itself there (its run and its queue, planner/queueing.py, so that
+neither is counted twice), against the host's busy cores over the window (ours and other
+jobs', from /proc/stat). On two shared cores that wait for a core is most of a p99
+(planner/probe.py measures the same with a 16-byte call, whose CPU and answer are not the
+model's). Only the calibrated limits are seen here: what other replica counts, batch limits
+and loads do is the planner's prediction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -45,6 +48,7 @@ from planner.analysis import ModelAnalysis
 from planner.calibrate import Calibration, encoder_feeds, refit
 from planner.probe import busy_cores, cpu_seconds, host_cpu
 from planner.profiles import Profile
+from planner.queueing import predict
 from planner.roofline import run_seconds
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -62,7 +66,7 @@ class Served:
     rps: float
     cpu_per_call_s: float  # client, router, Redis and worker
     # Under Poisson arrivals at shares of `rps`: [cores busy (ours and other jobs'), the
-    # p99 of a call less the mean run], the trip's tail with the model's own payload
+    # p99 of a call, calls/s], the trip's tail with the model's own payload
     tail: list[list[float]] = field(default_factory=list)
 
 
@@ -171,15 +175,12 @@ def serve_once(
         tail = []
         for share in tail_shares:
             rate = share * result["throughput_rps"]
-            before = batch_totals(model_statistics(worker, model)), host_cpu()
+            before = host_cpu()
             # twice the window: a p99 wants a few hundred calls even at the lowest rate
             load = Load(router, [body], 2 * seconds, 0.0, 30.0)
             opened = asyncio.run(open_loop(load, rate))
-            after = batch_totals(model_statistics(worker, model)), host_cpu()
-            runs, ns = after[0][0] - before[0][0], after[0][2] - before[0][2]
-            run_s = ns / runs / 1e9 if runs else 0.0
-            busy = busy_cores(before[1], after[1])  # ours and other jobs'
-            tail.append([round(busy, 3), max(0.0, opened["p99_ms"] / 1e3 - run_s)])
+            busy = busy_cores(before, host_cpu())  # ours and other jobs'
+            tail.append([round(busy, 3), opened["p99_ms"] / 1e3, round(rate, 2)])
     finally:
         mesh.stop()
     runs, rows = runs1 - runs0, rows1 - rows0
@@ -250,6 +251,21 @@ def served_profile(
         source=f"{base.source}; {a.name} v{a.version} served through a one-worker "
         f"mesh (planner/serving.py): {serving.as_dict()}",
         mesh_cpu_s=beside_run(max_batch),
-        mesh_tail=serving.served[-1].tail or base.mesh_tail,
+        mesh_tail=trip_tail(serving.served[-1], a, profile, tokens) or base.mesh_tail,
         mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
     )
+
+
+def trip_tail(top: Served, a: ModelAnalysis, profile: Profile, tokens: int) -> list[list[float]]:
+    """[busy cores, trip p99] from the calibration's open loops: each measured p99 less the
+    queueing model's own p99 for the replica there (its run and its wait, with no trip), so a
+    prediction at that very point gives the measured p99 back."""
+
+    def service(b: int) -> float:
+        return run_seconds(a, profile, b, 0, 1, 1, tokens)
+
+    out = []
+    for busy, p99, rate in top.tail:
+        own = predict(rate, 1, top.max_batch, service, contended=True).p99_s
+        out.append([busy, max(0.0, p99 - own) if math.isfinite(own) else 0.0])
+    return out

@@ -11,7 +11,7 @@ from planner import profiles
 from planner.analysis import analyse_file
 from planner.calibrate import Calibration, calibrate, fit
 from planner.roofline import run_seconds
-from planner.serving import ServingCalibration, calibrate_serving
+from planner.serving import TAIL_SHARES, ServingCalibration, calibrate_serving
 
 
 def test_fit_recovers_overhead_and_efficiency() -> None:
@@ -67,7 +67,8 @@ def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Pat
     # busy cores (ours and other jobs': how many depends on what else runs here)
     assert not one.tail and len(four.tail) == 3
     cores = os.cpu_count() or 1
-    assert all(0 < busy <= cores * 1.01 and p99 >= 0 for busy, p99 in four.tail)
+    assert all(0 < busy <= cores * 1.01 and p99 > 0 and rate > 0 for busy, p99, rate in four.tail)
+    assert [r for _, _, r in four.tail] == pytest.approx([four.rps * f for f in TAIL_SHARES], 0.02)
     cycles = cal.cycles_s()
     assert set(cycles) == {1, round(four.batch)}
     # f + g / b passes through both points
