@@ -649,6 +649,8 @@ def planner_section(r: dict) -> str:
                 f"{ms(served['p99_ms'])} ({pct(served['p99_error'])})",
                 f"{m['closed']['mean_batch']:.1f} / {m['open']['mean_batch']:.1f}",
                 m.get("background_cores", 0.0),
+                f"{m['closed'].get('other_cores', 0.0):.2f} / "
+                f"{m['open'].get('other_cores', 0.0):.2f}",
             ]
         )
     s = r["summary"]
@@ -666,8 +668,22 @@ def planner_section(r: dict) -> str:
         + (f", prefill {v['prefill_ms']} ms" if v["prefill_ms"] else "")
         for k, v in r["calibrations"].items()
     )
+
+    def tail(v: dict) -> str:
+        points = v["served"][-1].get("tail") or []
+        return (
+            ", trip tail "
+            + ", ".join(
+                f"p99 {p99 * 1e3:.0f} ms at {rate:.0f}/s ({busy:.2f} cores busy)"
+                for busy, p99, rate in points
+            )
+            if points
+            else ""
+        )
+
     servings = "; ".join(
-        f"{k}: {v['cycles_ms']} ms per batch by batch" for k, v in r.get("servings", {}).items()
+        f"{k}: {v['cycles_ms']} ms per batch by batch{tail(v)}"
+        for k, v in r.get("servings", {}).items()
     )
     p = r["profile"]
     misses = [
@@ -686,11 +702,14 @@ def planner_section(r: dict) -> str:
             "half the measured throughput (offered /s). *Roofline*: predicted from the probe "
             "and the graph alone; *calibrated*: the Roofline fitted to each model's own "
             "session timed alone, outside the mesh (CPU time, one thread, batch 1 and the "
-            f"largest): {calibrations}; *served*: fitted to each encoder served by one worker "
-            f"alone, no router (planner/serving.py; seconds per batch and host CPU per call at "
-            f"saturation, batch limits 1 and the largest): {servings}; the LLM rows' *served* is "
+            f"largest): {calibrations}; *served*: fitted to each encoder served through a "
+            "one-worker mesh (planner/serving.py; seconds per batch and host CPU per call at "
+            "saturation at batch limits 2 and 16, which no checked row uses, and the trip's "
+            f"tail under Poisson arrivals at a quarter, half and three quarters of the 16's "
+            f"rate): {servings}; the LLM rows' *served* is "
             "the calibrated prediction. Batch: what the workers formed in the closed / open "
-            "loop. Background: other jobs' CPU demand (cores) measured just before each row."
+            "loop. Background: other jobs' CPU demand (cores) measured just before each row; "
+            "other: their cores during the closed / open loop (the host's busy cores less ours)."
             + (f" The {r['reanalysed']}." if r.get("reanalysed") else ""),
             table(
                 [
@@ -707,6 +726,7 @@ def planner_section(r: dict) -> str:
                     "served",
                     "batch",
                     "background",
+                    "other",
                 ],
                 rows,
             ),

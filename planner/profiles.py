@@ -81,18 +81,26 @@ class Profile:
 
     def trip_p99(self, busy_cores: float) -> float:
         """The mesh trip's 99th percentile while `busy_cores` of the host's cores are busy
-        (ours and other jobs'): a + k / (cores - busy), as a wait for one of n servers grows
-        (M/M/n), fitted to the probed points by least squares with a, k >= 0 (a single
-        point: flat; each point is one window's p99, and one noisy window must not bend the
-        curve); unbounded once the cores are full. Without probed points,
+        (ours and other jobs'): through the probed points made non-decreasing (adjacent
+        points that fall are pooled to their mean: one noisy window must not make a busier
+        host faster), linear in 1 / (cores - busy) between them, as a wait for one of n
+        servers grows (M/M/n); flat below the least busy point, the last two points' line
+        beyond the busiest; unbounded once the cores are full. Without probed points,
         mesh_latency_p99_s."""
-        points = [(1 / (self.cores - c), p) for c, p in self.mesh_tail if c < self.cores]
+        points = sorted((c, p) for c, p in self.mesh_tail if c < self.cores)
         if not points:
             return self.mesh_latency_p99_s or self.mesh_latency_s
         if busy_cores >= self.cores:
             return math.inf
-        a, k = _nonnegative_line(points)
-        return a + k / (self.cores - busy_cores)
+        x = [1 / (self.cores - c) for c, _ in points]
+        y = _non_decreasing([p for _, p in points])
+        if busy_cores <= points[0][0] or len(points) == 1:
+            return y[0]
+        at = 1 / (self.cores - busy_cores)
+        i = next((k for k in range(1, len(x)) if at <= x[k]), len(x) - 1)
+        if x[i] <= x[i - 1]:
+            return y[i]
+        return max(0.0, y[i - 1] + (y[i] - y[i - 1]) * (at - x[i - 1]) / (x[i] - x[i - 1]))
 
     def ridge(self, dtype: str = "fp32") -> float:
         """FLOP per byte where the roof turns from bandwidth-bound to compute-bound."""
@@ -222,15 +230,12 @@ def load(name_or_path: str) -> Profile:
         ) from e
 
 
-def _nonnegative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(a, k) minimising sum (a + k x - y)^2 over `points` with a, k >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    k = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    if k <= 0:
-        return max(my, 0.0), 0.0
-    if my - k * mx >= 0:
-        return my - k * mx, k
-    return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]

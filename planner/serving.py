@@ -244,15 +244,25 @@ def served_profile(
         run = run_seconds(a, profile, b, 0, 1, 1, tokens)
         return max(0.0, serving.cpu_per_call_s(b) - run / b)
 
-    scale = beside_run(1) / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
+    top = serving.served[-1]
+    if len(top.tail) >= 2:
+        # Under Poisson arrivals, the busy cores the calibration's open loops measured: a
+        # fixed part and a part per call (least squares, both >= 0), the runs' share
+        # (batches of about 1 at these rates) taken out as the queueing model adds it back
+        fixed, per_call = _nonnegative_line([(rate, busy) for busy, _, rate in top.tail])
+        open_cpu = (fixed, max(0.0, per_call - run_seconds(a, profile, 1, 0, 1, 1, tokens)))
+    else:  # the probe's, scaled to the model's CPU per call beside a run at batch 1
+        scale = beside_run(1) / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
+        open_cpu = (base.mesh_open_cores, base.mesh_open_cpu_s * scale)
     return replace(
         profile,
         name=f"{base.name}, fitted to {a.name} v{a.version} ({a.recipe}) as served",
         source=f"{base.source}; {a.name} v{a.version} served through a one-worker "
         f"mesh (planner/serving.py): {serving.as_dict()}",
         mesh_cpu_s=beside_run(max_batch),
-        mesh_tail=trip_tail(serving.served[-1], a, profile, tokens) or base.mesh_tail,
-        mesh_open_cpu_s=base.mesh_open_cpu_s * scale,
+        mesh_tail=trip_tail(top, a, profile, tokens) or base.mesh_tail,
+        mesh_open_cores=open_cpu[0],
+        mesh_open_cpu_s=open_cpu[1],
     )
 
 
@@ -269,3 +279,17 @@ def trip_tail(top: Served, a: ModelAnalysis, profile: Profile, tokens: int) -> l
         own = predict(rate, 1, top.max_batch, service, contended=True).p99_s
         out.append([busy, max(0.0, p99 - own) if math.isfinite(own) else 0.0])
     return out
+
+
+def _nonnegative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, k) minimising sum (a + k x - y)^2 over `points` with a, k >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    k = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    if k <= 0:
+        return max(my, 0.0), 0.0
+    if my - k * mx >= 0:
+        return my - k * mx, k
+    return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)

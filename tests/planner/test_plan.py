@@ -166,6 +166,8 @@ def test_cli_calibrate_fits_a_profile_that_plan_reads(
     assert all(
         0 <= trip < p99 for (_, trip), (_, p99, _) in zip(fitted.mesh_tail, measured, strict=True)
     )
+    # the open loops' busy cores: a fixed part and CPU per call beside the run
+    assert fitted.open_cpu() is not None and min(fitted.open_cpu() or (-1.0,)) >= 0
     assert fitted.call_overhead_s != base.call_overhead_s  # the fit moved the roof
     plan_args = ["plan", *common, "--qps", "50", "--p99-ms", "500", "--profile", str(out)]
     assert main([*plan_args, "--price-per-hour", "0.5", "--recipe", "fp32"]) == 0
