@@ -6,22 +6,30 @@
   so the student learns only what the missing layers did.
 - An encoder student matches the teacher's sentence embeddings (1 - cosine), and,
   with `intermediate_weight`, each kept layer's hidden state at every real token
-  (1 - cosine: scale-free, so BERT's few large hidden dimensions do not dominate it).
+  (1 - cosine: scale-free, so BERT's few large hidden dimensions do not dominate it);
+  with `relation_weight`, the last layer's self-attention and value relations as MiniLM
+  (Wang et al., 2020) distils them (`relations`).
 - A decoder student matches the teacher's next-token distributions: KL(teacher || student)
   at temperature TEMPERATURE over every position, times T^2 (Hinton et al.).
 - Training text, no download (`training_text`): sentences the SmolLM2 teacher writes
   about everyday topics, and with PROSE the prose sentences of Python's language reference
   and of the standard library's docstrings (`common.corpus`); any text that is, or holds,
   a sentence or prompt of quantize/evalset/ is dropped (held out). An encoder plan adds
-  short word windows of each sentence (`word_windows`).
+  short word windows of each sentence (`word_windows`) and, with `augmented`, makes that
+  share of every batch augmented sentences, drawn afresh each step (`augmented_at`:
+  TinyBERT-style word replacement from the corpus, word dropout, splices of two
+  sentences, shuffled spans); the teacher labels them on the fly, so the variety costs
+  no generation time, and one that holds an evaluation sentence gives way to its source.
 - The learning rate warms up over WARMUP steps, then falls (cosine) to LR_FLOOR of itself
   over `decay_steps`: the last steps average out the batch noise.
-- Deterministic: a fixed seed, and step i's batch is drawn from (seed, i) alone, so a run
-  resumed from its checkpoint (saved every SAVE_EVERY steps) continues the same sequence.
+- Deterministic: a fixed seed, and step i's batch (augmented texts included) is drawn
+  from (seed, i) alone, so a run resumed from its checkpoint (saved every SAVE_EVERY
+  steps) continues the same sequence.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -39,7 +47,14 @@ from torch import nn
 
 from common.corpus import python_reference, stdlib_docstrings
 from quantize import evaluate
-from quantize.models import BertEncoder, LlamaDecoder, bert_inputs, mean_pool
+from quantize.models import (
+    MASKED,
+    BertEncoder,
+    BertLayer,
+    LlamaDecoder,
+    bert_inputs,
+    mean_pool,
+)
 from quantize.recipes import DECODER, ENCODER
 
 log = structlog.get_logger(__name__)
@@ -68,26 +83,31 @@ class Plan:
     temperature: float = TEMPERATURE  # decoders
     intermediate_weight: float = 0.0  # encoders: weight of the per-token hidden-state loss
     windows: int = 0  # short word windows added per sentence (see word_windows)
+    augmented: float = 0.0  # the share of each batch's rows that are augmented texts
+    relation_weight: float = 0.0  # encoders: weight of the last layer's relation loss
     decay_steps: int = 0  # the learning rate falls (cosine) to LR_FLOOR over these; 0: never
 
 
 # Measured (README, Distillation), the evaluation set's mean cosine to the teacher (torch,
 # before int8), 1,200 steps with the cosine decay, 2 word windows of each sentence: on
-# SmolLM2's 3,328 everyday sentences (held out) 4 layers reach 0.942, 3 layers 0.895; with the prose
-# sentences too (15,144 in all) 4 layers 0.924 and 3 layers 0.863 (on the 2,498 sentences
-# before, 400 constant-lr steps: 0.914 and 0.86); all refused by the 0.95 bar. SmolLM2:
-# 15 of 30 layers, 100 steps (~9 CPU minutes) reach top-1 0.19 and KL 3.7 (refused; far
-# from converged).
+# SmolLM2's 3,328 everyday sentences (held out) 4 layers reach 0.942 at lr 3e-4, 3 layers
+# 0.895; with the prose sentences too (15,144 in all) 4 layers 0.924 and 3 layers 0.863
+# (on the 2,498 sentences before, 400 constant-lr steps: 0.914 and 0.86). Half of each
+# batch augmented (`augmented` 0.5): 0.943 at lr 3e-4, 0.9453 at 6e-4 (the default),
+# 0.940 at 1.2e-3; with MiniLM's relations too (weight 1, lr 3e-4) 0.940 at step 900, as
+# without them. All refused by the 0.95 bar. SmolLM2: 15 of 30 layers, 100 steps (~9 CPU
+# minutes) reach top-1 0.19 and KL 3.7 (refused; far from converged).
 DEFAULTS = {
     ENCODER: Plan(
         ENCODER,
         4,
         steps=1200,
         batch=32,
-        lr=3e-4,
+        lr=6e-4,
         max_tokens=32,
         intermediate_weight=1.0,
         windows=2,
+        augmented=0.5,
         decay_steps=1200,
     ),
     DECODER: Plan(DECODER, 15, steps=100, batch=8, lr=1e-4, max_tokens=48),
@@ -162,14 +182,37 @@ def trainable(student: nn.Module) -> list[nn.Parameter]:
 
 def encoder_states(
     model: BertEncoder, ids: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The sentence embedding and every layer's hidden states (BertEncoder.forward's steps)."""
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The sentence embedding, every layer's hidden states (BertEncoder.forward's steps)
+    and the last layer's input."""
     x, bias = bert_inputs(model, ids, mask)
     hidden = []
+    last_input = x
     for layer in model.layers:
+        last_input = x
         x = layer(x, bias)
         hidden.append(x)
-    return mean_pool(x, mask), hidden
+    return mean_pool(x, mask), hidden, last_input
+
+
+def relations(layer: BertLayer, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MiniLM's (Wang et al., 2020) self-attention relations of `layer` on its input `x`:
+    log softmax(QK^T / sqrt d) and log softmax(VV^T / sqrt d) over the real keys, per head,
+    stacked [2, batch, heads, seq, seq]."""
+    b, s, _ = x.shape
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(b, s, -1, layer.head_dim).transpose(1, 2)
+
+    q, k, v = split(layer.q(x)), split(layer.k(x)), split(layer.v(x))
+    bias = ((1.0 - mask.to(x.dtype)) * MASKED)[:, None, None, :]
+    scale = layer.head_dim**0.5
+    return torch.stack(
+        [
+            (q @ k.transpose(-1, -2) / scale + bias).log_softmax(-1),
+            (v @ v.transpose(-1, -2) / scale + bias).log_softmax(-1),
+        ]
+    )
 
 
 def encoder_loss(
@@ -179,11 +222,22 @@ def encoder_loss(
     ids: torch.Tensor,
     mask: torch.Tensor,
     intermediate_weight: float,
+    relation_weight: float = 0.0,
 ) -> torch.Tensor:
+    """1 - cosine of the sentence embeddings; with `intermediate_weight`, of each kept
+    layer's hidden state at every real token; with `relation_weight`, KL(teacher ||
+    student) of the last layer's `relations`, over the real query tokens."""
     with torch.no_grad():
-        target, target_hidden = encoder_states(teacher, ids, mask)
-    embedding, hidden = encoder_states(student, ids, mask)
+        target, target_hidden, target_last = encoder_states(teacher, ids, mask)
+    embedding, hidden, last = encoder_states(student, ids, mask)
     loss = (1.0 - (embedding * target).sum(-1)).mean()  # both unit length
+    if relation_weight:
+        with torch.no_grad():
+            t = relations(teacher.layers[-1], target_last, mask)  # type: ignore[arg-type]
+        r = relations(student.layers[-1], last, mask)  # type: ignore[arg-type]
+        kl = (t.exp() * (t - r)).sum(-1)  # [2, batch, heads, seq]
+        m = mask.to(kl.dtype)[None, :, None, :]
+        loss = loss + relation_weight * (kl * m).sum() / (m.sum() * kl.shape[0] * kl.shape[2])
     if intermediate_weight:
         m = mask.to(embedding.dtype)
         per_layer = [
@@ -361,11 +415,16 @@ def _normal(text: str) -> str:
     return " ".join(re.findall(r"\w+", text.lower()))
 
 
-def held_out(texts: Sequence[str]) -> list[str]:
-    """`texts` less any that is, or contains, an evaluation sentence or prompt."""
+@functools.cache
+def _evaluation_texts() -> tuple[str, ...]:
     evalset = [_normal(s) for s in evaluate.load_set(ENCODER)["sentences"]]
     evalset += [_normal(p) for p in evaluate.load_set(DECODER)["prompts"]]
-    evalset = [e for e in evalset if e]
+    return tuple(e for e in evalset if e)
+
+
+def held_out(texts: Sequence[str]) -> list[str]:
+    """`texts` less any that is, or contains, an evaluation sentence or prompt."""
+    evalset = _evaluation_texts()
     normal = [_normal(t) for t in texts]
     return [t for t, n in zip(texts, normal, strict=True) if not any(e in n for e in evalset)]
 
@@ -428,17 +487,31 @@ def tokenize(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: int) -> lis
     pads every text to 128 tokens, and a student trained on [PAD] tokens counted as words
     (batch_at's mask covers every id it is given) learns sentences unlike the ones it
     serves (mean cosine 0.70 on the evaluation set, training loss 0.024)."""
+    return encode(unpadded(tokenizer), texts, max_tokens)
+
+
+def unpadded(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that neither pads nor truncates (the caller's is left as is)."""
     plain = Tokenizer.from_str(tokenizer.to_str())
     plain.no_padding()
     plain.no_truncation()
+    return plain
+
+
+def encode(plain: Tokenizer, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    """Each text's tokens by an `unpadded` tokenizer, at most `max_tokens`."""
     return [e.ids[:max_tokens] for e in plain.encode_batch(list(texts))]
 
 
-def batch_at(rows: list[list[int]], plan: Plan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s batch (right-padded ids and mask), a function of (seed, step) alone."""
+def batch_at(
+    rows: list[list[int]], plan: Plan, step: int, extra: Sequence[list[int]] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch (right-padded ids and mask), a function of (seed, step) alone:
+    plan.batch rows, the `extra` rows (step `step`'s augmented texts) among them."""
     rng = np.random.default_rng([plan.seed, step])
-    picks = rng.choice(len(rows), size=min(plan.batch, len(rows)), replace=False)
-    chosen = [rows[i] for i in picks]
+    size = min(plan.batch - len(extra), len(rows))
+    picks = rng.choice(len(rows), size=size, replace=False)
+    chosen = [rows[i] for i in picks] + [r for r in extra if r]
     width = max(len(r) for r in chosen)
     ids = torch.zeros((len(chosen), width), dtype=torch.int64)
     mask = torch.zeros_like(ids)
@@ -464,6 +537,70 @@ def word_windows(texts: Sequence[str], per_text: int, seed: int) -> list[str]:
             first = int(rng.integers(0, len(words) - n + 1))
             out.append(" ".join(words[first : first + n]))
     return out
+
+
+AUGMENT_RATE = 0.2  # of the words a replacement or a dropout touches
+AUGMENTATIONS = ("replace", "drop", "splice", "shuffle")
+
+
+def corpus_words(texts: Sequence[str]) -> list[str]:
+    """Every word of `texts`, in order, repeats kept: a uniform pick is a pick by frequency."""
+    return [w for t in texts for w in t.split()]
+
+
+def augment(text: str, other: str, words: Sequence[str], how: str, rng: np.random.Generator) -> str:
+    """One augmented copy of `text` (TinyBERT-style, with corpus words instead of BERT's
+    guesses): `replace` swaps about AUGMENT_RATE of its words, at least one, for words
+    drawn from `words`; `drop` leaves out about AUGMENT_RATE of them, at least one, keeping
+    two or more; `splice` joins its start to the end of `other`; `shuffle` reorders a run
+    of 2 to 5 of its words (never back into their order). The teacher labels whatever comes out."""
+    w = text.split()
+    if how == "replace":
+        hit = rng.random(len(w)) < AUGMENT_RATE
+        hit[rng.integers(len(w))] = True
+        return " ".join(
+            words[int(rng.integers(len(words)))] if h else x for x, h in zip(w, hit, strict=True)
+        )
+    if how == "drop":
+        if len(w) <= 2:
+            return text
+        keep = rng.random(len(w)) >= AUGMENT_RATE
+        keep[rng.integers(len(w))] = False
+        if keep.sum() < 2:
+            keep[rng.choice(len(w), size=2, replace=False)] = True
+        return " ".join(x for x, k in zip(w, keep, strict=True) if k)
+    if how == "splice":
+        o = other.split()
+        if len(w) < 2 or len(o) < 2:
+            return f"{text} {other}"
+        return " ".join(w[: int(rng.integers(1, len(w)))] + o[int(rng.integers(1, len(o))) :])
+    if how == "shuffle":
+        if len(w) < 2:
+            return text
+        n = int(rng.integers(2, min(5, len(w)) + 1))
+        first = int(rng.integers(0, len(w) - n + 1))
+        span = w[first : first + n]
+        order = rng.permutation(n)
+        if (order == np.arange(n)).all():
+            order = order[::-1]  # never the span as it was
+        return " ".join(w[:first] + [span[i] for i in order] + w[first + n :])
+    raise ValueError(f"augmentation {how!r}: expected one of {AUGMENTATIONS}")
+
+
+def augmented_at(texts: Sequence[str], words: Sequence[str], plan: Plan, step: int) -> list[str]:
+    """Step `step`'s augmented texts (plan.augmented of plan.batch rows), a function of
+    (seed, step) alone: each a random one of AUGMENTATIONS applied to a random text of
+    `texts`; one that is, or holds, an evaluation sentence or prompt gives way to its
+    source text (held out already)."""
+    rng = np.random.default_rng([plan.seed, step, 1])
+    out, sources = [], []
+    for _ in range(round(plan.batch * plan.augmented)):
+        a, b = (int(i) for i in rng.integers(len(texts), size=2))
+        how = AUGMENTATIONS[int(rng.integers(len(AUGMENTATIONS)))]
+        out.append(augment(texts[a], texts[b], words, how, rng))
+        sources.append(texts[a])
+    kept = set(held_out(out))
+    return [t if t in kept else s for t, s in zip(out, sources, strict=True)]
 
 
 def digest(texts: Sequence[str]) -> str:
@@ -519,10 +656,20 @@ def train(
     began = time.perf_counter()
     if start < plan.steps:
         threads = THREADS
+    words, plain = corpus_words(texts), unpadded(tokenizer)
     for step in range(start, plan.steps):
-        ids, mask = batch_at(rows, plan, step)
+        extra = augmented_at(texts, words, plan, step) if plan.augmented else []
+        ids, mask = batch_at(rows, plan, step, encode(plain, extra, plan.max_tokens))
         if plan.kind == ENCODER:
-            loss = encoder_loss(teacher, student, kept, ids, mask, plan.intermediate_weight)  # type: ignore[arg-type]
+            loss = encoder_loss(
+                teacher,  # type: ignore[arg-type]
+                student,  # type: ignore[arg-type]
+                kept,
+                ids,
+                mask,
+                plan.intermediate_weight,
+                plan.relation_weight,
+            )
         else:
             loss = decoder_loss(teacher, student, ids, mask, plan.temperature)  # type: ignore[arg-type]
         optimizer.zero_grad(set_to_none=True)
@@ -562,5 +709,15 @@ def evaluation_loss(
     ids, mask = batch_at(rows, whole, 0)
     with torch.no_grad():
         if plan.kind == ENCODER:
-            return float(encoder_loss(teacher, student, kept, ids, mask, plan.intermediate_weight))  # type: ignore[arg-type]
+            return float(
+                encoder_loss(
+                    teacher,  # type: ignore[arg-type]
+                    student,  # type: ignore[arg-type]
+                    kept,
+                    ids,
+                    mask,
+                    plan.intermediate_weight,
+                    plan.relation_weight,
+                )
+            )
         return float(decoder_loss(teacher, student, ids, mask, plan.temperature))  # type: ignore[arg-type]

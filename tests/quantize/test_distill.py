@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,23 @@ def test_a_distilled_tiny_model_improves_its_loss(make) -> None:  # type: ignore
     assert len(trained.losses) == 30 and trained.resumed_from == 0
 
 
+@torch.no_grad()
+def test_a_student_identical_to_its_teacher_has_no_loss_and_relations_are_distributions() -> None:
+    loaded = tiny_minilm()
+    teacher = loaded.model
+    rows = distill.tokenize(loaded.tokenizer, TEXTS[:4], 16)
+    ids, mask = distill.batch_at(rows, replace(distill.plan_for("encoder", 1), batch=4), 0)
+    every = list(range(teacher.config.layers))  # type: ignore[union-attr, arg-type]
+    loss = distill.encoder_loss(teacher, teacher, every, ids, mask, 1.0, 1.0)  # type: ignore[arg-type]
+    assert float(loss) == pytest.approx(0.0, abs=1e-5)
+    _, _, last = distill.encoder_states(teacher, ids, mask)  # type: ignore[arg-type]
+    r = distill.relations(teacher.layers[-1], last, mask)  # type: ignore[arg-type, index]
+    assert r.shape[:2] == (2, 4) and r.shape[-1] == r.shape[-2] == ids.shape[1]
+    torch.testing.assert_close(r.exp().sum(-1), torch.ones(r.shape[:-1]))
+    assert bool((mask == 0).any())  # rows of other lengths: padding, which gets no weight
+    assert float((r.exp() * (1 - mask)[None, :, None, None, :]).max()) < 1e-3
+
+
 def test_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path) -> None:
     loaded = tiny_minilm()
     plan = replace(distill.plan_for("encoder", 1, 12), batch=8, lr=3e-3)
@@ -96,6 +114,46 @@ def test_training_text_holds_out_the_evaluation_sets() -> None:
     prompt = evaluate.load_set("decoder")["prompts"][0]
     texts = ["Keep me.", sentence, f"Before. {sentence.upper()} after", f"{prompt} Paris."]
     assert distill.held_out(texts) == ["Keep me."]
+
+
+def test_augmented_texts_are_a_function_of_seed_and_step() -> None:
+    plan = replace(distill.plan_for("encoder", 2), batch=16, augmented=0.5)
+    words = distill.corpus_words(TEXTS)
+    first = distill.augmented_at(TEXTS, words, plan, 7)
+    assert len(first) == 8
+    assert distill.augmented_at(TEXTS, words, plan, 7) == first
+    assert distill.augmented_at(TEXTS, words, plan, 8) != first
+    assert distill.augmented_at(TEXTS, words, replace(plan, seed=1), 7) != first
+    assert distill.augmented_at(TEXTS, words, replace(plan, augmented=0), 7) == []
+
+
+@pytest.mark.parametrize("how", distill.AUGMENTATIONS)
+def test_an_augmented_text_differs_from_its_source(how: str) -> None:
+    rng = np.random.default_rng(0)
+    words = distill.corpus_words(TEXTS)
+    pairs = [(TEXTS[i], TEXTS[i + 1]) for i in range(100)]
+    out = [distill.augment(a, b, words, how, rng) for a, b in pairs]
+    changed = sum(o != a for o, (a, _) in zip(out, pairs, strict=True))
+    assert changed >= 90, (how, changed)  # a replacement may draw the same word back
+    sizes = [(len(o.split()), len(a.split())) for o, (a, _) in zip(out, pairs, strict=True)]
+    if how in ("replace", "shuffle"):
+        assert all(o == a for o, a in sizes)
+    if how == "drop":
+        assert all(2 <= o < a for o, a in sizes)
+
+
+def test_augmentation_never_yields_an_evaluation_sentence() -> None:
+    # "A man is eating" + "food." splices into the evaluation set's first sentence
+    texts = ["A man is eating now", "So food."]
+    assert distill.held_out(texts) == texts
+    words = distill.corpus_words(texts)
+    rng = np.random.default_rng(0)
+    spliced = {distill.augment(texts[0], texts[1], words, "splice", rng) for _ in range(50)}
+    assert "A man is eating food." in spliced  # what the guard has to catch
+    plan = replace(distill.plan_for("encoder", 2), batch=16, augmented=1.0)
+    out = [t for step in range(100) for t in distill.augmented_at(texts, words, plan, step)]
+    assert len(out) == 1600 and distill.held_out(out) == out
+    assert "A man is eating now" in out  # a held-out splice gives way to its source
 
 
 def test_every_whole_sentence_of_an_answer_is_kept_without_its_list_marks() -> None:
