@@ -20,7 +20,7 @@ from google.protobuf import text_format
 from tokenizers import Tokenizer
 
 from protos import model_config_pb2 as mc
-from quantize import distill, evaluate, export, llm_graph, report, weights
+from quantize import distill, distill_text, evaluate, export, llm_graph, report, weights
 from quantize.models import LlamaDecoder
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe, lookup
 from worker import config as cfg
@@ -186,17 +186,17 @@ def training_text(
 ) -> list[str]:
     """Distillation text for every student, built once into
     CACHE/distill/text-g<N>-<recipe>.json: N answers per topic and template
-    that the smollm2 source writes (default distill.PER_TOPIC; 0: none, SmolLM2 is not even
+    that the smollm2 source writes (default distill_text.PER_TOPIC; 0: none, SmolLM2 is not even
     loaded), Python's language reference and the standard library's docstrings."""
-    count = distill.PER_TOPIC if per_topic is None else per_topic
+    count = distill_text.PER_TOPIC if per_topic is None else per_topic
 
     def generator() -> tuple[LlamaDecoder, Tokenizer]:
         loaded = source("smollm2").load()
         assert isinstance(loaded.model, LlamaDecoder)
         return loaded.model, loaded.tokenizer
 
-    path = cache / "distill" / f"text-g{count}-{distill.text_recipe()}.json"
-    return distill.training_text(path, generator, count, progress)
+    path = cache / "distill" / f"text-g{count}-{distill_text.text_recipe()}.json"
+    return distill_text.training_text(path, generator, count, progress)
 
 
 def distill_model(
@@ -218,7 +218,7 @@ def distill_model(
     record = artifact.folder / STUDENT_FILE
     if artifact.exists() and record.exists():
         built = json.loads(record.read_text())
-        if built["plan"] == asdict(plan) and built["text_sha256"] == distill.digest(
+        if built["plan"] == asdict(plan) and built["text_sha256"] == distill_text.digest(
             training_text(cache, per_topic, on_text)
         ):
             return artifact
@@ -246,7 +246,7 @@ def distill_model(
         "plan": asdict(plan),
         "kept_layers": kept,
         "texts": len(texts),
-        "text_sha256": distill.digest(texts),
+        "text_sha256": distill_text.digest(texts),
         "loss_first": trained.losses[0] if trained.losses else None,
         "loss_last": trained.losses[-1] if trained.losses else None,
         "losses": [round(x, 5) for x in trained.losses],

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from quantize import __main__ as cli
-from quantize import distill, evaluate, pipeline
+from quantize import distill, distill_text, evaluate, pipeline
 from quantize.recipes import DISTILLED_ENCODER_GATE, lookup
 from tests.quantize.conftest import tiny_minilm, tiny_smollm2
 
-TEXTS = distill.reference_sentences()[:200]
+TEXTS = distill_text.reference_sentences()[:200]
 
 
 def run(tmp_path: Path, *argv: str) -> int:
@@ -113,26 +113,25 @@ def test_training_text_holds_out_the_evaluation_sets() -> None:
     sentence = evaluate.load_set("encoder")["sentences"][0]
     prompt = evaluate.load_set("decoder")["prompts"][0]
     texts = ["Keep me.", sentence, f"Before. {sentence.upper()} after", f"{prompt} Paris."]
-    assert distill.held_out(texts) == ["Keep me."]
+    assert distill_text.held_out(texts) == ["Keep me."]
 
 
 def test_augmented_texts_are_a_function_of_seed_and_step() -> None:
-    plan = replace(distill.plan_for("encoder", 2), batch=16, augmented=0.5)
-    words = distill.corpus_words(TEXTS)
-    first = distill.augmented_at(TEXTS, words, plan, 7)
+    words = distill_text.corpus_words(TEXTS)
+    first = distill_text.augmented_at(TEXTS, words, 8, 0, 7)
     assert len(first) == 8
-    assert distill.augmented_at(TEXTS, words, plan, 7) == first
-    assert distill.augmented_at(TEXTS, words, plan, 8) != first
-    assert distill.augmented_at(TEXTS, words, replace(plan, seed=1), 7) != first
-    assert distill.augmented_at(TEXTS, words, replace(plan, augmented=0), 7) == []
+    assert distill_text.augmented_at(TEXTS, words, 8, 0, 7) == first
+    assert distill_text.augmented_at(TEXTS, words, 8, 0, 8) != first
+    assert distill_text.augmented_at(TEXTS, words, 8, 1, 7) != first
+    assert distill_text.augmented_at(TEXTS, words, 0, 0, 7) == []
 
 
-@pytest.mark.parametrize("how", distill.AUGMENTATIONS)
+@pytest.mark.parametrize("how", distill_text.AUGMENTATIONS)
 def test_an_augmented_text_differs_from_its_source(how: str) -> None:
     rng = np.random.default_rng(0)
-    words = distill.corpus_words(TEXTS)
+    words = distill_text.corpus_words(TEXTS)
     pairs = [(TEXTS[i], TEXTS[i + 1]) for i in range(100)]
-    out = [distill.augment(a, b, words, how, rng) for a, b in pairs]
+    out = [distill_text.augment(a, b, words, how, rng) for a, b in pairs]
     changed = sum(o != a for o, (a, _) in zip(out, pairs, strict=True))
     assert changed >= 90, (how, changed)  # a replacement may draw the same word back
     sizes = [(len(o.split()), len(a.split())) for o, (a, _) in zip(out, pairs, strict=True)]
@@ -145,20 +144,19 @@ def test_an_augmented_text_differs_from_its_source(how: str) -> None:
 def test_augmentation_never_yields_an_evaluation_sentence() -> None:
     # "A man is eating" + "food." splices into the evaluation set's first sentence
     texts = ["A man is eating now", "So food."]
-    assert distill.held_out(texts) == texts
-    words = distill.corpus_words(texts)
+    assert distill_text.held_out(texts) == texts
+    words = distill_text.corpus_words(texts)
     rng = np.random.default_rng(0)
-    spliced = {distill.augment(texts[0], texts[1], words, "splice", rng) for _ in range(50)}
+    spliced = {distill_text.augment(texts[0], texts[1], words, "splice", rng) for _ in range(50)}
     assert "A man is eating food." in spliced  # what the guard has to catch
-    plan = replace(distill.plan_for("encoder", 2), batch=16, augmented=1.0)
-    out = [t for step in range(100) for t in distill.augmented_at(texts, words, plan, step)]
-    assert len(out) == 1600 and distill.held_out(out) == out
+    out = [t for step in range(100) for t in distill_text.augmented_at(texts, words, 16, 0, step)]
+    assert len(out) == 1600 and distill_text.held_out(out) == out
     assert "A man is eating now" in out  # a held-out splice gives way to its source
 
 
 def test_every_whole_sentence_of_an_answer_is_kept_without_its_list_marks() -> None:
     answer = '1. **Rain** fell all day.\n2) "Did you bring an umbrella?" she asked me.\n- Two of'
-    assert distill.answer_sentences(answer) == [
+    assert distill_text.answer_sentences(answer) == [
         "Rain fell all day.",
         "Did you bring an umbrella? she asked me.",
     ]
@@ -177,7 +175,7 @@ def test_the_learning_rate_warms_up_then_falls_to_its_floor() -> None:
 
 
 def test_the_standard_library_docstrings_give_prose_sentences() -> None:
-    sentences = distill.docstring_sentences()
+    sentences = distill_text.docstring_sentences()
     assert len(sentences) > 5000
     assert all(5 <= len(s.split()) <= 40 for s in sentences)
     assert "Put an item into the queue without blocking." in sentences  # queue.Queue
@@ -195,10 +193,11 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(distill, "PER_TOPIC", 1)
-    monkeypatch.setattr(distill, "TOPICS", distill.TOPICS[:8])  # 56 prompts, a few seconds
+    monkeypatch.setattr(distill_text, "PER_TOPIC", 1)
+    # 56 prompts, a few seconds
+    monkeypatch.setattr(distill_text, "TOPICS", distill_text.TOPICS[:8])
     # hotter sampling: at 1.0 the random tiny decoder writes nothing but "." tokens
-    monkeypatch.setattr(distill, "SAMPLE_TEMPERATURES", (20.0,))
+    monkeypatch.setattr(distill_text, "SAMPLE_TEMPERATURES", (20.0,))
     out = tmp_path / "repo"
     build = ("build-repository", "--output", str(out), "--model", "minilm", "--recipe")
     assert run(tmp_path, *build, "encoder-copy") == 0
@@ -214,8 +213,8 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
         assert report["gate"][0] == {"metric": "mean_cosine", "op": ">=", "threshold": 0.95}
     (path,) = (tmp_path / "cache/distill").glob("text-g1-*.json")
     text = json.loads(path.read_text())
-    assert text["generated"] > 0 and text["docstrings"] == 0  # distill.PROSE is off
-    assert text["texts"] == distill.held_out(text["texts"])
+    assert text["generated"] > 0 and text["docstrings"] == 0  # distill_text.PROSE is off
+    assert text["texts"] == distill_text.held_out(text["texts"])
 
     # what an accepted student gets: further versions after those the repository has
     assert pipeline.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
