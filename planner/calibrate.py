@@ -71,19 +71,24 @@ class Calibration:
         )
 
 
-def fit(roofline_s: dict[int, float], measured_s: dict[int, float]) -> tuple[float, float]:
+def fit(
+    roofline_s: dict[int, float], measured_s: dict[int, float], negative_overhead: bool = True
+) -> tuple[float, float]:
     """(overhead, efficiency) with measured = overhead + roofline / efficiency through the
     smallest and the largest batch: the line through both timed points. The overhead comes
     out negative where the runs grow faster with the batch than the Roofline's bytes and
     FLOPs do (per-row work the graph analysis does not count, e.g. MatMulNBits dequantizing
     for each row of a memory-bound decode step); the line still passes through both points,
-    and the planner uses it between them. One point, or a slope the noise made negative:
-    no overhead, the ratio at the largest batch."""
+    and the planner uses it between them. One point, a slope the noise made negative, or
+    without `negative_overhead` a negative overhead: no overhead, the ratio at the largest
+    batch."""
     lo, hi = min(measured_s), max(measured_s)
     rise = measured_s[hi] - measured_s[lo]
     if hi > lo and rise > 0 and roofline_s[hi] > roofline_s[lo]:
         per_roof = rise / (roofline_s[hi] - roofline_s[lo])
-        return measured_s[lo] - roofline_s[lo] * per_roof, 1 / per_roof
+        overhead = measured_s[lo] - roofline_s[lo] * per_roof
+        if overhead >= 0 or negative_overhead:
+            return overhead, 1 / per_roof
     return 0.0, roofline_s[hi] / measured_s[hi]
 
 
@@ -197,14 +202,20 @@ def calibrate(
 
 
 def refit(
-    cal: Calibration, m: ModelAnalysis, profile: Profile, tokens: int = 16, context: int = 80
+    cal: Calibration,
+    m: ModelAnalysis,
+    profile: Profile,
+    tokens: int = 16,
+    context: int = 80,
+    negative_overhead: bool = True,
 ) -> Calibration:
     """`cal`'s timed runs fitted to the Roofline on `profile` (no fixed cost, the full
-    roof): also how stored timings are fitted again after the fit changed."""
+    roof): also how stored timings are fitted again after the fit changed. See `fit` for
+    `negative_overhead`."""
     bare = replace(profile, call_overhead_s=0.0)
     roof = {
         b: run_seconds(m, bare, b, context, 1, cal.threads, None if m.kind == DECODER else tokens)
         for b in cal.runs_s
     }
-    overhead, efficiency = fit(roof, cal.runs_s)
+    overhead, efficiency = fit(roof, cal.runs_s, negative_overhead)
     return replace(cal, call_overhead_s=overhead, efficiency=efficiency)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -222,36 +222,31 @@ def served_profile(
 ) -> Profile:
     """`base` fitted to the model as the one-worker mesh served it: S(b) through its
     seconds per batch at saturation (the Roofline's fixed cost per run and reachable
-    fraction, fitted by planner/calibrate.refit), and the mesh's CPU per call beside the run
-    made the model's own, at this batch limit, and the trip's tail with the model's call.
-    Under Poisson arrivals the probe's per-call
-    CPU scales by the ratio of the model's CPU per call beside its run, at batch 1, to the
-    probe's tiny call's."""
-    cycles = serving.cycles_s()
-    fitted = refit(Calibration(cycles, 0.0, 0.0, 1.0, 1), a, base, tokens)
-    if fitted.call_overhead_s < 0:
-        # A cycle growing faster than the Roofline's bytes and FLOPs (a tiny model, whose
-        # weights are its bytes at every batch: the serving work per row is the growth) would
-        # give a negative fixed cost, and S(b) below zero at more threads or smaller batches:
-        # the cycle at the largest batch scaled by the roof, as planner/calibrate.fit does
-        # for one point.
-        fitted = refit(
-            Calibration({max(cycles): cycles[max(cycles)]}, 0.0, 0.0, 1.0, 1), a, base, tokens
-        )
-    profile = fitted.profile(base)
+    fraction, fitted by planner/calibrate.refit), the mesh's CPU per call beside the run at
+    this batch limit, and under Poisson arrivals the trip's tail and the busy cores (a fixed
+    part and CPU per call) the calibration's open loops measured with the model's call.
+    Without open loops, the probe's tail and open-loop CPU, its CPU per call scaled by the
+    ratio of the model's CPU per call beside its run, at batch 1, to the probe's tiny
+    call's."""
+    # A served cycle can grow faster than the Roofline's bytes and FLOPs (a tiny model,
+    # whose weights are its bytes at every batch: the serving work per row is the growth);
+    # a negative fixed cost would put S(b) below zero at smaller batches or more threads.
+    cal = Calibration(serving.cycles_s(), 0.0, 0.0, 1.0, 1)
+    profile = refit(cal, a, base, tokens, negative_overhead=False).profile(base)
+
+    def service(b: int) -> float:
+        return run_seconds(a, profile, b, 0, 1, 1, tokens)
 
     def beside_run(b: int) -> float:
-        run = run_seconds(a, profile, b, 0, 1, 1, tokens)
-        return max(0.0, serving.cpu_per_call_s(b) - run / b)
+        return max(0.0, serving.cpu_per_call_s(b) - service(b) / b)
 
     top = serving.served[-1]
     if len(top.tail) >= 2:
-        # Under Poisson arrivals, the busy cores the calibration's open loops measured: a
-        # fixed part and a part per call (least squares, both >= 0), the runs' share
+        # a fixed part and a part per call (least squares, both >= 0), the runs' share
         # (batches of about 1 at these rates) taken out as the queueing model adds it back
         fixed, per_call = _nonnegative_line([(rate, busy) for busy, _, rate in top.tail])
-        open_cpu = (fixed, max(0.0, per_call - run_seconds(a, profile, 1, 0, 1, 1, tokens)))
-    else:  # the probe's, scaled to the model's CPU per call beside a run at batch 1
+        open_cpu = (fixed, max(0.0, per_call - service(1)))
+    else:
         scale = beside_run(1) / base.mesh_cpu_s if base.mesh_cpu_s else 1.0
         open_cpu = (base.mesh_open_cores, base.mesh_open_cpu_s * scale)
     return replace(
@@ -260,20 +255,16 @@ def served_profile(
         source=f"{base.source}; {a.name} v{a.version} served through a one-worker "
         f"mesh (planner/serving.py): {serving.as_dict()}",
         mesh_cpu_s=beside_run(max_batch),
-        mesh_tail=trip_tail(top, a, profile, tokens) or base.mesh_tail,
+        mesh_tail=trip_tail(top, service) or base.mesh_tail,
         mesh_open_cores=open_cpu[0],
         mesh_open_cpu_s=open_cpu[1],
     )
 
 
-def trip_tail(top: Served, a: ModelAnalysis, profile: Profile, tokens: int) -> list[list[float]]:
+def trip_tail(top: Served, service: Callable[[int], float]) -> list[list[float]]:
     """[busy cores, trip p99] from the calibration's open loops: each measured p99 less the
     queueing model's own p99 for the replica there (its run and its wait, with no trip), so a
     prediction at that very point gives the measured p99 back."""
-
-    def service(b: int) -> float:
-        return run_seconds(a, profile, b, 0, 1, 1, tokens)
-
     out = []
     for busy, p99, rate in top.tail:
         own = predict(rate, 1, top.max_batch, service, contended=True).p99_s
