@@ -257,6 +257,28 @@ def decoder_loss(
     return (kl * m).sum() / m.sum() * temperature**2
 
 
+def plan_loss(
+    teacher: nn.Module,
+    student: nn.Module,
+    kept: list[int],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    plan: Plan,
+) -> torch.Tensor:
+    """The loss `plan` trains with on one batch: encoder_loss or decoder_loss by its kind."""
+    if plan.kind == ENCODER:
+        return encoder_loss(
+            teacher,  # type: ignore[arg-type]
+            student,  # type: ignore[arg-type]
+            kept,
+            ids,
+            mask,
+            plan.intermediate_weight,
+            plan.relation_weight,
+        )
+    return decoder_loss(teacher, student, ids, mask, plan.temperature)  # type: ignore[arg-type]
+
+
 # ---- training ------------------------------------------------------------------------
 
 
@@ -357,23 +379,12 @@ def train(
     began = time.perf_counter()
     if start < plan.steps:
         threads = THREADS
-    words, plain = corpus_words(texts), unpadded(tokenizer)
+    augmented = round(plan.batch * plan.augmented)  # rows per batch
+    words, plain = (corpus_words(texts) if augmented else []), unpadded(tokenizer)
     for step in range(start, plan.steps):
-        count = round(plan.batch * plan.augmented)
-        extra = augmented_at(texts, words, count, plan.seed, step) if count else []
+        extra = augmented_at(texts, words, augmented, plan.seed, step) if augmented else []
         ids, mask = batch_at(rows, plan, step, encode(plain, extra, plan.max_tokens))
-        if plan.kind == ENCODER:
-            loss = encoder_loss(
-                teacher,  # type: ignore[arg-type]
-                student,  # type: ignore[arg-type]
-                kept,
-                ids,
-                mask,
-                plan.intermediate_weight,
-                plan.relation_weight,
-            )
-        else:
-            loss = decoder_loss(teacher, student, ids, mask, plan.temperature)  # type: ignore[arg-type]
+        loss = plan_loss(teacher, student, kept, ids, mask, plan)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(trainable(student), 1.0)
@@ -410,16 +421,4 @@ def evaluation_loss(
     whole = replace(plan, batch=len(rows))
     ids, mask = batch_at(rows, whole, 0)
     with torch.no_grad():
-        if plan.kind == ENCODER:
-            return float(
-                encoder_loss(
-                    teacher,  # type: ignore[arg-type]
-                    student,  # type: ignore[arg-type]
-                    kept,
-                    ids,
-                    mask,
-                    plan.intermediate_weight,
-                    plan.relation_weight,
-                )
-            )
-        return float(decoder_loss(teacher, student, ids, mask, plan.temperature))  # type: ignore[arg-type]
+        return float(plan_loss(teacher, student, kept, ids, mask, plan))

@@ -7,6 +7,7 @@ under a temporary name and renamed into place, so a failed step leaves nothing h
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -216,11 +217,14 @@ def distill_model(
     artifact = artifact_for(cache, name, recipe.name)
     plan = distill.plan_for(model.kind, layers, steps)
     record = artifact.folder / STUDENT_FILE
+
+    @functools.cache
+    def texts() -> list[str]:  # read (or generated) once, and only when needed
+        return training_text(cache, per_topic, on_text)
+
     if artifact.exists() and record.exists():
         built = json.loads(record.read_text())
-        if built["plan"] == asdict(plan) and built["text_sha256"] == distill_text.digest(
-            training_text(cache, per_topic, on_text)
-        ):
+        if built["plan"] == asdict(plan) and built["text_sha256"] == distill_text.digest(texts()):
             return artifact
     try:
         loaded = model.load()
@@ -229,12 +233,11 @@ def distill_model(
         raise BuildError(str(e)) from e
     except distill.DistillError as e:
         raise BuildError(f"model {name!r}: {e}") from e
-    texts = training_text(cache, per_topic, on_text)
     try:
         trained = distill.train(
             loaded.model,
             loaded.tokenizer,
-            texts,
+            texts(),
             plan,
             cache / name / f"distill-l{layers}.pt",
             on_step,
@@ -245,8 +248,8 @@ def distill_model(
         "teacher": name,
         "plan": asdict(plan),
         "kept_layers": kept,
-        "texts": len(texts),
-        "text_sha256": distill_text.digest(texts),
+        "texts": len(texts()),
+        "text_sha256": distill_text.digest(texts()),
         "loss_first": trained.losses[0] if trained.losses else None,
         "loss_last": trained.losses[-1] if trained.losses else None,
         "losses": [round(x, 5) for x in trained.losses],
