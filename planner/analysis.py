@@ -3,10 +3,10 @@ FLOPs and bytes moved per item or per token for prefill and decode, KV bytes per
 arithmetic intensity by batch size.
 
 What a run costs, from the graph:
-- every projection (MatMul / Gemm / MatMulInteger / MatMulNBits with a constant weight)
-  costs 2 K N FLOPs per token and reads its weight bytes once per run, whatever the batch:
+- every projection (MatMul / Gemm / MatMulInteger / MatMulNBits with a constant weight,
+  and the q/k/v projection inside an encoder's fused Attention / QAttention) costs 2 K N FLOPs per token and reads its weight bytes once per run, whatever the batch:
   that is why batching raises arithmetic intensity;
-- an embedding table (a Gather of a constant) reads only the rows it gathers: row bytes
+- an embedding table (a Gather or Slice of a constant) reads only the rows it gathers: row bytes
   per token;
 - attention between activations costs 4 S d FLOPs per token per layer over S positions
   (QK^T and AV), d the attention width; a decoder's decode step also reads its whole KV
@@ -30,6 +30,8 @@ from google.protobuf import text_format
 from protos import model_config_pb2 as mc
 
 PROJECTIONS = {"MatMul", "Gemm", "MatMulInteger", "MatMulNBits", "FusedMatMul"}
+ATTENTION = ("Attention", "QAttention")  # com.microsoft: q/k/v weight [hidden, 3 x hidden]
+INTEGER = ("MatMulInteger", "QAttention")
 LLM_META = "meshserve.llm."
 ENGINE_KEY = "meshserve.engine"
 VERSION_LABEL = "meshserve.version."
@@ -196,7 +198,7 @@ def analyse_graph(
     ops = Counter(n.op_type for n in graph.node)
     integer = fp16 = False
     for node in graph.node:
-        if node.op_type in PROJECTIONS:
+        if node.op_type in PROJECTIONS or node.op_type in ATTENTION:
             weight = next((i for i in node.input[1:2] if i in inits), None)
             if weight is None:
                 continue  # activation x activation: attention, counted from the shape facts
@@ -209,7 +211,7 @@ def analyse_graph(
                 if node.op_type == "Gemm" and _attr(node, "transB"):
                     dims = dims[::-1]
                 k, n = int(np.prod(dims[:-1])), int(dims[-1])
-                integer |= node.op_type == "MatMulInteger"
+                integer |= node.op_type in INTEGER
                 fp16 |= inits[weight].data_type == onnx.TensorProto.FLOAT16
                 names = [i for i in node.input[1:] if i in inits]
             params += k * n
@@ -218,7 +220,8 @@ def analyse_graph(
             widths[k] += 1
             if weight.startswith("lm_head"):
                 head_params = k * n
-        elif node.op_type == "Gather" and node.input[0] in inits:
+        elif node.op_type in ("Gather", "Slice") and node.input[0] in inits:
+            # an embedding table: a Gather of token ids, or positions 0..seq-1 sliced off
             table = inits[node.input[0]]
             if len(table.dims) >= 2:
                 table_row += sizes[table.name] // int(table.dims[0])
@@ -232,7 +235,7 @@ def analyse_graph(
         width = heads * head_dim
         kv_per_token = 2 * layers * kv_heads * head_dim * 4  # fp32 cache
     else:
-        layers = ops["Softmax"]
+        layers = ops["Softmax"] + sum(ops[op] for op in ATTENTION)
         kind = ENCODER if layers else GENERIC
         width = widths.most_common(1)[0][0] if widths else 0
         kv_per_token = 0

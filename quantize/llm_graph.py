@@ -54,7 +54,13 @@ def rope_tables(c: DecoderConfig, max_positions: int) -> tuple[np.ndarray, np.nd
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-class _Graph:
+# com.microsoft ops onnxruntime implements (its contrib ops); everything else is ONNX's own
+CONTRIB_OPS = frozenset({"GroupQueryAttention", "Attention", "SkipLayerNormalization", "BiasGelu"})
+
+
+class Graph:
+    """Nodes and initializers of a graph built by hand (here and in encoder_graph.py)."""
+
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -67,7 +73,7 @@ class _Graph:
     def op(self, op_type: str, inputs: list[str], outputs: int = 1, **attrs) -> list[str]:  # type: ignore[no-untyped-def]
         self._n += 1
         names = [f"{op_type.lower()}_{self._n}_{i}" for i in range(outputs)]
-        domain = "com.microsoft" if op_type == "GroupQueryAttention" else ""
+        domain = "com.microsoft" if op_type in CONTRIB_OPS else ""
         self.nodes.append(
             helper.make_node(
                 op_type, inputs, names, name=f"{op_type}_{self._n}", domain=domain, **attrs
@@ -104,12 +110,12 @@ def step_inputs() -> list[onnx.ValueInfoProto]:
     ]
 
 
-def embed(g: _Graph, state: Mapping[str, torch.Tensor]) -> str:
+def embed(g: Graph, state: Mapping[str, torch.Tensor]) -> str:
     return g.one("Gather", [g.const("embed.weight", state["embed.weight"].numpy()), IDS])
 
 
 def attention(
-    g: _Graph,
+    g: Graph,
     x: str,
     state: Mapping[str, torch.Tensor],
     layer: int,
@@ -143,7 +149,7 @@ def attention(
     return g.linear(f"attn_{layer}", p + "o.weight", state[p + "o.weight"])
 
 
-def mlp(g: _Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: float) -> str:
+def mlp(g: Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: float) -> str:
     """Layer `layer`'s SwiGLU MLP on x, before the residual (or its share: some gate/up rows
     and the matching down columns)."""
     p = f"layers.{layer}."
@@ -154,7 +160,7 @@ def mlp(g: _Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: f
     return g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"])
 
 
-def lm_head(g: _Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, eps: float) -> str:
+def lm_head(g: Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, eps: float) -> str:
     """The last position only -> final norm -> the LM head (whatever rows it holds)."""
     last = g.one("Gather", [x, g.const("last_position", np.array(-1, np.int64))], axis=1)
     last = g.one("Reshape", [last, g.const("rows_by_hidden", np.array([-1, hidden], np.int64))])
@@ -164,14 +170,14 @@ def lm_head(g: _Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, e
     return g.linear(h, "lm_head.weight", state["lm_head.weight"])
 
 
-def add_rope(g: _Graph, c: DecoderConfig, max_positions: int) -> None:
+def add_rope(g: Graph, c: DecoderConfig, max_positions: int) -> None:
     cos, sin = rope_tables(c, max_positions)
     g.const("rope.cos", cos)
     g.const("rope.sin", sin)
 
 
 def model_proto(
-    g: _Graph, name: str, inputs: list, outputs: list, meta: Mapping[str, object]
+    g: Graph, name: str, inputs: list, outputs: list, meta: Mapping[str, object]
 ) -> onnx.ModelProto:
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     proto = helper.make_model(
@@ -189,7 +195,7 @@ def build(model: LlamaDecoder, max_positions: int, all_positions: bool = False) 
     (and the `num_logits` input with all_positions)."""
     c = model.config
     state = dict(model.state_dict())
-    g = _Graph()
+    g = Graph()
     add_rope(g, c, max_positions)
     x = embed(g, state)
     inputs = step_inputs()

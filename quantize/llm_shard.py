@@ -103,7 +103,7 @@ def _hidden_info(name: str, c: DecoderConfig) -> onnx.ValueInfoProto:
 
 
 def _segment(
-    g: lg._Graph,
+    g: lg.Graph,
     name: str,
     inputs: list[onnx.ValueInfoProto],
     outputs: list[tuple[str, onnx.ValueInfoProto]],
@@ -138,7 +138,7 @@ def plan(model: LlamaDecoder, rank: int, tp: int, max_positions: int) -> list[Se
     ]
 
     def attention_segment(name: str, layer: int, first: bool) -> Segment:
-        g = lg._Graph()
+        g = lg.Graph()
         inputs = [*lg.step_inputs(), *rope]
         if first:
             x = lg.embed(g, state)
@@ -154,7 +154,7 @@ def plan(model: LlamaDecoder, rank: int, tp: int, max_positions: int) -> list[Se
         return _segment(g, name, [*inputs, *past], outs, meta)
 
     def mlp_segment(layer: int) -> Segment:
-        g = lg._Graph()
+        g = lg.Graph()
         x = g.one("Add", [HIDDEN, REDUCED])
         partial = lg.mlp(g, x, state, layer, c.eps)
         inputs = [_hidden_info(HIDDEN, c), _hidden_info(REDUCED, c)]
@@ -166,7 +166,7 @@ def plan(model: LlamaDecoder, rank: int, tp: int, max_positions: int) -> list[Se
         if i > 0:
             segments.append(attention_segment(f"L{i}.attn", i, first=False))
         segments.append(mlp_segment(i))
-    g = lg._Graph()
+    g = lg.Graph()
     x = g.one("Add", [HIDDEN, REDUCED])
     logits = lm_head_info(c, tp)
     head = lg.lm_head(g, x, state, c.hidden, c.eps)

@@ -21,8 +21,8 @@ from google.protobuf import text_format
 from tokenizers import Tokenizer
 
 from protos import model_config_pb2 as mc
-from quantize import distill, distill_text, evaluate, export, llm_graph, report, weights
-from quantize.models import LlamaDecoder
+from quantize import distill, distill_text, encoder_graph, evaluate, llm_graph, report, weights
+from quantize.models import BertEncoder, LlamaDecoder
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe, lookup
 from worker import config as cfg
 
@@ -173,10 +173,8 @@ def _write_model(model: Source, loaded: weights.Loaded, tmp: Path) -> None:
         assert isinstance(loaded.model, LlamaDecoder)
         llm_graph.save(llm_graph.build(loaded.model, MAX_POSITIONS), tmp / MODEL_FILE)
         return
-    try:
-        export.export(loaded.model, tmp / MODEL_FILE)
-    except export.ExportError as e:
-        raise BuildError(f"model {model.name!r}: {e}") from e
+    assert isinstance(loaded.model, BertEncoder)
+    encoder_graph.save(encoder_graph.build(loaded.model), tmp / MODEL_FILE)
 
 
 STUDENT_FILE = "student.json"  # how a student was trained: its plan, text and losses

@@ -53,7 +53,8 @@ def _int8_dynamic(src: Path, dst: Path) -> None:
         str(dst),
         weight_type=QuantType.QInt8,
         per_channel=True,
-        op_types_to_quantize=["MatMul", "Gemm"],
+        # Attention: the encoder graph's fused q/k/v projection (QAttention)
+        op_types_to_quantize=["MatMul", "Gemm", "Attention"],
         # DefaultTensorType: shape inference cannot type what the LLM step graph's contrib
         # ops (GroupQueryAttention) produce; every activation there is float.
         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": 1},  # TensorProto.FLOAT

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
-from quantize import export, weights
+from quantize import encoder_graph, weights
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder, greedy
 
 TINY_ENCODER = EncoderConfig(vocab_size=64, hidden=32, layers=2, heads=4, intermediate=64)
@@ -102,71 +103,21 @@ def test_missing_weights_package_says_how_to_install() -> None:
         weights.package_dir("no_such_weights_pkg")
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    out = tmp_path_factory.mktemp("onnx")
-    enc, dec = tiny_encoder(), tiny_decoder()
-    return {
-        "encoder": (enc, export.export(enc, out / "encoder.onnx")),
-        "decoder": (dec, export.export(dec, out / "decoder.onnx")),
-    }
-
-
-def test_exported_encoder_matches_torch_at_other_shapes(exported) -> None:  # type: ignore[no-untyped-def]
-    model, path = exported["encoder"]
+def test_encoder_graph_matches_torch_at_other_shapes(tmp_path: Path) -> None:
+    """The fused-op graph (Attention, SkipLayerNormalization, BiasGelu) computes what the
+    torch encoder does, padding included, at a shape the builder never saw."""
+    model = tiny_encoder()
+    path = encoder_graph.save(encoder_graph.build(model), tmp_path / "encoder.onnx")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(0).integers(1, 64, (3, 11))
     mask = np.ones_like(ids)
     mask[1, 7:] = 0
+    mask[2, 1:] = 0
     (out,) = sess.run(None, {"input_ids": ids, "attention_mask": mask})
     with torch.no_grad():
         ref = model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     np.testing.assert_allclose(out, ref, atol=1e-5)
-    assert [o.name for o in sess.get_outputs()] == list(export.ENCODER_OUTPUTS)
-
-
-def test_exported_decoder_runs_with_empty_and_filled_cache(exported) -> None:  # type: ignore[no-untyped-def]
-    model, path = exported["decoder"]
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    ids = np.random.default_rng(1).integers(1, 64, (1, 6))
-    empty = np.zeros((1, 2, 2, 0, 8), np.float32)
-    full, keys, values = sess.run(
-        None,
-        {
-            "input_ids": ids,
-            "attention_mask": np.ones_like(ids),
-            "past_keys": empty,
-            "past_values": empty,
-        },
-    )
-    prefix, k, v = sess.run(
-        None,
-        {
-            "input_ids": ids[:, :4],
-            "attention_mask": np.ones((1, 4), np.int64),
-            "past_keys": empty,
-            "past_values": empty,
-        },
-    )
-    rest, _, _ = sess.run(
-        None,
-        {
-            "input_ids": ids[:, 4:],
-            "attention_mask": np.ones((1, 6), np.int64),
-            "past_keys": k,
-            "past_values": v,
-        },
-    )
-    np.testing.assert_allclose(np.concatenate([prefix, rest], 1), full, atol=1e-4)
-    with torch.no_grad():
-        ref, _, _ = model(
-            torch.from_numpy(ids), torch.ones(1, 6, dtype=torch.int64), *model.empty_cache(1)
-        )
-    np.testing.assert_allclose(full, ref.numpy(), atol=1e-4)
-    assert keys.shape == (1, 2, 2, 6, 8)
-
-
-def test_export_refuses_an_unknown_module(tmp_path: Path) -> None:
-    with pytest.raises(export.ExportError, match="not an encoder or decoder"):
-        export.export(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
-    assert not (tmp_path / "x.onnx").exists()
+    assert [o.name for o in sess.get_outputs()] == [encoder_graph.EMBEDDING]
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= {
+        n.op_type for n in onnx.load(str(path)).graph.node
+    }
