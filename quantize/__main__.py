@@ -151,6 +151,8 @@ def distill(args: argparse.Namespace) -> int:
     console.print(f"student: {student.model}")
     verdicts = []
     with progress() as bar:
+        # the gate's reference: the fp32 teacher (exported now on a fresh cache)
+        step(bar, f"export {args.model}", pipeline.export_model, args.model, args.cache)
         step(
             bar,
             f"int8 on {names[0]}",

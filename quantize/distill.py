@@ -90,14 +90,14 @@ DEFAULTS = {
     ENCODER: Plan(
         ENCODER,
         4,
-        steps=1200,
+        steps=4800,
         batch=32,
         lr=6e-4,
         max_tokens=32,
         intermediate_weight=1.0,
         windows=2,
         augmented=0.5,
-        decay_steps=1200,
+        decay_steps=4800,
     ),
     DECODER: Plan(DECODER, 15, steps=100, batch=8, lr=1e-4, max_tokens=48),
 }

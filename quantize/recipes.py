@@ -182,8 +182,8 @@ RECIPES = {
             "encoder-int8-dynamic",
             ENCODER,
             "CPU serving of embeddings: int8 weights per output channel, activations "
-            "quantized on the fly (MatMulInteger); 4x smaller MatMul weights, ~2-4x faster on "
-            "x86 CPUs with VNNI/AVX2.",
+            "quantized on the fly (MatMulInteger, and QAttention for the fused q/k/v "
+            "projection); 4x smaller MatMul weights, ~2-4x faster on x86 CPUs with VNNI/AVX2.",
             ENCODER_GATE,
             _int8_dynamic,
         ),
