@@ -4,10 +4,11 @@ arithmetic intensity by batch size.
 
 What a run costs, from the graph:
 - every projection (MatMul / Gemm / MatMulInteger / MatMulNBits with a constant weight,
-  and the q/k/v projection inside an encoder's fused Attention / QAttention) costs 2 K N FLOPs per token and reads its weight bytes once per run, whatever the batch:
-  that is why batching raises arithmetic intensity;
-- an embedding table (a Gather or Slice of a constant) reads only the rows it gathers: row bytes
-  per token;
+  and the q/k/v projection inside an encoder's fused Attention / QAttention) costs 2 K N
+  FLOPs per token and reads its weight bytes once per run, whatever the batch: that is why
+  batching raises arithmetic intensity;
+- an embedding table (a Gather or Slice of a constant) reads only the rows it gathers: row
+  bytes per token;
 - attention between activations costs 4 S d FLOPs per token per layer over S positions
   (QK^T and AV), d the attention width; a decoder's decode step also reads its whole KV
   cache: context x KV bytes per token, per sequence;

@@ -6,8 +6,19 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 
-from planner.analysis import DECODER, GENERIC, AnalysisError, analyse_file, analyse_repository
+from planner.analysis import (
+    DECODER,
+    ENCODER,
+    GENERIC,
+    AnalysisError,
+    analyse_file,
+    analyse_repository,
+)
+from quantize import encoder_graph
+from quantize.models import BertEncoder, EncoderConfig
+from quantize.recipes import RECIPES
 from tests.planner.conftest import TINY
 
 
@@ -84,3 +95,20 @@ def test_graph_facts_are_read_not_run(tiny_llm_path: Path) -> None:
     # The analysis needs only the graph: metadata props carry the shape facts.
     meta = {p.key for p in onnx.load(str(tiny_llm_path)).metadata_props}
     assert "meshserve.llm.layers" in meta
+
+
+def test_fused_encoder_graph_counts_its_attention(tmp_path: Path) -> None:
+    """The encoder graph's q/k/v projection lives inside Attention (QAttention once int8):
+    its weights count as projections, and each Attention op is a layer."""
+    config = EncoderConfig(vocab_size=128, hidden=64, layers=3, heads=4, intermediate=256)
+    torch.manual_seed(0)
+    fp32 = encoder_graph.save(encoder_graph.build(BertEncoder(config)), tmp_path / "fp32.onnx")
+    RECIPES["encoder-int8-dynamic"].apply(fp32, tmp_path / "int8.onnx")
+    params = config.layers * (4 * config.hidden**2 + 2 * config.hidden * config.intermediate)
+    for path in (fp32, tmp_path / "int8.onnx"):
+        a = analyse_file(path, "encoder", "1")
+        assert a.kind == ENCODER and a.layers == config.layers
+        assert a.projection_params == params
+        assert a.attention_width == config.hidden
+        assert a.table_row_bytes == 2 * config.hidden * 4  # a word row and a position row
+    assert analyse_file(tmp_path / "int8.onnx", "encoder", "1").compute_dtype("cpu") == "int8"

@@ -12,6 +12,7 @@ import torch
 
 from quantize import encoder_graph, weights
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder, greedy
+from quantize.recipes import RECIPES
 
 TINY_ENCODER = EncoderConfig(vocab_size=64, hidden=32, layers=2, heads=4, intermediate=64)
 TINY_DECODER = DecoderConfig(
@@ -121,3 +122,21 @@ def test_encoder_graph_matches_torch_at_other_shapes(tmp_path: Path) -> None:
     assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= {
         n.op_type for n in onnx.load(str(path)).graph.node
     }
+
+
+def test_int8_recipe_quantizes_the_fused_attention(tmp_path: Path) -> None:
+    """encoder-int8-dynamic turns Attention into QAttention (its q/k/v projection in int8)
+    and the MatMuls into integer ones, and the embeddings stay close to fp32's."""
+    model = tiny_encoder()
+    fp32 = encoder_graph.save(encoder_graph.build(model), tmp_path / "fp32.onnx")
+    int8 = tmp_path / "int8.onnx"
+    RECIPES["encoder-int8-dynamic"].apply(fp32, int8)
+    ops = {n.op_type for n in onnx.load(str(int8)).graph.node}
+    assert {"QAttention", "MatMulInteger"} <= ops and "Attention" not in ops
+    ids = np.random.default_rng(1).integers(1, 64, (4, 9))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    a, b = (
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        for p in (fp32, int8)
+    )
+    assert (a * b).sum(-1).min() > 0.98
