@@ -64,66 +64,42 @@ def layer(
     """Layer i: Attention, o, SkipLayerNorm; up, BiasGelu, down, SkipLayerNorm."""
     p = f"layers.{i}."
 
-    def const(name: str, array: np.ndarray) -> str:
-        return g.const(p + name, array)
+    def param(name: str, transpose: bool = False) -> str:
+        """The torch parameter layers.i.<name> as an initializer ([in, out] if transposed)."""
+        array = _array(state[p + name])
+        return g.const(p + name, array.T if transpose else array)
 
     qkv_weight = np.concatenate([_array(state[p + f"{n}.weight"]).T for n in "qkv"], axis=1)
     qkv_bias = np.concatenate([_array(state[p + f"{n}.bias"]) for n in "qkv"])
-    attended = g.one(
-        "Attention",
-        [x, const("qkv.weight", qkv_weight), const("qkv.bias", qkv_bias), mask],
-        num_heads=heads,
-    )
+    qkv = [g.const(p + "qkv.weight", qkv_weight), g.const(p + "qkv.bias", qkv_bias)]
+    attended = g.one("Attention", [x, *qkv, mask], num_heads=heads)
 
     def skip_norm(h: str, residual: str, linear: str, norm: str) -> str:
         """LayerNorm(h @ W + b + residual) with the projection's bias inside the norm."""
-        projected = g.one(
-            "MatMul", [h, const(linear + ".weight", _array(state[p + linear + ".weight"]).T)]
-        )
-        return g.op(
-            "SkipLayerNormalization",
-            [
-                projected,
-                residual,
-                const(norm + ".weight", _array(state[p + norm + ".weight"])),
-                const(norm + ".bias", _array(state[p + norm + ".bias"])),
-                const(linear + ".bias", _array(state[p + linear + ".bias"])),
-            ],
-            epsilon=eps,
-        )[0]
+        projected = g.one("MatMul", [h, param(linear + ".weight", transpose=True)])
+        norm_and_bias = [param(norm + ".weight"), param(norm + ".bias"), param(linear + ".bias")]
+        return g.one("SkipLayerNormalization", [projected, residual, *norm_and_bias], epsilon=eps)
 
     x = skip_norm(attended, x, "o", "attn_norm")
-    up = g.one("MatMul", [x, const("up.weight", _array(state[p + "up.weight"]).T)])
-    hidden = g.one("BiasGelu", [up, const("up.bias", _array(state[p + "up.bias"]))])
+    up = g.one("MatMul", [x, param("up.weight", transpose=True)])
+    hidden = g.one("BiasGelu", [up, param("up.bias")])
     return skip_norm(hidden, x, "down", "ffn_norm")
 
 
 def mean_pool(g: Graph, x: str) -> str:
-    """Mean over the real tokens, divided by its L2 norm (floored as torch's normalize)."""
+    """Mean over the real tokens, divided by its L2 norm (floored as torch's normalize).
+    The floors are Clip(min), not Max: the fp16 recipe's converter keeps Max in float32
+    and then mismatches it with its float16 input."""
     weights = g.one("Cast", [MASK], to=TensorProto.FLOAT)
+    per_token = g.one("Unsqueeze", [weights, g.const("last_axis", np.array([2], np.int64))])
     axis = g.const("seq_axis", np.array([1], np.int64))
-    summed = g.one(
-        "ReduceSum",
-        [
-            g.one(
-                "Mul",
-                [x, g.one("Unsqueeze", [weights, g.const("last_axis", np.array([2], np.int64))])],
-            ),
-            axis,
-        ],
-        keepdims=0,
-    )
-    count = g.one(
-        "Clip",
-        [
-            g.one("ReduceSum", [weights, axis], keepdims=1),
-            g.const("count_floor", np.array(COUNT_FLOOR, np.float32)),
-        ],
-    )
+    summed = g.one("ReduceSum", [g.one("Mul", [x, per_token]), axis], keepdims=0)
+    count = g.one("ReduceSum", [weights, axis], keepdims=1)
+    count = g.one("Clip", [count, g.const("count_floor", np.array(COUNT_FLOOR, np.float32))])
     pooled = g.one("Div", [summed, count])
     norm = g.one("ReduceL2", [pooled], axes=[-1], keepdims=1)  # opset 17: axes an attribute
-    floored = g.one("Clip", [norm, g.const("norm_floor", np.array(NORM_FLOOR, np.float32))])
-    return g.one("Div", [pooled, floored])
+    norm = g.one("Clip", [norm, g.const("norm_floor", np.array(NORM_FLOOR, np.float32))])
+    return g.one("Div", [pooled, norm])
 
 
 def build(model: BertEncoder) -> onnx.ModelProto:
