@@ -112,9 +112,7 @@ def build(model: BertEncoder) -> onnx.ModelProto:
     for i in range(c.layers):
         x = layer(g, x, mask, state, i, c.heads, c.eps)
     g.nodes.append(helper.make_node("Identity", [mean_pool(g, x)], [EMBEDDING], name="embedding"))
-    inputs = [
-        helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in (IDS, MASK)
-    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUTS]
     outputs = [helper.make_tensor_value_info(EMBEDDING, TensorProto.FLOAT, ["batch", c.hidden])]
     graph = helper.make_graph(g.nodes, "meshserve_encoder", inputs, outputs, g.initializers)
     return helper.make_model(
