@@ -16,13 +16,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from common import model_keys
 from quantize import pipeline
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 
 MODEL = "smollm2"
 DEFAULT_RECIPE = "decoder-int8-weight-only"
 MAX_POSITIONS = pipeline.MAX_POSITIONS
-MAX_MODEL_LEN = "meshserve.max_model_len"
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 
 
 def config_text(name: str, label: str, max_model_len: int) -> str:

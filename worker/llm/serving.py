@@ -18,8 +18,9 @@ import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
+from common import llm_protocol, model_keys
 from common.errors import InvalidArgument
-from worker import metrics
+from worker import token_metrics
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.cache import CacheShape
@@ -30,24 +31,24 @@ from worker.llm.speculative import DraftConfig
 log = structlog.get_logger()
 
 TEXT_INPUT, STREAM, SAMPLING, EXCLUDE_INPUT = (
-    "text_input",
-    "stream",
-    "sampling_parameters",
-    "exclude_input_in_output",
+    llm_protocol.TEXT_INPUT,
+    llm_protocol.STREAM,
+    llm_protocol.SAMPLING_PARAMETERS,
+    llm_protocol.EXCLUDE_INPUT_IN_OUTPUT,
 )
-TEXT_OUTPUT = "text_output"
+TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
 # meshserve parameters of an LLM model's config.pbtxt
-ENGINE = "meshserve.engine"  # "llm"
-TOKENIZER = "meshserve.tokenizer"
-MAX_MODEL_LEN = "meshserve.max_model_len"
-MAX_NUM_SEQS = "meshserve.max_num_seqs"
-KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
-MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+ENGINE = model_keys.ENGINE  # "llm"
+TOKENIZER = model_keys.TOKENIZER
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
+MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
+KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
+PREFILL_CHUNK = model_keys.PREFILL_CHUNK
+MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
-DRAFT_MODEL = "meshserve.draft_model"
-NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+DRAFT_MODEL = model_keys.DRAFT_MODEL
+NUM_SPECULATIVE_TOKENS = model_keys.NUM_SPECULATIVE_TOKENS
 DEFAULT_SPECULATIVE_TOKENS = 4
 INT_PARAMETERS = (
     MAX_MODEL_LEN,
@@ -152,7 +153,7 @@ class LLMServing:
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         seq = self.engine.add(request.prompt, request.params)
         self.prompt_tokens += len(request.prompt)
-        clock = metrics.TokenClock(self.spec.name)
+        clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
             self.completion_tokens += clock.observe(out.completion_tokens)
             yield out

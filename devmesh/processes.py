@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import mesh_state, tls
 from common.net import free_port as free_port  # re-exported
-from deploy.certs import MeshCerts
-from deploy.redis_acl import RedisUsers, user_url
+from devmesh.certs import MeshCerts
+from devmesh.redis_acl import RedisUsers, user_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
