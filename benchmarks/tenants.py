@@ -38,10 +38,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import redis.asyncio as aioredis
 
 from benchmarks.common import infer_request, machine, write_result
-from common import mesh_state, tls
+from common import mesh_state, redis_conn, tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy, key_hash
 from devmesh import toy_models
@@ -214,10 +213,8 @@ async def components(target: Target, n: int) -> dict:
     and a bare Redis round trip (PING)."""
     mesh, metadata = target.mesh, target.metadata
     assert mesh.users is not None
-    redis = aioredis.from_url(
-        user_url(mesh.redis_url, "router"),
-        password=mesh.users.password("router"),
-        decode_responses=True,
+    redis = redis_conn.connect_async(
+        user_url(mesh.redis_url, "router"), password=mesh.users.password("router")
     )
     limiter = Limiter(redis)
     auth = Auth(redis, limiter, cache_s=3600)

@@ -18,6 +18,9 @@ SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+# A chat instead of text_input: BYTES [1], a JSON list of {role, content} messages, rendered
+# by the model's own chat template on the worker (worker/llm/chat.py).
+MESSAGES = "messages"
 TEXT_OUTPUT = "text_output"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"

@@ -19,7 +19,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import mesh_state, tls
+from common import mesh_state, redis_conn, tls
 from common.net import free_port as free_port  # re-exported
 from devmesh.certs import MeshCerts
 from devmesh.redis_acl import RedisUsers, user_url
@@ -116,12 +116,9 @@ def redis_process(port: int, log_dir: Path, users: RedisUsers | None = None) -> 
 
 def wait_redis(port: int, timeout: float = 10.0, users: RedisUsers | None = None) -> None:
     deadline = time.monotonic() + timeout
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=port,
-        socket_timeout=0.5,
-        username="admin" if users else None,
-        password=users.password("admin") if users else None,
+    url = f"redis://{'admin@' if users else ''}127.0.0.1:{port}/0"
+    client = redis_conn.connect(
+        url, password=users.password("admin") if users else None, timeout_s=0.5, decode=False
     )
     while time.monotonic() < deadline:
         try:
@@ -240,7 +237,7 @@ class LocalMesh:
         """A client as `user` (admin: everything) when the Redis has ACL users."""
         password = self.users.password(user) if self.users else None
         url = user_url(self.redis_url, user) if self.users else self.redis_url
-        return redis.Redis.from_url(url, password=password, decode_responses=True, socket_timeout=2)
+        return redis_conn.connect(url, password=password, timeout_s=2)
 
     def _redis_as(self, user: str) -> tuple[str, list[str]]:
         """The Redis URL and flags a process of role `user` connects with."""

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import json
 
-import redis
 import structlog
 
-from common import mesh_state
+from common import mesh_state, redis_conn
 from common.mesh_state import WorkerInfo
 from common.tenancy import TENANT_NAME
 from ledger.config import LedgerConfig
@@ -109,9 +108,7 @@ class Consumer:
     def __init__(
         self, redis_url: str, store: Store, config: LedgerConfig, password: str | None = None
     ) -> None:
-        self.redis = redis.Redis.from_url(
-            redis_url, password=password, decode_responses=True, socket_timeout=5
-        )
+        self.redis = redis_conn.connect(redis_url, password=password, timeout_s=5)
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)

@@ -99,6 +99,8 @@ def decode_request(
     missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
     if TEXT_INPUT in missing and TOKENIZER in spec.parameters and arrays:
         missing.remove(TEXT_INPUT)  # token inputs instead of TEXT: worker/text.py checks them
+    if llm_protocol.TEXT_INPUT in missing and llm_protocol.MESSAGES in arrays:
+        missing.remove(llm_protocol.TEXT_INPUT)  # a chat: the model's template makes the prompt
     if missing:
         want = ", ".join(f"{n} ({spec.inputs[n].datatype} {_dims(spec, n)})" for n in missing)
         raise InvalidArgument(
