@@ -14,6 +14,7 @@ leaves neither the counts nor the cursor moved.
 
 from __future__ import annotations
 
+import datetime as dt
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -67,11 +68,21 @@ SCHEMA = [
         revenue_micro_usd BIGINT NOT NULL, upstream_ns BIGINT NOT NULL,
         prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
         token_revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (tenant, model, version))""",
+    # What each tenant was billed per UTC month (YYYYMM of the batch): the spend a Redis
+    # that lost its counters is refilled with (ledger/refill.py).
+    """CREATE TABLE IF NOT EXISTS tenant_spend (
+        tenant TEXT NOT NULL, month TEXT NOT NULL, micro_usd BIGINT NOT NULL,
+        PRIMARY KEY (tenant, month))""",
 ]
 TENANT_FIELDS = (*CALL_FIELDS, "prompt_tokens", "completion_tokens", "token_revenue_micro_usd")
 
 FIELDS = CALL_FIELDS  # the usage table's count columns; TOKEN_FIELDS are token_usage's
 BUCKET_MS = 10_000  # time series resolution for rates and plots
+
+
+def utc_month(at_ms: int) -> str:
+    """YYYYMM (UTC) of a unix ms: the month of a tenant's spend (router/limits.py's too)."""
+    return dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC).strftime("%Y%m")
 
 
 @dataclass(frozen=True)
@@ -201,6 +212,7 @@ class Store:
                         self._add_usage(cur, model, version, counts, entry.at_ms)
                         if tenant:
                             self._add_tenant_usage(cur, tenant[0], model, version, counts)
+                            self._add_spend(cur, tenant[0], counts, entry.at_ms)
                 cursor = entry.id
             if cursor != start:
                 cur.execute(
@@ -247,6 +259,17 @@ class Store:
             f"ON CONFLICT (tenant, model, version) DO UPDATE SET {sets}",
             (tenant, model, version, *values),
         )
+
+    @staticmethod
+    def _add_spend(cur: _Cursor, tenant: str, counts: list[int], at_ms: int) -> None:
+        by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
+        spend = by_name["revenue_micro_usd"] + by_name.get("token_revenue_micro_usd", 0)
+        if spend:
+            cur.execute(
+                "INSERT INTO tenant_spend VALUES (?, ?, ?) ON CONFLICT (tenant, month) "
+                "DO UPDATE SET micro_usd = tenant_spend.micro_usd + excluded.micro_usd",
+                (tenant, utc_month(at_ms), spend),
+            )
 
     def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
         with self.transaction() as cur:
@@ -308,6 +331,14 @@ class Store:
                 f"SELECT tenant, model, {sums} FROM tenant_usage GROUP BY tenant, model"
             ).all()
         return {(r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+
+    def tenant_spend(self, month: str) -> dict[str, int]:
+        """tenant -> micro-USD billed in the UTC month YYYYMM."""
+        with self.transaction() as cur:
+            rows = cur.execute(
+                "SELECT tenant, micro_usd FROM tenant_spend WHERE month = ?", (month,)
+            ).all()
+        return {r[0]: int(r[1]) for r in rows}
 
     def tenants(self) -> list[str]:
         with self.transaction() as cur:
