@@ -32,8 +32,11 @@ class ModelMetadata:
     name: str
     versions: tuple[str, ...]
     platform: str
-    inputs: tuple[TensorMetadata, ...]
+    inputs: tuple[TensorMetadata, ...]  # what a request needs
     outputs: tuple[TensorMetadata, ...]
+    # Listed in the metadata but `optional: true` in ModelConfig (the model's token inputs,
+    # an LLM's stream or messages): a generic request leaves them out.
+    optional_inputs: tuple[TensorMetadata, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,16 +135,23 @@ def infer_result(reply: pb.ModelInferResponse) -> InferResult:
     return result
 
 
-def model_metadata(reply: pb.ModelMetadataResponse) -> ModelMetadata:
+def model_metadata(
+    reply: pb.ModelMetadataResponse, config: pb.ModelConfigResponse | None = None
+) -> ModelMetadata:
+    """The metadata, its inputs split by ModelConfig's `optional` flags (the metadata lists
+    every input, as Triton's does)."""
+
     def tensors(items: Sequence[pb.ModelMetadataResponse.TensorMetadata]) -> tuple:
         return tuple(TensorMetadata(t.name, t.datatype, tuple(t.shape)) for t in items)
 
+    optional = {t.name for t in config.config.input if t.optional} if config else set()
     return ModelMetadata(
         reply.name,
         tuple(reply.versions),
         reply.platform,
-        tensors(reply.inputs),
+        tensors([t for t in reply.inputs if t.name not in optional]),
         tensors(reply.outputs),
+        tensors([t for t in reply.inputs if t.name in optional]),
     )
 
 

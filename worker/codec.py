@@ -18,7 +18,9 @@ from common.errors import InvalidArgument
 from common.rpc import MAX_MESSAGE_BYTES
 from protos import grpc_service_pb2 as pb
 from worker.config import (
+    LLM_MESSAGES,
     LLM_OUTPUT,
+    LLM_TEXT_INPUT,
     TEXT_INPUT,
     TOKENIZER,
     VOCAB_SIZE,
@@ -184,6 +186,8 @@ def decode_request(
     missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
     if TEXT_INPUT in missing and TOKENIZER in spec.parameters and arrays:
         missing.remove(TEXT_INPUT)  # token inputs instead of TEXT: worker/text.py checks them
+    if LLM_TEXT_INPUT in missing and LLM_MESSAGES in arrays:
+        missing.remove(LLM_TEXT_INPUT)  # a chat: the model's template makes the prompt
     if missing:
         want = ", ".join(f"{n} ({spec.inputs[n].datatype} {_dims(spec, n)})" for n in missing)
         raise InvalidArgument(

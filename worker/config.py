@@ -44,11 +44,16 @@ TEXT_INPUT = "TEXT"
 # step graph and a tokenizer; clients speak Triton's vLLM-backend tensors (decoupled).
 ENGINE = "meshserve.engine"
 LLM_ENGINE = "llm"
+LLM_TEXT_INPUT = "text_input"
+# A chat instead of text_input: BYTES [1], a JSON list of {role, content} messages, rendered
+# by the model's own chat template on the worker (worker/llm/chat.py).
+LLM_MESSAGES = "messages"
 LLM_INPUTS = (
-    ("text_input", mc.TYPE_STRING, False),
+    (LLM_TEXT_INPUT, mc.TYPE_STRING, False),
     ("stream", mc.TYPE_BOOL, True),
     ("sampling_parameters", mc.TYPE_STRING, True),
     ("exclude_input_in_output", mc.TYPE_BOOL, True),
+    (LLM_MESSAGES, mc.TYPE_STRING, True),
 )
 LLM_OUTPUT = "text_output"
 

@@ -80,12 +80,11 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
             versions=sorted(self.repository.models[spec.name], key=int),
             platform=model.config.platform,
         )
-        # The inputs a request needs. v2 metadata cannot say "optional", and generic clients
-        # (tritonclient from metadata, perf_analyzer) fill every input listed; ModelConfig
-        # lists the optional ones too, marked `optional: true`.
+        # Every input, optional ones too, as Triton lists them: perf_analyzer and genai-perf
+        # look up each input of ModelConfig here, and skip the ones ModelConfig marks
+        # `optional: true` when they make data.
         for t in spec.inputs.values():
-            if not t.optional:
-                response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+            response.inputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         for t in spec.outputs.values():
             response.outputs.add(name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
         return response

@@ -1,7 +1,9 @@
 """Triton's LLM tensor interface (the one its vLLM backend serves) over the engine.
 
 Inputs: `text_input` (BYTES [1]), `stream` (BOOL [1], optional), `sampling_parameters`
-(BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional); the
+(BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional),
+`messages` (BYTES [1], optional: a JSON chat instead of text_input, made a prompt by the
+model's own chat template, worker/llm/chat.py, and never echoed); the
 sampling keys are also read from the request's `parameters` map, where the JSON wins.
 Output: `text_output` (BYTES). Streaming sends each new piece of text; otherwise one
 response holds the prompt (unless excluded) and the whole completion.
@@ -9,6 +11,7 @@ response holds the prompt (unless excluded) and the whole completion.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +23,10 @@ from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument
 from worker import metrics
-from worker.config import ConfigError, ModelSpec
+from worker.config import LLM_MESSAGES, ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.cache import CacheShape
+from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
 from worker.llm.speculative import DraftConfig
@@ -123,6 +127,7 @@ class LLMServing:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.spec = spec
+        self.chat = ChatTemplate.from_folder(model_dir, spec.name)
         self.config = engine_config(spec, model)
         try:
             self.engine = Engine(model, tokenizer, self.config, draft=draft_config(spec, draft))
@@ -135,7 +140,7 @@ class LLMServing:
         self.completion_tokens = 0  # generated and handed out
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
-        text = _text(inputs[TEXT_INPUT])
+        text = self._chat(inputs) if LLM_MESSAGES in inputs else _text(inputs[TEXT_INPUT])
         values = {k: v for k, v in parameters.items() if k in sampling.KEYS}
         if SAMPLING in inputs:
             values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
@@ -146,8 +151,23 @@ class LLMServing:
             prompt=prompt,
             params=params,
             stream=_flag(inputs, STREAM),
-            exclude_input=_flag(inputs, EXCLUDE_INPUT),
+            exclude_input=_flag(inputs, EXCLUDE_INPUT) or LLM_MESSAGES in inputs,
         )
+
+    def _chat(self, inputs: dict[str, np.ndarray]) -> str:
+        """The prompt of a chat: its messages through the model's own template."""
+        if TEXT_INPUT in inputs:
+            raise InvalidArgument(f"send {TEXT_INPUT!r} or {LLM_MESSAGES!r}, not both")
+        if self.chat is None:
+            raise InvalidArgument(
+                f"model {self.spec.name!r} has no chat template (no chat_template in its "
+                "tokenizer_config.json): send text_input instead of messages"
+            )
+        try:
+            messages = json.loads(_text(inputs[LLM_MESSAGES], LLM_MESSAGES))
+        except ValueError as e:
+            raise InvalidArgument(f"input {LLM_MESSAGES!r} is not JSON: {e}") from None
+        return self.chat.render(messages)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         seq = self.engine.add(request.prompt, request.params)
