@@ -43,10 +43,10 @@ from benchmarks.common import infer_request, machine, write_result
 from common import mesh_state, redis_conn, tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy, key_hash
-from deploy import toy_models
-from deploy.certs import make_certs
-from deploy.processes import LocalMesh, Process
-from deploy.redis_acl import make_users, user_url
+from devmesh import toy_models
+from devmesh.certs import make_certs
+from devmesh.processes import LocalMesh, Process
+from devmesh.redis_acl import make_users, user_url
 from loadtest import runner as loadtest_runner
 from loadtest.runner import METHOD, Load, measured
 from router import limits

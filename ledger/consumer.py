@@ -19,7 +19,7 @@ whose live registrations disagree on its price or training cost keeps the terms 
 before (one forged registration does not reprice a model). A batch key
 "model|version|tenant" counts for a tenant the mesh knows (meshserve:tenants), else the
 entry is quarantined. A well-formed forgery is kept out by Redis's ACL users
-(deploy/redis_acl.py): only the router role may append to the streams.
+(devmesh/redis_acl.py): only the router role may append to the streams.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ import pytest
 
 from common import mesh_state, redis_conn
 from common.tenancy import TenantPolicy, key_hash
-from deploy.redis_acl import make_users
+from devmesh.redis_acl import make_users
 from ledger.store import Store, utc_month
 from ledger.tenants import TenantDirectory
 from router.keys import TenantAdmin
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 

@@ -1,8 +1,8 @@
-"""python -m deploy.models --output DIR: the repository the mesh serves, each model built once
+"""python -m devmesh.models --output DIR: the repository the mesh serves, each model built once
 (skipped while DIR/<model>/config.pbtxt exists): the toy models, MiniLM fp32 + int8 and
 SmolLM2-135M int8 for the LLM engine, each quantized model behind its accuracy gate.
 
-`make run` (deploy/launch.py) and the compose stack's `models` service run it. A real model
+`make run` (devmesh/launch.py) and the compose stack's `models` service run it. A real model
 that fails to build is reported and left out; the toy models are always there.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy import toy_models
+from devmesh import toy_models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def _quantize(label: str, *args: str) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.models", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m devmesh.models", description=__doc__)
     parser.add_argument("--output", type=Path, required=True, help="the model repository")
     return parser.parse_args(argv)
 

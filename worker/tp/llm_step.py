@@ -12,7 +12,7 @@ A rank whose segment raises does not leave the group: it keeps every collective 
 step (sending zeros) and marks its logits shard failed (one extra column, 1.0), so all ranks
 stay in lockstep and the leader raises `StepFailed` for that step only — the engine then
 fails the sequences in it, and the next step runs as usual. Only a failed collective (a rank
-died or hung) fails the group (worker/tp_group.py).
+died or hung) fails the group (worker/tp/leader.py).
 
 The leader's cache is the engine's own; every other rank allocates its cache from the first
 step's shape and returns a slot's pages to the OS when the leader frees the slot.
@@ -30,21 +30,17 @@ import numpy as np
 import onnxruntime as ort
 import structlog
 
+from common.shard_format import HIDDEN, HIDDEN_OUT, OP_STEP, PARTIAL, REDUCED
+from common.shard_format import LOGITS_SHARD as SHARD
+from common.step_graph import IDS, SEQLENS, TOTAL
 from worker.llm.cache import CacheShape, KVCache
-from worker.llm.model import IDS, SEQLENS, TOTAL, GraphFacts
-from worker.parallel import TpGroup
+from worker.llm.model import GraphFacts
 from worker.runtime import OnnxSession, RuntimeOptions
-from worker.tp_runtime import OP_STEP, ShardSet, Timing
+from worker.tp.parallel import TpGroup
+from worker.tp.runtime import ShardSet, Timing
 
 log = structlog.get_logger()
 
-HIDDEN, HIDDEN_OUT, REDUCED, PARTIAL, SHARD = (
-    "hidden",
-    "hidden_out",
-    "reduced",
-    "partial",
-    "logits_shard",
-)
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
 _HEAD = 8  # slots, max_len, lo, hi, rows, new, released, budget
 
@@ -249,7 +245,7 @@ class RankSteps:
 
 
 class Caller(Protocol):
-    """What runs one operation over the group (worker/tp_group.py's Leader)."""
+    """What runs one operation over the group (worker/tp/leader.py's Leader)."""
 
     def call(self, index: int, op: int, arg: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""A real mesh for tests: private redis-server, worker processes, a router process."""
+"""A real mesh for tests and fault scripts: private redis-server, workers, a router."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from deploy import toy_models
-from deploy.processes import LocalMesh
+from devmesh import toy_models
+from devmesh.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 

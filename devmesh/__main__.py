@@ -1,7 +1,7 @@
-"""python -m deploy certs --out DIR [--host NAME ...]: the mesh's dev CA and certificates
-(deploy/certs.py); python -m deploy redis-users --out DIR [--split]: Redis ACL users per
-role with their password files (deploy/redis_acl.py; --split for Redis 7's read/write key
-permissions, as compose runs). `make run` is `python -m deploy.launch`."""
+"""python -m devmesh certs --out DIR [--host NAME ...]: the mesh's dev CA and certificates
+(devmesh/certs.py); python -m devmesh redis-users --out DIR [--split]: Redis ACL users per
+role with their password files (devmesh/redis_acl.py; --split for Redis 7's read/write key
+permissions, as compose runs). `make run` is `python -m devmesh.launch`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from deploy.certs import DEFAULT_HOSTS, make_certs
-from deploy.redis_acl import make_users
+from devmesh.certs import DEFAULT_HOSTS, make_certs
+from devmesh.redis_acl import make_users
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m devmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     certs = sub.add_parser("certs", help="a dev CA, the router's and workers' certificates")
     certs.add_argument("--out", type=Path, default=Path("build/certs"))

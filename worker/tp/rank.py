@@ -1,4 +1,4 @@
-"""python -m worker.tp_rank: one non-zero rank of a shard group (rank 0 starts these; in a
+"""python -m worker.tp.rank: one non-zero rank of a shard group (rank 0 starts these; in a
 group across hosts, `python -m worker --tp N --tp-rank R` runs one on each other host).
 
 Verifies and loads its shard files for every model with a tp<N> shard set, joins the group,
@@ -20,11 +20,12 @@ from grpc_health.v1.health import HealthServicer
 
 from common import logging
 from worker.config import ConfigError
-from worker.parallel import CollectiveError, destroy_tp_group, init_tp_group
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.settings import WorkerSettings
-from worker.tp_group import follow
-from worker.tp_runtime import find_shard_sets, load_rank, rss_bytes
+from worker.tp.leader import follow
+from worker.tp.load import load_rank
+from worker.tp.parallel import CollectiveError, destroy_tp_group, init_tp_group
+from worker.tp.runtime import find_shard_sets, rss_bytes
 
 log = structlog.get_logger()
 
@@ -59,7 +60,7 @@ def serve_health(host: str, port: int) -> tuple[grpc.Server, HealthServicer]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m worker.tp_rank", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m worker.tp.rank", description=__doc__)
     p.add_argument("--model-repository", type=Path, required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)

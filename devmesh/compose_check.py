@@ -1,6 +1,6 @@
 """Validate the compose files without a Docker engine: `docker-compose config -q`.
 
-    python -m deploy.compose_check        (also `make compose-check`)
+    python -m devmesh.compose_check        (also `make compose-check`)
 
 docker-compose 1.29.2 (pip) parses, merges and schema-checks the files without talking to
 a daemon. It needs PyYAML 5.4.1, whose sdist only builds with Cython < 3 and without build

@@ -2,16 +2,15 @@
 and the forward pass that joins them with collectives (see quantize/shard.py for the cut).
 
 Every rank runs the same code on the same inputs: `execute(op, ...)` is called by rank 0 on
-a request and by every other rank on what rank 0 broadcast (worker/tp_group.py). An encoder
+a request and by every other rank on what rank 0 broadcast (worker/tp/leader.py). An encoder
 (kind "encoder") runs one forward per call (`RankModel`); a decoder (kind "llm",
-quantize/llm_shard.py) runs one step of the LLM engine per call (worker/llm/tp.py), each
+quantize/llm_shard.py) runs one step of the LLM engine per call (worker/tp/llm_step.py), each
 rank keeping the KV cache of its own KV heads between steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -20,14 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.shard_format import MANIFEST, OP_ENCODE, OP_STEP, PARTIAL, REDUCED, sha256
 from worker.config import ConfigError
-from worker.parallel import TpGroup
 from worker.runtime import OnnxSession, RuntimeOptions
-
-MANIFEST = "manifest.json"
-
-OP_NOOP, OP_STOP, OP_ENCODE, OP_STEP = 0, 1, 2, 4
-ENCODER, LLM = "encoder", "llm"
+from worker.tp.parallel import TpGroup
 
 
 class ShardSetError(ConfigError):
@@ -73,15 +68,6 @@ class ShardSet:
                 )
             files[f["segment"]] = path
         return files
-
-
-def sha256(path: Path) -> str:
-    """The checksum the manifest records per file (quantize/shard.py writes it)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def find_shard_sets(repository: Path, tp: int) -> list[ShardSet]:
@@ -183,8 +169,8 @@ class RankModel:
             t1 = time.perf_counter_ns()
             self.timing.compute_ns += t1 - t0
             for out, array in zip(outputs, arrays, strict=True):
-                if out == "partial":
-                    env["reduced"] = group.all_reduce(array)
+                if out == PARTIAL:
+                    env[REDUCED] = group.all_reduce(array)
                 elif out.endswith("_out"):
                     env[out[:-4]] = array
                 else:
@@ -199,24 +185,9 @@ class RankModel:
 
 def execute(model, group: TpGroup, op: int, arg: int, arrays: list[np.ndarray]) -> list:  # type: ignore[no-untyped-def]
     """What every rank runs for one broadcast operation (`model` is a RankModel, or a
-    worker.llm.tp.RankSteps for OP_STEP)."""
+    worker.tp.llm_step.RankSteps for OP_STEP)."""
     if op == OP_ENCODE:
         return [model.encode(group, arrays[0], arrays[1])]
     if op == OP_STEP:
         return [model.step(group, arrays[0])]
     raise ValueError(f"unknown TP operation {op}")
-
-
-def load_rank(shards: ShardSet, rank: int, options: RuntimeOptions, providers: list[str]):  # type: ignore[no-untyped-def]
-    """This rank's part of a shard set: RankModel (encoder) or RankSteps (LLM engine)."""
-    if shards.kind == ENCODER:
-        return RankModel(shards, rank, options, providers)
-    if shards.kind == LLM:
-        from worker.llm.tp import RankSteps
-
-        return RankSteps(shards, rank, options, providers)
-    raise ShardSetError(
-        f"{shards.root}: a {shards.kind!r} shard set is no longer served (decoders run the LLM "
-        f"engine's step graph); rebuild it with `python -m quantize shard --model "
-        f"{shards.model} --tp {shards.tp}`"
-    )

@@ -1,5 +1,5 @@
-"""The engine over a shard group (worker/llm/tp.py) equals the engine over the unsharded step
-graph, with real gloo groups of real processes (worker/tp_local.py) on 127.0.0.1, and a bad
+"""The engine over a shard group (worker/tp/llm_step.py) equals the engine over the unsharded step
+graph, with real gloo groups of real processes (worker/tp/local.py) on 127.0.0.1, and a bad
 token id or a rank's exception fails one step's requests, never the group."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from quantize.models import DecoderConfig, LlamaDecoder
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.engine import EngineConfig
 from worker.llm.model import StepModel
-from worker.llm.tp import RankSteps, TPStepModel, pack, unpack
-from worker.parallel import destroy_tp_group, init_tp_group
 from worker.runtime import RuntimeOptions
-from worker.tp_local import run_engine, run_llm_group
-from worker.tp_runtime import find_shard_sets
+from worker.tp.llm_step import RankSteps, TPStepModel, pack, unpack
+from worker.tp.local import run_engine, run_llm_group
+from worker.tp.parallel import destroy_tp_group, init_tp_group
+from worker.tp.runtime import find_shard_sets
 
 MAX_POSITIONS = 512
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "kv_cache_tokens": 1024, "prefill_chunk": 8}

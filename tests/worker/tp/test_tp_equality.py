@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from quantize import llm_graph, llm_shard, shard, weights
+from quantize import llm_graph, llm_shard, shard, sharding, weights
 from worker.llm.engine import EngineConfig
 from worker.llm.model import StepModel
 from worker.runtime import RuntimeOptions
-from worker.tp_local import run_engine, run_group, run_llm_group
+from worker.tp.local import run_engine, run_group, run_llm_group
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_smollm2_tp3_engine_generates_the_unsharded_tokens(tmp_path: Path) -> No
         loaded = weights.load_smollm2()
     except weights.MissingWeights as e:
         pytest.skip(str(e))
-    model = shard.truncate(loaded.model, 4)
+    model = sharding.truncate(loaded.model, 4)
     llm_shard.write_model(model, loaded.tokenizer, "smollm2", tmp_path / "repo", [3], 1024)
     step = llm_graph.save(llm_graph.build(model, 1024), tmp_path / "step.onnx")
     config = {"max_model_len": 256, "max_num_seqs": 4, "kv_cache_tokens": 1024}

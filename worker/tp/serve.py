@@ -5,7 +5,7 @@ an embedding out) and its requests go through the same dynamic batcher as a sing
 worker, whose run function is one group-wide forward. An LLM (kind "llm",
 quantize/llm_shard.py) is served exactly as a single-process worker serves one: Triton's
 vLLM-backend tensors through LLMServing and the same Engine, whose model is a TPStepModel
-(worker/llm/tp.py) running each step over the group — so the router sees one replica. The
+(worker/tp/llm_step.py) running each step over the group — so the router sees one replica. The
 config's parameters report the group: meshserve.tp, meshserve.tp.backend, and per rank
 meshserve.tp.rank<r>.weight_bytes / .rss_bytes.
 """
@@ -21,34 +21,34 @@ from collections.abc import Callable
 import numpy as np
 import structlog
 
+from common import model_keys
 from common.dtypes import NUMPY
 from common.net import free_port
+from common.shard_format import LLM, OP_ENCODE
 from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
-from worker.llm.tp import RankSteps, TPStepModel
-from worker.parallel import init_tp_group
 from worker.repository import LoadedModel, Repository, serve_llm
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.settings import WorkerSettings
 from worker.stats import ModelStats
-from worker.tp_group import Leader, spawn_ranks
-from worker.tp_rank import group_args
-from worker.tp_runtime import (
-    LLM,
-    OP_ENCODE,
+from worker.tp.leader import Leader, spawn_ranks
+from worker.tp.llm_step import RankSteps, TPStepModel
+from worker.tp.load import load_rank
+from worker.tp.parallel import init_tp_group
+from worker.tp.rank import group_args
+from worker.tp.runtime import (
     RankModel,
     ShardSet,
     check_budget,
     find_shard_sets,
-    load_rank,
     rss_bytes,
 )
 
 log = structlog.get_logger()
 
-TP = "meshserve.tp"
-TP_BACKEND = "meshserve.tp.backend"
+TP = model_keys.TP
+TP_BACKEND = model_keys.TP_BACKEND
 # Text serving of an encoder is the single-process worker's (worker/text.py); a shard group
 # serves its token ids.
 _TEXT_PARAMETERS = (cfg.TOKENIZER, cfg.TEXT_TASK)

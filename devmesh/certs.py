@@ -1,4 +1,4 @@
-"""python -m deploy certs --out DIR [--host NAME ...]: a dev CA and the mesh's certificates.
+"""python -m devmesh certs --out DIR [--host NAME ...]: a dev CA and the mesh's certificates.
 
 Writes into DIR (keys mode 0600):
 

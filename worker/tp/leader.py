@@ -1,9 +1,9 @@
 """A shard group's processes: rank 0 (the leader, inside the gRPC worker) and ranks 1..N-1.
 
-The leader spawns the other ranks (`python -m worker.tp_rank`, killed by the kernel if the
+The leader spawns the other ranks (`python -m worker.tp.rank`, killed by the kernel if the
 leader dies: PR_SET_PDEATHSIG), and for each request broadcasts (op, model, arg) and the
 input arrays; every rank then runs the same segments, joined by all-reduce. For an LLM one
-call is one engine step (worker/llm/tp.py): the lock is held per step, never per
+call is one engine step (worker/tp/llm_step.py): the lock is held per step, never per
 generation, and other requests' steps and heartbeats run between steps. While idle the
 leader sends a heartbeat (a broadcast and an all-reduce) every `heartbeat_s`, so a rank
 that hangs is found within the collective timeout even without traffic, and the waiting
@@ -29,9 +29,10 @@ import numpy as np
 import structlog
 
 from common.errors import Unavailable
-from worker.parallel import CollectiveError, TpGroup, destroy_tp_group
+from common.shard_format import OP_NOOP, OP_STOP
 from worker.runtime import run_error
-from worker.tp_runtime import OP_NOOP, OP_STOP, execute
+from worker.tp.parallel import CollectiveError, TpGroup, destroy_tp_group
+from worker.tp.runtime import execute
 
 log = structlog.get_logger()
 
@@ -52,7 +53,7 @@ def spawn_ranks(
             [
                 sys.executable,
                 "-m",
-                "worker.tp_rank",
+                "worker.tp.rank",
                 "--model-repository",
                 str(repository),
                 "--tp",
@@ -97,7 +98,7 @@ class Leader:
 
     def __init__(
         self,
-        models: list,  # RankModel or worker.llm.tp.RankSteps, by index
+        models: list,  # RankModel or worker.tp.llm_step.RankSteps, by index
         group: TpGroup,
         children: list[subprocess.Popen],
         heartbeat_s: float,

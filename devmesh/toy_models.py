@@ -1,6 +1,6 @@
 """Small ONNX models built from code (no downloads), in a Triton-layout repository.
 
-    python -m deploy.toy_models DIR
+    python -m devmesh.toy_models DIR
 
 - `mlp`: a tiny fp32 MLP, 16 -> 64 -> 4, seeded weights (the benchmark model).
 - `add_sub`: INT32 INPUT0, INPUT1 [-1, 16] -> OUTPUT0 = sum, OUTPUT1 = difference.
