@@ -43,7 +43,7 @@ Every key, its type, its writer -> its readers, and what it holds:
   of that router the durable ledger has committed; the router forgets batches up to it.
 
 Tenants (router/auth.py, router/limits.py). Their source of truth is the ledger's database
-(ledger/tenants.py); these keys are its serving copy, written by `python -m router
+(common/tenant_directory.py); these keys are its serving copy, written by `python -m router
 keys|tenants` (the admin role) after the database, and refilled by the ledger
 (ledger/refill.py) when Redis lost them:
 

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import mesh_state, redis_conn, tls
 from common.net import free_port as free_port  # re-exported
+from common.tenant_directory import TenantDirectory
 from devmesh.certs import MeshCerts
 from devmesh.redis_acl import RedisUsers, user_url
 from ledger.store import Store
-from ledger.tenants import TenantDirectory
 from router.keys import TenantAdmin
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,10 +31,10 @@ import structlog
 from common import mesh_state, redis_conn
 from common.mesh_state import WorkerInfo
 from common.tenancy import TENANT_NAME
+from common.tenant_directory import TenantDirectory
 from ledger.config import LedgerConfig
 from ledger.refill import Refiller
 from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
-from ledger.tenants import TenantDirectory
 
 log = structlog.get_logger()
 

@@ -1,4 +1,4 @@
-"""Refill Redis's tenant records from the database (ledger/tenants.py), without a person.
+"""Refill Redis's tenant records from the database (common/tenant_directory.py), without a person.
 
 Each ledger pass compares `meshserve:tenants:version` in Redis with the directory's
 version. When they differ (a Redis that restarted without them, an old AOF, a new node, a
@@ -33,8 +33,8 @@ import redis
 import structlog
 
 from common import mesh_state
+from common.tenant_directory import Snapshot, TenantDirectory
 from ledger.store import Store, utc_month
-from ledger.tenants import Snapshot, TenantDirectory
 
 log = structlog.get_logger()
 

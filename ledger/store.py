@@ -15,14 +15,11 @@ leaves neither the counts nor the cursor moved.
 from __future__ import annotations
 
 import datetime as dt
-import sqlite3
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from common.mesh_state import CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
+from common.sqldb import Cursor, Database
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS cursors (
@@ -120,48 +117,11 @@ class WorkerSpan:
     last_seen_ms: int
 
 
-class Store:
+class Store(Database):
+    """The ledger's tables on the mesh's database (common/sqldb.py)."""
+
     def __init__(self, url: str) -> None:
-        self.url = url
-        if url.startswith(("postgresql://", "postgres://")):
-            import psycopg
-
-            self.postgres = True
-            self.conn: Any = psycopg.connect(url, autocommit=False)
-        else:
-            path = url.removeprefix("sqlite:///") if url.startswith("sqlite:") else url
-            if path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.postgres = False
-            self.conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-        with self.transaction() as cur:
-            for statement in SCHEMA:
-                cur.execute(statement)
-
-    @contextmanager
-    def transaction(self) -> Iterator[Any]:
-        cur = self.conn.cursor()
-        if not self.postgres:
-            cur.execute("BEGIN IMMEDIATE")
-        try:
-            yield _Cursor(cur, self.postgres)
-        except BaseException:
-            self.conn.rollback()
-            raise
-        self.conn.commit()
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def reconnect(self) -> None:
-        """After a database error: a fresh connection (a broken one stays broken)."""
-        import contextlib
-
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        self.__init__(self.url)  # type: ignore[misc]
+        super().__init__(url, SCHEMA)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -169,7 +129,7 @@ class Store:
         with self.transaction() as cur:
             return self._cursor(cur, router_id, lock=False)
 
-    def _cursor(self, cur: _Cursor, router_id: str, lock: bool) -> tuple[int, int]:
+    def _cursor(self, cur: Cursor, router_id: str, lock: bool) -> tuple[int, int]:
         for_update = " FOR UPDATE" if lock and self.postgres else ""
         row = cur.execute(
             f"SELECT epoch, seq FROM stream_cursors WHERE router_id = ?{for_update}", (router_id,)
@@ -223,7 +183,7 @@ class Store:
         return cursor
 
     @staticmethod
-    def _add_usage(cur: _Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
+    def _add_usage(cur: Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
         calls, tokens = counts[: len(FIELDS)], counts[len(FIELDS) :]
         sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
         cur.execute(
@@ -248,7 +208,7 @@ class Store:
 
     @staticmethod
     def _add_tenant_usage(
-        cur: _Cursor, tenant: str, model: str, version: str, counts: list[int]
+        cur: Cursor, tenant: str, model: str, version: str, counts: list[int]
     ) -> None:
         by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
         values = [by_name.get(f, 0) for f in TENANT_FIELDS]
@@ -261,7 +221,7 @@ class Store:
         )
 
     @staticmethod
-    def _add_spend(cur: _Cursor, tenant: str, counts: list[int], at_ms: int) -> None:
+    def _add_spend(cur: Cursor, tenant: str, counts: list[int], at_ms: int) -> None:
         by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
         spend = by_name["revenue_micro_usd"] + by_name.get("token_revenue_micro_usd", 0)
         if spend:
@@ -385,21 +345,3 @@ class Store:
         with self.transaction() as cur:
             rows = cur.execute("SELECT router_id, after_seq, next_seq FROM gaps").all()
         return [(r[0], int(r[1]), int(r[2])) for r in rows]
-
-
-class _Cursor:
-    """One SQL dialect for both backends: write `?` placeholders, PostgreSQL gets `%s`."""
-
-    def __init__(self, cur: Any, postgres: bool) -> None:
-        self.cur = cur
-        self.postgres = postgres
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> _Cursor:
-        self.cur.execute(sql.replace("?", "%s") if self.postgres else sql, params)
-        return self
-
-    def one(self) -> Any:
-        return self.cur.fetchone()
-
-    def all(self) -> list[Any]:
-        return list(self.cur.fetchall())

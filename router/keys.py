@@ -1,6 +1,6 @@
 """python -m router keys create|list|revoke --tenant T;  python -m router tenants set|list|import
 
-Tenants and their API keys. The ledger's database holds them (ledger/tenants.py: --db, the
+Tenants and their API keys. The ledger's database holds them (common/tenant_directory.py: --db, the
 ledger's own); Redis holds their serving copy (keys in common/mesh_state.py). Every change
 is written to the database first, then to Redis; the ledger refills a Redis that lost them.
 A key is printed once, when it is created; only its SHA-256 is stored. Run with the admin
@@ -20,9 +20,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common import mesh_state, redis_conn
 from common.redis_auth import read_password
+from common.sqldb import Database
 from common.tenancy import ALL_MODELS, KeyRecord, TenantPolicy, check_tenant, key_hash, new_key
-from ledger.store import Store
-from ledger.tenants import TenantDirectory
+from common.tenant_directory import TenantDirectory
 
 # KEYS[1]: the version Redis holds. ARGV[1]: the one this change made. Redis moves to it only
 # from the version just before it (else the ledger's refill brings it there).
@@ -131,7 +131,7 @@ class TenantAdmin:
 def connect(settings: AdminSettings) -> TenantAdmin:
     password = read_password(settings.redis_password, settings.redis_password_file)
     client = redis_conn.connect(settings.redis_url, password=password, timeout_s=5)
-    return TenantAdmin(client, TenantDirectory(Store(settings.db)))
+    return TenantAdmin(client, TenantDirectory(Database(settings.db)))
 
 
 def main(argv: list[str]) -> int:

@@ -14,11 +14,11 @@ import pytest
 
 from common import mesh_state, redis_conn
 from common.tenancy import TenantPolicy, key_hash
+from common.tenant_directory import TenantDirectory
 from devmesh.redis_acl import make_users
-from ledger.store import Store, utc_month
-from ledger.tenants import TenantDirectory
-from router.keys import TenantAdmin
 from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
+from ledger.store import Store, utc_month
+from router.keys import TenantAdmin
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 

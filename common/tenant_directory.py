@@ -1,10 +1,10 @@
-"""Tenants and API keys, kept in the ledger's database: their source of truth.
+"""Tenants and API keys, kept in the mesh's database (the ledger's): their source of truth.
 
 Redis holds the serving copy (common/mesh_state.py: the tenant policies, the key records,
 and `meshserve:tenants:version`); `python -m router tenants|keys` writes here first, then
 Redis, and the ledger refills a Redis that lost them (ledger/refill.py).
 
-Tables (SQLite or PostgreSQL, beside the ledger's):
+Tables (common/sqldb.py: SQLite or PostgreSQL, beside the ledger's):
 
 - tenants (tenant, policy JSON, updated_ms);
 - api_keys (key_sha256, tenant, key_id, created_ms, revoked_ms): a revoked key stays as a
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.sqldb import Cursor, Database
 from common.tenancy import KeyRecord, TenantPolicy, check_tenant
-from ledger.store import Store, _Cursor
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tenants (
@@ -54,11 +54,9 @@ class Snapshot:
 
 
 class TenantDirectory:
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        with store.transaction() as cur:
-            for statement in SCHEMA:
-                cur.execute(statement)
+    def __init__(self, db: Database) -> None:
+        self.store = db
+        db.create(SCHEMA)
 
     # -- writes (each raises the version in its own transaction) ---------------------------
 
@@ -99,7 +97,7 @@ class TenantDirectory:
             return str(row[0]), self._bump(cur)
 
     @staticmethod
-    def _bump(cur: _Cursor) -> int:
+    def _bump(cur: Cursor) -> int:
         cur.execute("UPDATE tenant_directory SET version = version + 1 WHERE id = 1")
         return int(cur.execute("SELECT version FROM tenant_directory WHERE id = 1").one()[0])
 
