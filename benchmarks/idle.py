@@ -29,13 +29,11 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-import redis
-
 from benchmarks.common import ROOT, cpu_seconds, machine, write_result
-from common import mesh_state, rpc
+from common import mesh_state, redis_conn, rpc
 from common.mesh_state import DepthSample, ModelEntry, RegistryEvent, WorkerInfo, now_ms
-from deploy import toy_models
-from deploy.processes import LocalMesh, free_port, router_process, wait_serving, worker_process
+from devmesh import toy_models
+from devmesh.processes import LocalMesh, free_port, router_process, wait_serving, worker_process
 from router.registry import Registry
 
 FAKES = 100
@@ -60,7 +58,7 @@ class FakeWorkers:
     heartbeats every second; with `churn_hz`, each one's depth changes that often."""
 
     def __init__(self, redis_url: str, n: int) -> None:
-        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.client = redis_conn.connect(redis_url)
         self.infos = [
             WorkerInfo(
                 id=f"fake-{i:03d}",

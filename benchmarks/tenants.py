@@ -38,16 +38,15 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import redis.asyncio as aioredis
 
 from benchmarks.common import infer_request, machine, write_result
-from common import mesh_state, tls
+from common import mesh_state, redis_conn, tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy, key_hash
-from deploy import toy_models
-from deploy.certs import make_certs
-from deploy.processes import LocalMesh, Process
-from deploy.redis_acl import make_users, user_url
+from devmesh import toy_models
+from devmesh.certs import make_certs
+from devmesh.processes import LocalMesh, Process
+from devmesh.redis_acl import make_users, user_url
 from loadtest import runner as loadtest_runner
 from loadtest.runner import METHOD, Load, measured
 from router import limits
@@ -214,10 +213,8 @@ async def components(target: Target, n: int) -> dict:
     and a bare Redis round trip (PING)."""
     mesh, metadata = target.mesh, target.metadata
     assert mesh.users is not None
-    redis = aioredis.from_url(
-        user_url(mesh.redis_url, "router"),
-        password=mesh.users.password("router"),
-        decode_responses=True,
+    redis = redis_conn.connect_async(
+        user_url(mesh.redis_url, "router"), password=mesh.users.password("router")
     )
     limiter = Limiter(redis)
     auth = Auth(redis, limiter, cache_s=3600)

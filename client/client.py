@@ -83,7 +83,10 @@ class Client:
         if key not in self._metadata:
             request = pb.ModelMetadataRequest(name=model, version=version)
             reply = self.stub.ModelMetadata(request, timeout=timeout or self.timeout)
-            self._metadata[key] = codec.model_metadata(reply)
+            config = self.stub.ModelConfig(
+                pb.ModelConfigRequest(name=model, version=version), timeout=timeout or self.timeout
+            )
+            self._metadata[key] = codec.model_metadata(reply, config)
         return self._metadata[key]
 
     def infer(
@@ -182,7 +185,10 @@ class AsyncClient:
     ) -> ModelMetadata:
         request = pb.ModelMetadataRequest(name=model, version=version)
         reply = await self.stub.ModelMetadata(request, timeout=timeout or self.timeout)
-        return codec.model_metadata(reply)
+        config = await self.stub.ModelConfig(
+            pb.ModelConfigRequest(name=model, version=version), timeout=timeout or self.timeout
+        )
+        return codec.model_metadata(reply, config)
 
     async def infer(
         self,

@@ -7,13 +7,12 @@ whichever the server sent (Triton and meshserve send raw, MLServer typed).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from common import dtypes
+from common import bytes_codec, dtypes
 from protos import grpc_service_pb2 as pb
 
 # What `infer` accepts for one input: an array, or text (one string or several).
@@ -32,8 +31,11 @@ class ModelMetadata:
     name: str
     versions: tuple[str, ...]
     platform: str
-    inputs: tuple[TensorMetadata, ...]
+    inputs: tuple[TensorMetadata, ...]  # what a request needs
     outputs: tuple[TensorMetadata, ...]
+    # Listed in the metadata but `optional: true` in ModelConfig (the model's token inputs,
+    # an LLM's stream or messages): a generic request leaves them out.
+    optional_inputs: tuple[TensorMetadata, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,24 +72,6 @@ def text_shape(spec: TensorMetadata, n: int) -> list[int]:
     return [n] + [1] * (max(1, len(spec.shape)) - 1)
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes."""
-    parts = []
-    for item in array.reshape(-1):
-        b = item.encode() if isinstance(item, str) else bytes(item)
-        parts += [struct.pack("<I", len(b)), b]
-    return b"".join(parts)
-
-
-def deserialize_bytes(raw: bytes) -> list[bytes]:
-    items, offset = [], 0
-    while offset + 4 <= len(raw):
-        (length,) = struct.unpack_from("<I", raw, offset)
-        items.append(raw[offset + 4 : offset + 4 + length])
-        offset += 4 + length
-    return items
-
-
 def infer_request(
     model: str,
     inputs: Mapping[str, InputValue],
@@ -101,7 +85,7 @@ def infer_request(
         datatype = dtypes.from_numpy(array.dtype)
         request.inputs.add(name=name, datatype=datatype, shape=array.shape)
         if datatype == "BYTES":
-            request.raw_input_contents.append(serialize_bytes(array))
+            request.raw_input_contents.append(bytes_codec.serialize_bytes(array))
         else:
             request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
     for name in outputs:
@@ -116,7 +100,7 @@ def infer_result(reply: pb.ModelInferResponse) -> InferResult:
         shape = tuple(tensor.shape)
         if i < len(raw):
             if tensor.datatype == "BYTES":
-                items = deserialize_bytes(raw[i])
+                items = bytes_codec.split(raw[i])
                 array = np.empty(len(items), dtype=object)
                 array[:] = items
             else:
@@ -132,16 +116,23 @@ def infer_result(reply: pb.ModelInferResponse) -> InferResult:
     return result
 
 
-def model_metadata(reply: pb.ModelMetadataResponse) -> ModelMetadata:
+def model_metadata(
+    reply: pb.ModelMetadataResponse, config: pb.ModelConfigResponse | None = None
+) -> ModelMetadata:
+    """The metadata, its inputs split by ModelConfig's `optional` flags (the metadata lists
+    every input, as Triton's does)."""
+
     def tensors(items: Sequence[pb.ModelMetadataResponse.TensorMetadata]) -> tuple:
         return tuple(TensorMetadata(t.name, t.datatype, tuple(t.shape)) for t in items)
 
+    optional = {t.name for t in config.config.input if t.optional} if config else set()
     return ModelMetadata(
         reply.name,
         tuple(reply.versions),
         reply.platform,
-        tensors(reply.inputs),
+        tensors([t for t in reply.inputs if t.name not in optional]),
         tensors(reply.outputs),
+        tensors([t for t in reply.inputs if t.name in optional]),
     )
 
 

@@ -59,7 +59,7 @@ admin role):
 
 Everything read from Redis is checked before use (`WorkerInfo.from_json`,
 `DepthSample.decode`, `TenantPolicy.from_json`, the ledger's `parse_entry`); with the ACL
-users of `deploy/redis_acl.py` each role may write only its own keys.
+users of `devmesh/redis_acl.py` each role may write only its own keys.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the

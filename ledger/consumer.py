@@ -19,17 +19,16 @@ whose live registrations disagree on its price or training cost keeps the terms 
 before (one forged registration does not reprice a model). A batch key
 "model|version|tenant" counts for a tenant the mesh knows (meshserve:tenants), else the
 entry is quarantined. A well-formed forgery is kept out by Redis's ACL users
-(deploy/redis_acl.py): only the router role may append to the streams.
+(devmesh/redis_acl.py): only the router role may append to the streams.
 """
 
 from __future__ import annotations
 
 import json
 
-import redis
 import structlog
 
-from common import mesh_state
+from common import mesh_state, redis_conn
 from common.mesh_state import WorkerInfo
 from common.tenancy import TENANT_NAME
 from ledger.config import LedgerConfig
@@ -109,9 +108,7 @@ class Consumer:
     def __init__(
         self, redis_url: str, store: Store, config: LedgerConfig, password: str | None = None
     ) -> None:
-        self.redis = redis.Redis.from_url(
-            redis_url, password=password, decode_responses=True, socket_timeout=5
-        )
+        self.redis = redis_conn.connect(redis_url, password=password, timeout_s=5)
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)

@@ -5,8 +5,9 @@ step graph (quantize/llm_graph.py), a recipe quantizes it, and the gate judges i
 worker serves it (quantize/evaluate.py runs the engine). This module only picks one recipe
 and installs it alone, as `make run` and the tests want it:
 
-    OUTPUT/<name>/1/model.onnx   the accepted artifact, with tokenizer.json and a decoupled
-                                 config.pbtxt (Triton's vLLM-backend tensors)
+    OUTPUT/<name>/1/model.onnx   the accepted artifact, with tokenizer.json, a decoupled
+                                 config.pbtxt (Triton's vLLM-backend tensors) and
+                                 tokenizer_config.json (the GGUF's chat template)
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from quantize import pipeline
+from common import model_keys
+from quantize import pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 
 MODEL = "smollm2"
 DEFAULT_RECIPE = "decoder-int8-weight-only"
 MAX_POSITIONS = pipeline.MAX_POSITIONS
-MAX_MODEL_LEN = "meshserve.max_model_len"
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name
 
 
 def config_text(name: str, label: str, max_model_len: int) -> str:
@@ -52,8 +55,11 @@ def install(
     """Write OUTPUT/<name>/ with the recipe's engine graph as version 1."""
     src = pipeline.artifact_for(cache, MODEL, recipe_name)
 
+    chat = json.dumps(weights.smollm2_tokenizer_config(), indent=2) + "\n"
+
     def write(tmp: Path) -> None:
         shutil.copy(src.tokenizer, tmp / TOKENIZER_FILE)
+        (tmp / TOKENIZER_CONFIG_FILE).write_text(chat)  # the chat template (worker/llm/chat.py)
         (tmp / "1").mkdir()
         try:  # a hard link when the cache is on the same disk: no second copy
             (tmp / "1" / MODEL_FILE).hardlink_to(src.model)

@@ -153,6 +153,30 @@ def gguf_tokenizer(reader) -> Tokenizer:  # type: ignore[no-untyped-def]
     return tok
 
 
+def gguf_tokenizer_config(reader) -> dict:  # type: ignore[no-untyped-def]
+    """Hugging Face's tokenizer_config.json for the GGUF's tokenizer: its chat template
+    (`tokenizer.chat_template`) and special tokens, which the worker renders chats with."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}
+    for name, key in (
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+    ):
+        if key in reader.fields:
+            config[name] = tokens[int(_field(reader, key))]
+    if "tokenizer.chat_template" in reader.fields:
+        config["chat_template"] = str(_field(reader, "tokenizer.chat_template"))
+    return config
+
+
+def smollm2_tokenizer_config() -> dict:
+    from gguf import GGUFReader
+
+    return gguf_tokenizer_config(GGUFReader(str(smollm2_gguf())))
+
+
 def load_smollm2() -> Loaded:
     from gguf import GGUFReader
     from gguf.quants import dequantize

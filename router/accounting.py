@@ -55,7 +55,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from common import mesh_state
+from common import mesh_state, redis_conn
 from common.outage import Outage
 from router.usage import (  # re-exported: the names callers know from here
     FINISHED,
@@ -158,12 +158,8 @@ class Accounting:
         inflight: Callable[[], int] = lambda: 0,
         password: str | None = None,
     ) -> None:
-        self.redis = aioredis.from_url(
-            redis_url,
-            password=password,
-            socket_timeout=1.0,
-            socket_connect_timeout=0.5,
-            decode_responses=True,
+        self.redis = redis_conn.connect_async(
+            redis_url, password=password, timeout_s=1.0, connect_timeout_s=0.5
         )
         # tenant, tokens, micro-USD of each billed call (and negative for a refund): the
         # tenant's tokens-per-minute and spend cap (router/auth.py)

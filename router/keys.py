@@ -14,7 +14,7 @@ import redis
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common import mesh_state
+from common import mesh_state, redis_conn
 from common.redis_auth import read_password
 from common.tenancy import ALL_MODELS, KeyRecord, TenantPolicy, check_tenant, key_hash, new_key
 
@@ -81,9 +81,7 @@ class TenantAdmin:
 
 def connect(settings: AdminSettings) -> redis.Redis:
     password = read_password(settings.redis_password, settings.redis_password_file)
-    return redis.Redis.from_url(
-        settings.redis_url, password=password, decode_responses=True, socket_timeout=5
-    )
+    return redis_conn.connect(settings.redis_url, password=password, timeout_s=5)
 
 
 def main(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
 What Redis holds is checked before it is used: a registration that does not parse as a
 WorkerInfo, or that prices a model differently from the replicas already serving it, is
 ignored with one log line per registration text (Redis ACLs limit who may write it; see
-deploy/redis_acl.py).
+devmesh/redis_acl.py).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import redis.asyncio as aioredis
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
-from common import mesh_state, tls
+from common import mesh_state, redis_conn, tls
 from common.errors import MeshError, NotFound, Unavailable, clip
 from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
@@ -97,12 +96,8 @@ class Registry:
         password: str | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        self.redis = aioredis.from_url(
-            redis_url,
-            password=password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-            decode_responses=True,
+        self.redis = redis_conn.connect_async(
+            redis_url, password=password, timeout_s=0.5, connect_timeout_s=0.5
         )
         self.channel_options = channel_options
         self.channel_credentials = channel_credentials  # mutual TLS to the workers

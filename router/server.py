@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import structlog
 from prometheus_client import start_http_server
 
-from common import rpc, tls
+from common import redis_conn, rpc, tls
 from common.redis_auth import read_password
 from router.accounting import Accounting
 from router.auth import Auth
@@ -56,12 +55,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     )
     auth = None
     if settings.auth:
-        redis = aioredis.from_url(
-            settings.redis_url,
-            password=password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-            decode_responses=True,
+        redis = redis_conn.connect_async(
+            settings.redis_url, password=password, timeout_s=0.5, connect_timeout_s=0.5
         )
         auth = Auth(redis, Limiter(redis), settings.auth_cache_seconds)
         accounting.charge = auth.charge

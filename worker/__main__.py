@@ -94,7 +94,7 @@ def run_rank(settings: WorkerSettings) -> int:
             file=sys.stderr,
         )
         return 2
-    from worker import tp_rank  # torch: only a shard group needs it
+    from worker.tp import rank as tp_rank  # torch: only a shard group needs it
 
     return tp_rank.main(
         [

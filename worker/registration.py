@@ -25,11 +25,10 @@ import contextlib
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from common import mesh_state
+from common import mesh_state, redis_conn
 from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
 from worker.scaling import ModelLoad, ScaleKeys
@@ -52,12 +51,8 @@ class Registration:
         depth_interval_s: float = 0.1,
         password: str | None = None,
     ) -> None:
-        self.redis = aioredis.from_url(
-            redis_url,
-            password=password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-            decode_responses=True,
+        self.redis = redis_conn.connect_async(
+            redis_url, password=password, timeout_s=0.5, connect_timeout_s=0.5
         )
         self.info = info
         self.depth = depth

@@ -46,7 +46,7 @@ class WorkerSettings(BaseSettings):
     registry_ttl_seconds: float = 5.0
     depth_interval_seconds: float = 0.1
     drain_seconds: float = 0.5  # after leaving the registry, before refusing new calls
-    # Tensor parallelism (worker/tp_serve.py): tp >= 1 serves the models' tp<N> shard sets
+    # Tensor parallelism (worker/tp/serve.py): tp >= 1 serves the models' tp<N> shard sets
     # with a group of N rank processes; 0 is the plain single-process worker.
     tp: int = 0
     tp_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL when CUDA is active

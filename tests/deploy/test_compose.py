@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from deploy import compose_check
+from devmesh import compose_check
 
 
 @pytest.fixture(scope="module")

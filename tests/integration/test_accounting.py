@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from common import mesh_state
+from devmesh.testing import Mesh
 from router.accounting import Accounting
-from tests.integration.mesh import Mesh
 
 
 def test_an_id_below_the_stream_is_refused_not_swallowed(mesh: Mesh) -> None:

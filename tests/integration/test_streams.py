@@ -21,14 +21,14 @@ import grpc
 import pytest
 
 from common.tenancy import TenantPolicy
-from deploy.processes import ROOT, free_port
+from devmesh.processes import ROOT, free_port
+from devmesh.testing import Mesh
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm
 from router.accounting import token_revenue
 from router.keys import TenantAdmin
-from tests.integration.mesh import Mesh
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -18,8 +18,9 @@ import tritonclient.grpc as triton
 from common import mesh_state
 from common.errors import ResourceExhausted
 from common.tenancy import PRICE_PER_CALL, TenantPolicy
-from deploy.certs import make_certs
-from deploy.redis_acl import make_users
+from devmesh.certs import make_certs
+from devmesh.redis_acl import make_users
+from devmesh.testing import Mesh, mlp_config, mlp_repository, mlp_request
 from ledger.config import LedgerConfig
 from ledger.consumer import Consumer
 from ledger.store import Store
@@ -28,7 +29,6 @@ from protos import grpc_service_pb2_grpc as pb_grpc
 from router import keys as keys_cli
 from router.keys import TenantAdmin
 from router.limits import LEASE_TTL_S, Limiter
-from tests.integration.mesh import Mesh, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 

@@ -484,7 +484,7 @@ def test_token_ids_outside_the_vocabulary(worker) -> None:  # type: ignore[no-un
 
 
 def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from deploy import toy_models
+    from devmesh import toy_models
 
     toy_models.write_text_embedder(tmp_path / "repo" / "words")
     w = worker_factory(repository=tmp_path / "repo")
@@ -496,11 +496,16 @@ def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) ->
         "attention_mask": True,
         "TEXT": False,
     }
-    # A generic client fills what ModelMetadata lists (perf_analyzer: every required input):
-    # that is TEXT alone now, not TEXT and the token inputs together ("not both").
+    # ModelMetadata lists every input, optional ones too, as Triton does (perf_analyzer and
+    # genai-perf look each ModelConfig input up there); a generic client fills the inputs
+    # ModelConfig does not mark optional: TEXT alone, not TEXT and the token inputs ("not both").
     meta = c.get_model_metadata("words")
+    assert sorted(t.name for t in meta.inputs) == ["TEXT", "attention_mask", "input_ids"]
+    optional = {t.name for t in config.input if t.optional}
     inputs = []
     for t in meta.inputs:
+        if t.name in optional:
+            continue
         shape = [2 if d == -1 else d for d in t.shape]
         data = np.array([[b"hello world"], [b"mesh"]], dtype=object).reshape(shape)
         inputs.append(infer_input(t.name, data, t.datatype))

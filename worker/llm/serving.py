@@ -1,7 +1,9 @@
 """Triton's LLM tensor interface (the one its vLLM backend serves) over the engine.
 
 Inputs: `text_input` (BYTES [1]), `stream` (BOOL [1], optional), `sampling_parameters`
-(BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional); the
+(BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional),
+`messages` (BYTES [1], optional: a JSON chat instead of text_input, made a prompt by the
+model's own chat template, worker/llm/chat.py, and never echoed); the
 sampling keys are also read from the request's `parameters` map, where the JSON wins.
 Output: `text_output` (BYTES). Streaming sends each new piece of text; otherwise one
 response holds the prompt (unless excluded) and the whole completion.
@@ -9,6 +11,7 @@ response holds the prompt (unless excluded) and the whole completion.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +21,13 @@ import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
+from common import llm_protocol, model_keys
 from common.errors import InvalidArgument
-from worker import metrics
+from worker import token_metrics
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.cache import CacheShape
+from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
 from worker.llm.speculative import DraftConfig
@@ -30,24 +35,24 @@ from worker.llm.speculative import DraftConfig
 log = structlog.get_logger()
 
 TEXT_INPUT, STREAM, SAMPLING, EXCLUDE_INPUT = (
-    "text_input",
-    "stream",
-    "sampling_parameters",
-    "exclude_input_in_output",
+    llm_protocol.TEXT_INPUT,
+    llm_protocol.STREAM,
+    llm_protocol.SAMPLING_PARAMETERS,
+    llm_protocol.EXCLUDE_INPUT_IN_OUTPUT,
 )
-TEXT_OUTPUT = "text_output"
+TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
 # meshserve parameters of an LLM model's config.pbtxt
-ENGINE = "meshserve.engine"  # "llm"
-TOKENIZER = "meshserve.tokenizer"
-MAX_MODEL_LEN = "meshserve.max_model_len"
-MAX_NUM_SEQS = "meshserve.max_num_seqs"
-KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
-MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+ENGINE = model_keys.ENGINE  # "llm"
+TOKENIZER = model_keys.TOKENIZER
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
+MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
+KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
+PREFILL_CHUNK = model_keys.PREFILL_CHUNK
+MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
-DRAFT_MODEL = "meshserve.draft_model"
-NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+DRAFT_MODEL = model_keys.DRAFT_MODEL
+NUM_SPECULATIVE_TOKENS = model_keys.NUM_SPECULATIVE_TOKENS
 DEFAULT_SPECULATIVE_TOKENS = 4
 INT_PARAMETERS = (
     MAX_MODEL_LEN,
@@ -123,6 +128,7 @@ class LLMServing:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.spec = spec
+        self.chat = ChatTemplate.from_folder(model_dir, spec.name)
         self.config = engine_config(spec, model)
         try:
             self.engine = Engine(model, tokenizer, self.config, draft=draft_config(spec, draft))
@@ -135,7 +141,7 @@ class LLMServing:
         self.completion_tokens = 0  # generated and handed out
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
-        text = _text(inputs[TEXT_INPUT])
+        text = self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
         values = {k: v for k, v in parameters.items() if k in sampling.KEYS}
         if SAMPLING in inputs:
             values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
@@ -146,13 +152,28 @@ class LLMServing:
             prompt=prompt,
             params=params,
             stream=_flag(inputs, STREAM),
-            exclude_input=_flag(inputs, EXCLUDE_INPUT),
+            exclude_input=_flag(inputs, EXCLUDE_INPUT) or llm_protocol.MESSAGES in inputs,
         )
+
+    def _chat(self, inputs: dict[str, np.ndarray]) -> str:
+        """The prompt of a chat: its messages through the model's own template."""
+        if TEXT_INPUT in inputs:
+            raise InvalidArgument(f"send {TEXT_INPUT!r} or {llm_protocol.MESSAGES!r}, not both")
+        if self.chat is None:
+            raise InvalidArgument(
+                f"model {self.spec.name!r} has no chat template (no chat_template in its "
+                "tokenizer_config.json): send text_input instead of messages"
+            )
+        try:
+            messages = json.loads(_text(inputs[llm_protocol.MESSAGES], llm_protocol.MESSAGES))
+        except ValueError as e:
+            raise InvalidArgument(f"input {llm_protocol.MESSAGES!r} is not JSON: {e}") from None
+        return self.chat.render(messages)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         seq = self.engine.add(request.prompt, request.params)
         self.prompt_tokens += len(request.prompt)
-        clock = metrics.TokenClock(self.spec.name)
+        clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
             self.completion_tokens += clock.observe(out.completion_tokens)
             yield out
