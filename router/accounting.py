@@ -51,7 +51,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
