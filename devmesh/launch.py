@@ -87,13 +87,17 @@ class Launcher:
             external_redis_url=args.redis_url,
             worker_args=("--providers", args.providers),
             auth=args.auth,
+            # the private Redis's append-only file: tenants, keys and unread batches outlive
+            # a restart of Redis or of make run
+            redis_data=ROOT / "build" / "redis",
+            ledger_db=args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}",
         )
         if not args.redis_url:  # the private Redis: ACL users per role, protected mode
             self.mesh.users = make_users(ROOT / "build" / "secrets")
         if args.tls:
             certs = MeshCerts(ROOT / "build" / "certs")
             self.mesh.certs = certs if certs.complete() else make_certs(certs.root)
-        self.ledger_db = args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}"
+        self.ledger_db = self.mesh.ledger_db  # also the tenants' and keys' database
         self.stopping = False
 
     def start(self) -> None:
@@ -132,7 +136,8 @@ class Launcher:
             password = f" --redis-password-file {users.password_file('admin')}" if users else ""
             lines.append(
                 "auth on: python -m router keys create --tenant T --redis-url "
-                f"{self.mesh.redis_url.replace('redis://', 'redis://admin@')}{password}"
+                f"{self.mesh.redis_url.replace('redis://', 'redis://admin@')}{password} "
+                f"--db {self.ledger_db}"
             )
         tls_options = headers = ""
         if self.mesh.certs:
@@ -166,7 +171,8 @@ class Launcher:
     def supervise(self) -> None:
         """Restart whatever dies, until asked to stop."""
         while not self.stopping:
-            for process in [*self.mesh.workers.values(), self.mesh.router, *self.mesh.others]:
+            mesh = self.mesh
+            for process in [mesh.redis_server, *mesh.workers.values(), mesh.router, *mesh.others]:
                 if process is not None and not process.alive and not self.stopping:
                     code = process.popen.returncode if process.popen else None
                     print(f"{process.name} exited with {code}; restarting it", flush=True)
