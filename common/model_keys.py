@@ -42,7 +42,9 @@ LLM_ENGINE = "llm"
 MAX_MODEL_LEN = "meshserve.max_model_len"
 MAX_NUM_SEQS = "meshserve.max_num_seqs"
 KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
+PREFILL_CHUNK = "meshserve.prefill_chunk"  # prompt tokens of one sequence per step, at most
+# decode rows + prefill tokens per step while streams decode (bounds their inter-token tail)
+MAX_STEP_TOKENS = "meshserve.max_step_tokens"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = "meshserve.draft_model"
