@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import structlog
 
 from common.errors import NotFound
 from protos import model_config_pb2 as mc
 from worker import config as cfg
+from worker.backends import BatchedBackend, LLMBackend, ModelBackend, TextBackend
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
 from worker.llm.serving import DRAFT_MODEL, LLMServing, draft_path
@@ -31,44 +31,27 @@ class LoadedModel:
     config: mc.ModelConfig  # completed, as ModelConfig answers it
     session: OnnxSession
     stats: ModelStats
-    batcher: Batcher | None = None  # every model but an LLM
-    text: TextModel | None = None  # set when the config names a tokenizer
-    llm: LLMServing | None = None  # an LLM served by the generation engine (decoupled)
+    backend: ModelBackend  # what runs it: worker/backends.py
 
-    async def infer(
-        self, inputs: dict[str, np.ndarray], outputs: list[str]
-    ) -> dict[str, np.ndarray]:
-        if self.text is not None:
-            return await self.text.infer(inputs, outputs)
-        assert self.batcher is not None, "an LLM model is served through its engine"
-        return await self.batcher.submit(inputs, outputs)
+    @property
+    def llm(self) -> LLMServing | None:
+        """The generation engine's serving, for an LLM (its metrics read the engine)."""
+        return self.backend.serving if isinstance(self.backend, LLMBackend) else None
 
     @property
     def depth(self) -> int:
-        """Requests waiting or running, as published to the routers."""
-        if self.llm is not None:
-            return self.llm.engine.depth
-        return self.batcher.depth if self.batcher is not None else 0
+        return self.backend.depth
 
     @property
     def max_queue_size(self) -> int:
-        if self.llm is not None:
-            return self.llm.config.max_waiting + self.llm.config.max_num_seqs
-        return self.batcher.max_queue_size if self.batcher is not None else 0
+        return self.backend.max_queue_size
 
     @property
     def kv_tokens(self) -> tuple[int, int]:
-        """(used, total) KV cache tokens; (0, 0) for models without a KV cache."""
-        if self.llm is None:
-            return 0, 0
-        cache = self.llm.engine.cache
-        return cache.reserved_tokens, cache.budget_tokens
+        return self.backend.kv_tokens
 
     async def close(self) -> None:
-        if self.batcher is not None:
-            await self.batcher.close()
-        if self.llm is not None:
-            await self.llm.engine.close()
+        await self.backend.close()
 
 
 def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
@@ -174,9 +157,11 @@ class Repository:
             spec, session.run, stats, spec.max_queue_size or self.default_max_queue_size
         )
         text = None
+        backend: ModelBackend = BatchedBackend(spec, batcher)
         if cfg.TOKENIZER in spec.parameters:
             text = TextModel(spec, model_dir, batcher.submit)
             text.warm_up(session.run)
+            backend = TextBackend(spec, batcher, text)
         else:
             session.warm_up(spec)
         log.info(
@@ -190,7 +175,7 @@ class Repository:
             instances=spec.instance_count,
             text_task=text.task if text else None,
         )
-        return LoadedModel(spec, completed, session, stats, batcher, text)
+        return LoadedModel(spec, completed, session, stats, backend)
 
     def _load_llm(
         self, model_dir: Path, version: str, config: mc.ModelConfig, session: OnnxSession
@@ -211,7 +196,7 @@ class Repository:
             draft = StepModel(OnnxSession(path, options, [session.provider]))
         model = StepModel(session)
         llm, stats = serve_llm(spec, model, model_dir, draft, provider=session.provider)
-        return LoadedModel(spec, completed, session, stats, llm=llm)
+        return LoadedModel(spec, completed, session, stats, LLMBackend(spec, llm))
 
     def get(self, name: str, version: str = "") -> LoadedModel:
         versions = self.models.get(name)

@@ -12,14 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from common import llm_protocol, model_keys, rpc
+from common import model_keys, rpc
 from common.errors import InvalidArgument, MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from worker import codec, streaming
-from worker.config import ModelSpec
-from worker.llm.engine import Output
-from worker.llm.serving import LLMServing
 from worker.repository import LoadedModel, Repository
 from worker.roofline import PREFIX as ROOFLINE
 from worker.roofline import Roofs
@@ -101,6 +98,15 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(
         self, request: pb.ModelInferRequest | codec.Unparsable
     ) -> pb.ModelInferResponse:
+        """The one response of a call (an LLM's whole text, streamed or not)."""
+        responses = [r async for r in self._responses(request, stream=False)]
+        return responses[-1]
+
+    async def _responses(
+        self, request: pb.ModelInferRequest | codec.Unparsable, stream: bool
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response to one request, from its model's backend; the request's
+        bookkeeping (log context, depth wake-up, statistics) in one place for both RPCs."""
         if isinstance(request, codec.Unparsable):
             raise InvalidArgument(f"the request is not a valid ModelInferRequest ({request.error})")
         structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
@@ -109,80 +115,18 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter_ns()
         ok = False
         try:
-            if model.llm is not None:
-                # A decoupled model over ModelInfer: the whole text in one response (Triton
-                # refuses the call instead; answering is what a unary client wants).
-                response = await self._complete(request, model.llm, model.spec)
-            else:
-                response = await self._run(request, model)
+            async for response in model.backend.responses(request, self.limits, stream):
+                yield response
             ok = True
-            return response
         finally:
             model.stats.record_request(ok, time.perf_counter_ns() - start)
 
-    async def _run(
-        self, request: pb.ModelInferRequest, model: LoadedModel
-    ) -> pb.ModelInferResponse:
-        # A large request decodes (and its reply encodes) on a thread: pure-Python BYTES
-        # work on the event loop would stall health checks and every other call.
-        if codec.is_heavy(request):
-            decoded = await asyncio.to_thread(
-                codec.decode_request, request, model.spec, self.limits
-            )
-        else:
-            decoded = codec.decode_request(request, model.spec, self.limits)
-        results = await model.infer(*decoded)
-        if any(a.dtype == object and a.size > codec.HEAVY_ELEMENTS for a in results.values()):
-            return await asyncio.to_thread(codec.encode_response, request, model.spec, results)
-        return codec.encode_response(request, model.spec, results)
-
-    async def _complete(
-        self, request: pb.ModelInferRequest, llm: LLMServing, spec: ModelSpec
-    ) -> pb.ModelInferResponse:
-        inputs, _ = codec.decode_request(request, spec, self.limits)
-        out = await llm.complete(llm.parse(inputs, codec.request_parameters(request)))
-        _raise_failed(out)
-        return codec.encode_text_piece(request, spec, out.text, True, _usage(out))
-
-    async def _stream(
+    def _stream(
         self, request: pb.ModelInferRequest | codec.Unparsable
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response of one request on a stream: one for a plain model; for an LLM
         with stream=true, one per new piece of text, the last flagged final."""
-        if isinstance(request, codec.Unparsable):
-            yield await self._infer(request)  # INVALID_ARGUMENT
-            return
-        model = self.repository.get(request.model_name, request.model_version)
-        if model.llm is None:
-            yield await self._infer(request)
-            return
-        structlog.contextvars.bind_contextvars(request_id=request.id, model=request.model_name)
-        self.on_request()
-        llm, spec = model.llm, model.spec
-        start = time.perf_counter_ns()
-        ok = False
-        try:
-            inputs, _ = codec.decode_request(request, spec, self.limits)
-            parameters = codec.request_parameters(request)
-            parsed = llm.parse(inputs, parameters)
-            if not parsed.stream:
-                yield await self._complete(request, llm, spec)
-                ok = True
-                return
-            empty_final = parameters.get(EMPTY_FINAL) is True
-            async for out in llm.generate(parsed):
-                _raise_failed(out)
-                if not out.finished:
-                    yield codec.encode_text_piece(request, spec, out.text, False, _usage(out))
-                elif empty_final:
-                    if out.text:
-                        yield codec.encode_text_piece(request, spec, out.text, False, _usage(out))
-                    yield codec.encode_text_piece(request, spec, None, True, _usage(out))
-                else:
-                    yield codec.encode_text_piece(request, spec, out.text, True, _usage(out))
-            ok = True
-        finally:
-            model.stats.record_request(ok, time.perf_counter_ns() - start)
+        return self._responses(request, stream=True)
 
     async def ModelStreamInfer(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
@@ -219,18 +163,6 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         for model in self.repository.all():
             response.models.add(name=model.spec.name, version=model.spec.version, state="READY")
         return response
-
-
-EMPTY_FINAL = llm_protocol.EMPTY_FINAL_RESPONSE
-
-
-def _usage(out: Output) -> tuple[int, int, str]:
-    return out.prompt_tokens, out.completion_tokens, out.finish_reason or ""
-
-
-def _raise_failed(out: Output) -> None:
-    if out.error is not None:
-        raise MeshError(f"generation failed after {out.completion_tokens} tokens: {out.error}")
 
 
 def handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:

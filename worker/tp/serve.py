@@ -27,6 +27,7 @@ from common.net import free_port
 from common.shard_format import LLM, OP_ENCODE
 from protos import model_config_pb2 as mc
 from worker import config as cfg
+from worker.backends import BatchedBackend, LLMBackend
 from worker.batcher import Batcher
 from worker.repository import LoadedModel, Repository, serve_llm
 from worker.runtime import RuntimeOptions, requested_providers
@@ -144,7 +145,8 @@ class TpRepository(Repository):
         stats = ModelStats()
         batcher = Batcher(spec, run, stats, spec.max_queue_size or self.default_max_queue_size)
         log.info("model_loaded", model=spec.name, version=spec.version, tp=shards.tp)
-        return LoadedModel(spec, completed, model.sessions["first"], stats, batcher=batcher)
+        first = model.sessions["first"]
+        return LoadedModel(spec, completed, first, stats, BatchedBackend(spec, batcher))
 
     def _report_group(self, config: mc.ModelConfig, provider: str, tp: int, backend: str) -> None:
         params = config.parameters
@@ -175,7 +177,8 @@ class TpRepository(Repository):
         llm, stats = serve_llm(
             spec, TPStepModel(model, self.leader, index), model_dir, tp=shards.tp
         )
-        return LoadedModel(spec, completed, model.sessions["first"], stats, llm=llm)
+        first = model.sessions["first"]
+        return LoadedModel(spec, completed, first, stats, LLMBackend(spec, llm))
 
     def _run_fn(self, index: int):  # type: ignore[no-untyped-def]
         leader = self.leader

@@ -1,0 +1,159 @@
+"""One seam per model kind: what the servicer asks of a loaded model, whatever runs it.
+
+    BatchedBackend   an ONNX model behind the dynamic batcher (a single session, or a shard
+                     group's forward over its ranks)
+    TextBackend      the same, with text in and the tokenizer's ids fed to the batcher
+    LLMBackend       the generation engine (a single session's step graph, or a shard
+                     group's): a decoupled model, many responses per request
+
+Every backend answers a request as a stream (`responses`): a batched model yields one
+response, an LLM one per piece of text when the client streams and one otherwise. ModelInfer
+takes the one response of a non-streamed call; ModelStreamInfer sends all of them. So unary is
+a stream of one, and a request is decoded once, wherever it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from common import llm_protocol
+from common.errors import MeshError
+from protos import grpc_service_pb2 as pb
+from worker import codec
+from worker.batcher import Batcher
+from worker.config import ModelSpec
+from worker.llm.engine import Output
+from worker.llm.serving import LLMServing
+from worker.text import TextModel
+
+
+class ModelBackend(Protocol):
+    def responses(
+        self, request: pb.ModelInferRequest, limits: codec.Limits, stream: bool
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """The responses to one request; `stream` False: the client wants exactly one."""
+        ...
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting or running, as published to the routers."""
+        ...
+
+    @property
+    def max_queue_size(self) -> int: ...
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        """(used, total) KV cache tokens; (0, 0) without a KV cache."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class BatchedBackend:
+    def __init__(self, spec: ModelSpec, batcher: Batcher) -> None:
+        self.spec, self.batcher = spec, batcher
+
+    async def infer(self, inputs: dict, outputs: list[str]) -> dict:
+        return await self.batcher.submit(inputs, outputs)
+
+    async def responses(
+        self, request: pb.ModelInferRequest, limits: codec.Limits, stream: bool
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        # A large request decodes (and its reply encodes) on a thread: pure-Python BYTES
+        # work on the event loop would stall health checks and every other call.
+        if codec.is_heavy(request):
+            decoded = await asyncio.to_thread(codec.decode_request, request, self.spec, limits)
+        else:
+            decoded = codec.decode_request(request, self.spec, limits)
+        results = await self.infer(*decoded)
+        if any(a.dtype == object and a.size > codec.HEAVY_ELEMENTS for a in results.values()):
+            yield await asyncio.to_thread(codec.encode_response, request, self.spec, results)
+        else:
+            yield codec.encode_response(request, self.spec, results)
+
+    @property
+    def depth(self) -> int:
+        return self.batcher.depth
+
+    @property
+    def max_queue_size(self) -> int:
+        return self.batcher.max_queue_size
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        return 0, 0
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+
+class TextBackend(BatchedBackend):
+    def __init__(self, spec: ModelSpec, batcher: Batcher, text: TextModel) -> None:
+        super().__init__(spec, batcher)
+        self.text = text
+
+    async def infer(self, inputs: dict, outputs: list[str]) -> dict:
+        return await self.text.infer(inputs, outputs)
+
+
+class LLMBackend:
+    def __init__(self, spec: ModelSpec, serving: LLMServing) -> None:
+        self.spec, self.serving = spec, serving
+
+    async def responses(
+        self, request: pb.ModelInferRequest, limits: codec.Limits, stream: bool
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        inputs, _ = codec.decode_request(request, self.spec, limits)
+        parameters = codec.request_parameters(request)
+        parsed = self.serving.parse(inputs, parameters)
+        if not (stream and parsed.stream):
+            # The whole text in one response; over ModelInfer too (Triton refuses a decoupled
+            # model there; answering is what a unary client wants).
+            out = await self.serving.complete(parsed)
+            _raise_failed(out)
+            yield self._piece(request, out.text, True, out)
+            return
+        empty_final = parameters.get(llm_protocol.EMPTY_FINAL_RESPONSE) is True
+        async for out in self.serving.generate(parsed):
+            _raise_failed(out)
+            if not out.finished:
+                yield self._piece(request, out.text, False, out)
+            elif empty_final:
+                if out.text:
+                    yield self._piece(request, out.text, False, out)
+                yield self._piece(request, None, True, out)
+            else:
+                yield self._piece(request, out.text, True, out)
+
+    def _piece(
+        self, request: pb.ModelInferRequest, text: str | None, final: bool, out: Output
+    ) -> pb.ModelInferResponse:
+        return codec.encode_text_piece(request, self.spec, text, final, usage(out))
+
+    @property
+    def depth(self) -> int:
+        return self.serving.engine.depth
+
+    @property
+    def max_queue_size(self) -> int:
+        return self.serving.config.max_waiting + self.serving.config.max_num_seqs
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        cache = self.serving.engine.cache
+        return cache.reserved_tokens, cache.budget_tokens
+
+    async def close(self) -> None:
+        await self.serving.engine.close()
+
+
+def usage(out: Output) -> tuple[int, int, str]:
+    return out.prompt_tokens, out.completion_tokens, out.finish_reason or ""
+
+
+def _raise_failed(out: Output) -> None:
+    if out.error is not None:
+        raise MeshError(f"generation failed after {out.completion_tokens} tokens: {out.error}")
