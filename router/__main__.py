@@ -66,6 +66,14 @@ def parse_args(argv: list[str]) -> RouterSettings:
         help="when a success's record is not in Redis after --accounting-wait-seconds: "
         "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
     )
+    parser.add_argument(
+        "--accounting-commit",
+        choices=["before-reply", "after-reply"],
+        help="before-reply (default): a success is answered once its record is in Redis; "
+        "after-reply: answered at once, its record in the next group commit (a kill -9 "
+        "loses at most --accounting-max-unwritten records); see docs/router.md",
+    )
+    parser.add_argument("--accounting-max-unwritten", type=int)
     parser.add_argument("--max-inflight", type=int, help="calls in the router at once")
     parser.add_argument("--max-inflight-per-model", type=int)
     parser.add_argument(

@@ -38,6 +38,11 @@ class RouterSettings(BaseSettings):
     # ...and then: "answer" (the record stays in memory until Redis is back) or "unavailable"
     # (the call is answered UNAVAILABLE and not billed)
     accounting_when_slow: Literal["answer", "unavailable"] = "answer"
+    # "before-reply": a success is answered once its record is in Redis (a kill -9 loses no
+    # count); "after-reply": answered at once, the record follows in the next group commit
+    # (a kill -9 loses the records not in Redis yet: at most accounting_max_unwritten)
+    accounting_commit: Literal["before-reply", "after-reply"] = "before-reply"
+    accounting_max_unwritten: int = Field(1000, ge=0)
     max_inflight: int = Field(1024, ge=1)  # calls in the router at once; beyond: RESOURCE_EXHAUSTED
     max_inflight_per_model: int = Field(512, ge=1)
     answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
