@@ -51,7 +51,6 @@ from loadtest import runner as loadtest_runner
 from loadtest.runner import METHOD, Load, measured
 from router import limits
 from router.auth import Auth
-from router.keys import TenantAdmin
 from router.limits import Limiter
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
@@ -89,7 +88,7 @@ def start(tmp: Path, label: str) -> Target:
     mesh.wait_registered(1)
     address = mesh.start_router()
     if auth:
-        admin = TenantAdmin(mesh.redis_client("admin"))
+        admin = mesh.tenant_admin()
         admin.set_tenant("bench", POLICY)
         metadata = (("authorization", f"Bearer {admin.create_key('bench')[1]}"),)
     return Target(label, mesh, address, mesh.client_credentials(), metadata)

@@ -13,8 +13,9 @@ Two outputs, one flusher:
   The router keeps each batch until the ledger acks its id, and appends again what a
   restarted Redis lost: the ledger applies each id once.
 
-A Redis that restarted empty is caught before anything new is appended: the append script
-refuses when this router's stream should exist and does not, and the router then appends
+A Redis that lost this router's last batch is caught before anything new is appended (it
+restarted empty or from an old AOF, or a replica that lagged took over): the append script
+refuses when the batch appended last is neither in the stream nor acked, and the router appends
 every batch the ledger has not acked, oldest first, before the new ones. An id at or below
 the stream's last one is skipped only when Redis already holds that very batch (a resend
 after a lost reply) or the ledger has acked it; anything else is an error, never a silent
@@ -134,7 +135,7 @@ class Accounting:
         self._dirty = False  # recorded since the flusher last looked
         self._waker: asyncio.Future | None = None
         self.redis_state = Outage("usage_flush_failed_keeping_in_memory", "usage_flush_recovered")
-        self._stream_exists = False  # once we appended, the stream must be there
+        self._last_appended = ""  # Redis must hold it (or its ack) at the next append
         self._records = 0  # calls recorded so far
         self._totals_written = -1  # self._records as of the last totals write
         self._append = self.redis.register_script(APPEND)
@@ -283,11 +284,11 @@ class Accounting:
             if not self._epoch_checked:
                 await self._check_epoch()
             appended = await self._send(sending)
-            if appended < 0:  # Redis lost our stream: put back what the ledger has not acked
+            if appended < 0:  # Redis lost our last batch: put back what the ledger has not acked
                 log.warning("redis_restarted_resending_batches", batches=len(self._retained))
                 self._unsent[:0] = self._retained
                 self._retained = []
-                self._stream_exists = False
+                self._last_appended = ""
                 sending = list(self._unsent)
                 await self._send(sending)
         except (RedisError, OSError) as e:
@@ -344,7 +345,7 @@ class Accounting:
         self._epoch_checked = True
 
     async def _send(self, batches: list[Batch]) -> int:
-        args = ["1" if self._stream_exists else "0"]
+        args = [self._last_appended]
         for b in batches:
             b.epoch = b.epoch or self.epoch
             args += b.args()
@@ -353,8 +354,8 @@ class Accounting:
             mesh_state.ledger_ack_key(self.router_id),
         ]
         appended = int(await self._append(keys=keys, args=args))
-        if appended >= 0:
-            self._stream_exists = True
+        if appended >= 0 and batches:
+            self._last_appended = f"{batches[-1].epoch}-{batches[-1].seq}"
         return appended
 
     async def _maintain(self) -> None:
