@@ -15,6 +15,7 @@ RESULTS = HERE / "results"
 SECTIONS: dict[str, str] = {
     "worker": "worker",
     "router": "router",
+    "router_hop": "router_hop",
     "ledger": "ledger",
     "mlserver": "mlserver",
     "quantize": "quantize",
