@@ -72,6 +72,15 @@ def parse_args(argv: list[str]) -> RouterSettings:
         "--answer-margin-ms", type=float, help="deadline left below which no OK is sent"
     )
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        help="serve OpenAI's API and KServe v2 REST on this port too (0 = off; docs/http.md)",
+    )
+    parser.add_argument("--http-host", help="default: --host")
+    parser.add_argument("--http-max-body-bytes", type=int, help="a larger body is refused (413)")
+    parser.add_argument("--http-body-timeout-seconds", type=float)
+    parser.add_argument("--http-header-timeout-seconds", type=float)
     parser.add_argument("--metrics-host", help="default 127.0.0.1")
     parser.add_argument(
         "--no-auth",

@@ -43,6 +43,12 @@ class RouterSettings(BaseSettings):
     answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    # The HTTP front door (router/http/): OpenAI's API and KServe v2 REST; 0 = off.
+    http_port: int = Field(0, ge=0)
+    http_host: str | None = None  # default: --host
+    http_max_body_bytes: int = Field(64 << 20, ge=1024)  # 413 past it
+    http_body_timeout_seconds: float = Field(30.0, gt=0)  # a body must arrive in this (408)
+    http_header_timeout_seconds: float = Field(10.0, gt=0)  # and its headers in this (408)
     # Tenants (router/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
     auth: bool = True
     auth_cache_seconds: float = Field(1.0, ge=0)  # a revoked key works at most this long
