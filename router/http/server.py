@@ -35,8 +35,6 @@ class _Protocol(HttpToolsProtocol):
         super().connection_made(transport)  # type: ignore[arg-type]
         self._arm()
 
-    _header_timer: asyncio.TimerHandle | None = None
-
     def _arm(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
@@ -115,7 +113,9 @@ class HttpServer:
         self.config.load()
         self.server.lifespan = self.config.lifespan_class(self.config)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP
+        # (with proto 0 every response's body waited out the client's delayed ACK: 40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if self.reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -9,6 +9,7 @@ import base64
 import json
 import math
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ import openai
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from tokenizers import Tokenizer
 
+from benchmarks import llm_genai_perf
 from common.net import free_port
 from common.tenancy import TenantPolicy
 from deploy import toy_models
@@ -285,3 +288,86 @@ def test_streamed_chats_cut_mid_way_bill_exactly_the_tokens_sent(served) -> None
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, completion)
     assert usage["success"] == 3 and usage["errors"] == 3  # the cut ones are errors
     assert math.isfinite(usage["token_revenue_micro_usd"]) and usage["token_revenue_micro_usd"] > 0
+
+
+# -- perf_analyzer and genai-perf, unmodified, over HTTP and gRPC -------------------------------
+
+
+@pytest.fixture(scope="module")
+def genai_perf_venv() -> Path:
+    """genai-perf 0.0.16 and its perf_analyzer in their own venv, as benchmarks.llm installs
+    them (this checkout's build/, else the main worktree's)."""
+    here = ROOT / "build" / "genaiperf-venv"
+    main = Path(subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip() or ROOT).parent / "build" / "genaiperf-venv"  # fmt: skip
+    venv = here if here.exists() or not main.exists() else main
+    why = llm_genai_perf.ensure_venv(venv, ROOT / "build" / "genai-perf-install.log")
+    assert why is None, why
+    why = llm_genai_perf.ensure_libraries(venv)
+    assert why is None, why
+    return venv
+
+
+def _tool(venv: Path, tool: str, *args: str, cwd: Path) -> str:
+    env = {
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "HOME": str(cwd),
+        "LD_LIBRARY_PATH": llm_genai_perf.library_path(venv),
+    }
+    done = subprocess.run(
+        [str(venv / "bin" / tool), *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=cwd, check=False,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_on_mlp_and_minilm(served, genai_perf_venv, protocol, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mesh, base, _ = served
+    key = key_for(mesh, f"perf-{protocol}", models=("mlp", "minilm"))
+    url = base.removeprefix("http://") if protocol == "http" else mesh.router_address
+    common = ["-u", url, "-i", protocol, "-H", f"authorization: Bearer {key}",
+              "--concurrency-range", "2", "--measurement-mode", "count_windows",
+              "--measurement-request-count", "40", "-s", "999", "--max-trials", "3"]  # fmt: skip
+    out = _tool(genai_perf_venv, "perf_analyzer", "-m", "mlp", *common, cwd=tmp_path)
+    assert "Concurrency: 2, throughput:" in out
+    # MiniLM takes TEXT, its token inputs are the optional alternative: perf_analyzer finds
+    # all three in the metadata and sends what --input-data holds (synthetic data would fill
+    # every input it is given, optional ones too, so text needs its own data either way).
+    data = tmp_path / "text.json"
+    data.write_text(json.dumps({"data": [{"TEXT": ["a robot"]}, {"TEXT": ["the sea"]}]}))
+    out = _tool(
+        genai_perf_venv, "perf_analyzer", "-m", "minilm", "--input-data", str(data), *common,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "Concurrency: 2, throughput:" in out
+
+
+def test_genai_perf_openai_chat_and_kserve_without_a_version(
+    served, genai_perf_venv, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    mesh, base, _ = served
+    key = key_for(mesh, "genai", models=("smollm2",))
+    source = pipeline.artifact_for(CACHE, "smollm2", llm.DEFAULT_RECIPE).tokenizer
+    tokenizer = llm_genai_perf.tokenizer_dir(
+        Tokenizer.from_file(str(source)), tmp_path / "tokenizer", "<|im_end|>", "<|im_start|>"
+    )
+    common = ["-m", "smollm2", "--streaming", "--tokenizer", str(tokenizer),
+              "--concurrency", "1", "--request-count", "3", "--warmup-request-count", "1",
+              "--synthetic-input-tokens-mean", "32", "--synthetic-input-tokens-stddev", "0",
+              "--output-tokens-mean", "8", "--output-tokens-stddev", "0",
+              "-H", f"authorization: Bearer {key}"]  # fmt: skip
+    for endpoint, url in (
+        (["--endpoint-type", "chat"], base.removeprefix("http://")),
+        (["--endpoint-type", "kserve", "--backend", "vllm"], mesh.router_address),
+    ):
+        artifacts = tmp_path / endpoint[1]
+        _tool(genai_perf_venv, "genai-perf", "profile", *common, *endpoint, "-u", url,
+              "--artifact-dir", str(artifacts), cwd=tmp_path)  # fmt: skip
+        report = json.loads(next(artifacts.rglob("*genai_perf.json")).read_text())
+        assert report["request_throughput"]["avg"] > 0
+        assert report["output_sequence_length"]["avg"] > 0

@@ -42,7 +42,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -188,6 +188,9 @@ class Engine:
         self._position_limit = min(self.cache.shape.max_len, *positions)
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
+        # and genai-perf read to find the model version that served them
+        self.on_admit: Callable[[int], None] = lambda ns: None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count(1)
@@ -314,6 +317,7 @@ class Engine:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate(seq.reserve)
             self.running.append(seq)
+            self.on_admit(time.perf_counter_ns() - seq.arrived_ns)
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         self.stats.steps += 1
