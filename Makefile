@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv
+.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv
 
 venv: $(STAMP)
 
@@ -26,21 +26,27 @@ $(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.pro
 test: $(STUBS)
 	$(BIN)/python -m pytest -q
 
-$(MODELS)/mlp/config.pbtxt: deploy/toy_models.py $(STUBS)
-	$(BIN)/python -m deploy.toy_models $(MODELS)
+# The fast set: every package's unit tests, no process-level tests (tests/integration) and
+# nothing marked slow.
+test-unit: $(STUBS)
+	$(BIN)/python -m pytest -q -m 'not slow' --ignore=tests/integration
+
+$(MODELS)/mlp/config.pbtxt: devmesh/toy_models.py $(STUBS)
+	$(BIN)/python -m devmesh.toy_models $(MODELS)
 
 # The whole mesh: private Redis, $(WORKERS) workers, $(ROUTER_PROCESSES) router processes on
 # 127.0.0.1:8001 (one port, SO_REUSEPORT).
 WORKERS ?= 2
 ROUTER_PROCESSES ?= 2
 run: $(STUBS) $(MODELS)/mlp/config.pbtxt
-	$(BIN)/python -m deploy.launch --workers $(WORKERS) --router-processes $(ROUTER_PROCESSES) \
+	$(BIN)/python -m devmesh.launch --workers $(WORKERS) --router-processes $(ROUTER_PROCESSES) \
 		--model-repository $(MODELS) $(RUN_ARGS)
 
 lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common worker router ledger quantize deploy benchmarks client loadtest planner
+	$(BIN)/mypy common worker router ledger quantize devmesh benchmarks client loadtest planner
+	$(BIN)/lint-imports
 
 bench: $(STUBS)
 	$(BIN)/python -m benchmarks.worker
@@ -66,7 +72,7 @@ $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
 # (tests/deploy runs the same check under `make test`).
 compose-check: $(STAMP)
-	$(BIN)/python -m deploy.compose_check
+	$(BIN)/python -m devmesh.compose_check
 
 # Kubernetes (deploy/k8s): the manifests' checks alone (they also run under `make test`).
 k8s-check: $(STUBS)

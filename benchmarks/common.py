@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime
 
 from common.net import free_port as free_port  # re-exported
-from deploy import processes
+from devmesh import processes
 from loadtest import runner as loadtest_runner
 from loadtest.runner import Load, measured
 from protos import grpc_service_pb2 as pb

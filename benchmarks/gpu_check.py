@@ -25,7 +25,7 @@ import torch
 from benchmarks.common import machine, write_result
 from quantize import shard, weights
 from quantize.models import BertEncoder, EncoderConfig
-from worker.tp_local import run_group
+from worker.tp.local import run_group
 
 TOLERANCE = 1e-3  # onnxruntime's CUDA provider may use TF32 matmuls
 

@@ -32,8 +32,8 @@ from pathlib import Path
 from benchmarks.common import ROOT, cpu_seconds, machine, write_result
 from common import mesh_state, redis_conn, rpc
 from common.mesh_state import DepthSample, ModelEntry, RegistryEvent, WorkerInfo, now_ms
-from deploy import toy_models
-from deploy.processes import LocalMesh, free_port, router_process, wait_serving, worker_process
+from devmesh import toy_models
+from devmesh.processes import LocalMesh, free_port, router_process, wait_serving, worker_process
 from router.registry import Registry
 
 FAKES = 100

@@ -28,7 +28,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.common import ROOT, machine, model_successes, write_result
-from deploy.processes import LocalMesh
+from devmesh.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 from loadtest.llm.stream import Streams, build_request

@@ -28,8 +28,8 @@ import numpy as np
 
 from benchmarks import readings
 from benchmarks.common import RESULTS, closed_loop, infer_request, machine
-from deploy import toy_models
-from deploy.processes import LocalMesh
+from devmesh import toy_models
+from devmesh.processes import LocalMesh
 from ledger import config as ledger_config
 from ledger import report
 from ledger.store import Store

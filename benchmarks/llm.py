@@ -127,7 +127,7 @@ def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[st
     if args.meshserve:
         yield args.meshserve, args.meshserve_pid
         return
-    from deploy import processes
+    from devmesh import processes
 
     port = free_port()
     address = f"127.0.0.1:{port}"

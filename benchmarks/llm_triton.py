@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from benchmarks.llm_load import Prompt, Send
+from common import llm_protocol
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
-FINAL = "triton_final_response"
+FINAL = llm_protocol.FINAL_RESPONSE
 
 
 def request(model: str, prompt: str, sampling: dict, stream: bool = True) -> pb.ModelInferRequest:
@@ -28,10 +29,10 @@ def request(model: str, prompt: str, sampling: dict, stream: bool = True) -> pb.
     text = prompt.encode()
     params = json.dumps(sampling).encode()
     for name, datatype, raw in (
-        ("text_input", "BYTES", struct.pack("<I", len(text)) + text),
-        ("stream", "BOOL", bytes([stream])),
-        ("sampling_parameters", "BYTES", struct.pack("<I", len(params)) + params),
-        ("exclude_input_in_output", "BOOL", b"\x01"),
+        (llm_protocol.TEXT_INPUT, "BYTES", struct.pack("<I", len(text)) + text),
+        (llm_protocol.STREAM, "BOOL", bytes([stream])),
+        (llm_protocol.SAMPLING_PARAMETERS, "BYTES", struct.pack("<I", len(params)) + params),
+        (llm_protocol.EXCLUDE_INPUT_IN_OUTPUT, "BOOL", b"\x01"),
     ):
         req.inputs.add(name=name, datatype=datatype, shape=[1])
         req.raw_input_contents.append(raw)
@@ -46,7 +47,7 @@ def _param(p: pb.InferParameter) -> object:
 def text_of(response: pb.ModelInferResponse) -> str:
     """text_output of one response, from raw contents or typed contents; '' if absent."""
     for i, out in enumerate(response.outputs):
-        if out.name != "text_output":
+        if out.name != llm_protocol.TEXT_OUTPUT:
             continue
         if i < len(response.raw_output_contents):
             raw, items, offset = response.raw_output_contents[i], [], 0

@@ -37,8 +37,8 @@ from benchmarks.common import (
     write_result,
 )
 from client.client import Client
-from deploy import toy_models
-from deploy.processes import LocalMesh
+from devmesh import toy_models
+from devmesh.processes import LocalMesh
 from loadtest import inputs, plots
 from loadtest.runner import Load, closed_loop, measured
 

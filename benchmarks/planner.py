@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.common import RESULTS, closed_loop, machine, open_loop, write_result
-from deploy.processes import LocalMesh
+from devmesh.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm import runner as llm_runner
 from planner import probe, profiles

@@ -29,9 +29,9 @@ from benchmarks.common import (
     standalone_worker,
     write_result,
 )
+from common.bytes_codec import serialize_bytes
 from protos import grpc_service_pb2 as pb
 from quantize import pipeline
-from worker.codec import serialize_bytes
 
 CACHE = ROOT / "build" / "quantize"
 REPORTS = CACHE / "reports"

@@ -33,8 +33,8 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
-from deploy import toy_models
-from deploy.processes import LocalMesh
+from devmesh import toy_models
+from devmesh.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
 from protos.routing_pb2 import InferHeader
 

@@ -41,8 +41,8 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
-from deploy import toy_models
-from deploy.processes import LocalMesh
+from devmesh import toy_models
+from devmesh.processes import LocalMesh
 from loadtest import runner
 from loadtest.runner import Load, measured
 

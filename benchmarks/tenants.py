@@ -43,15 +43,14 @@ from benchmarks.common import infer_request, machine, write_result
 from common import mesh_state, redis_conn, tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy, key_hash
-from deploy import toy_models
-from deploy.certs import make_certs
-from deploy.processes import LocalMesh, Process
-from deploy.redis_acl import make_users, user_url
+from devmesh import toy_models
+from devmesh.certs import make_certs
+from devmesh.processes import LocalMesh, Process
+from devmesh.redis_acl import make_users, user_url
 from loadtest import runner as loadtest_runner
 from loadtest.runner import METHOD, Load, measured
 from router import limits
 from router.auth import Auth
-from router.keys import TenantAdmin
 from router.limits import Limiter
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
@@ -89,7 +88,7 @@ def start(tmp: Path, label: str) -> Target:
     mesh.wait_registered(1)
     address = mesh.start_router()
     if auth:
-        admin = TenantAdmin(mesh.redis_client("admin"))
+        admin = mesh.tenant_admin()
         admin.set_tenant("bench", POLICY)
         metadata = (("authorization", f"Bearer {admin.create_key('bench')[1]}"),)
     return Target(label, mesh, address, mesh.client_credentials(), metadata)

@@ -4,8 +4,8 @@
 
 Real MiniLM (all 6 layers) at batch 1 and 8 (32 tokens), and real SmolLM2 (all 30 layers;
 TP 1 and 3: 9 heads / 3 KV heads) served by the LLM engine over a group
-(worker/llm/tp.py): 1 and 8 concurrent greedy requests of 32 new tokens. Each point starts
-a fresh gloo group (worker/tp_local.py). MiniLM: warm up, then time `--repeat` forwards on
+(worker/tp/llm_step.py): 1 and 8 concurrent greedy requests of 32 new tokens. Each point starts
+a fresh gloo group (worker/tp/local.py). MiniLM: warm up, then time `--repeat` forwards on
 rank 0: total, onnxruntime compute (the segments), and communication (the collectives,
 including waiting for the slowest rank). SmolLM2: generated tokens per second over the
 whole run (prefill included), with rank 0's compute and communication time. TP1 runs
@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks import readings
 from benchmarks.common import ROOT, machine, write_result
 from quantize import llm, llm_shard, shard, weights
-from worker.tp_local import run_group, run_llm_group
+from worker.tp.local import run_group, run_llm_group
 
 CACHE = ROOT / "build" / "bench-tp"
 ENCODER_TPS = (1, 2, 3)

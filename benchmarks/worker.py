@@ -30,7 +30,7 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
-from deploy import toy_models
+from devmesh import toy_models
 
 DELAY_500US = "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 500 }\n"
 CONFIGS = {

@@ -7,13 +7,12 @@ whichever the server sent (Triton and meshserve send raw, MLServer typed).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from common import dtypes
+from common import bytes_codec, dtypes
 from protos import grpc_service_pb2 as pb
 
 # What `infer` accepts for one input: an array, or text (one string or several).
@@ -73,24 +72,6 @@ def text_shape(spec: TensorMetadata, n: int) -> list[int]:
     return [n] + [1] * (max(1, len(spec.shape)) - 1)
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes."""
-    parts = []
-    for item in array.reshape(-1):
-        b = item.encode() if isinstance(item, str) else bytes(item)
-        parts += [struct.pack("<I", len(b)), b]
-    return b"".join(parts)
-
-
-def deserialize_bytes(raw: bytes) -> list[bytes]:
-    items, offset = [], 0
-    while offset + 4 <= len(raw):
-        (length,) = struct.unpack_from("<I", raw, offset)
-        items.append(raw[offset + 4 : offset + 4 + length])
-        offset += 4 + length
-    return items
-
-
 def infer_request(
     model: str,
     inputs: Mapping[str, InputValue],
@@ -104,7 +85,7 @@ def infer_request(
         datatype = dtypes.from_numpy(array.dtype)
         request.inputs.add(name=name, datatype=datatype, shape=array.shape)
         if datatype == "BYTES":
-            request.raw_input_contents.append(serialize_bytes(array))
+            request.raw_input_contents.append(bytes_codec.serialize_bytes(array))
         else:
             request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
     for name in outputs:
@@ -119,7 +100,7 @@ def infer_result(reply: pb.ModelInferResponse) -> InferResult:
         shape = tuple(tensor.shape)
         if i < len(raw):
             if tensor.datatype == "BYTES":
-                items = deserialize_bytes(raw[i])
+                items = bytes_codec.split(raw[i])
                 array = np.empty(len(items), dtype=object)
                 array[:] = items
             else:

@@ -42,24 +42,33 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
 
-Tenants (router/auth.py, router/limits.py; written by `python -m router keys|tenants`, the
-admin role):
+Tenants (router/auth.py, router/limits.py). Their source of truth is the ledger's database
+(common/tenant_directory.py); these keys are its serving copy, written by `python -m router
+keys|tenants` (the admin role) after the database, and refilled by the ledger
+(ledger/refill.py) when Redis lost them:
 
-- meshserve:tenants (SET, admin -> router, ledger): every tenant name.
-- meshserve:tenant:{tenant} (STRING, admin -> router): TenantPolicy as JSON: the models it
-  may call, its rate limits and monthly spend cap, whether it is an admin.
-- meshserve:apikey:{sha256 hex} (STRING, admin -> router): {"tenant", "key_id",
-  "created_ms"} for one API key, found by the key's SHA-256 (the key itself is never stored).
-- meshserve:apikeys:{tenant} (HASH, admin -> admin): key id -> the key's SHA-256, to list
-  and revoke a tenant's keys.
+- meshserve:tenants (SET, admin, ledger -> router, ledger): every tenant name.
+- meshserve:tenant:{tenant} (STRING, admin, ledger -> router): TenantPolicy as JSON: the
+  models it may call, its rate limits and monthly spend cap, whether it is an admin.
+- meshserve:apikey:{sha256 hex} (STRING, admin, ledger -> router): {"tenant", "key_id",
+  "created_ms"} for one live API key, found by the key's SHA-256 (the key itself is never
+  stored). A revoked key has none.
+- meshserve:tenants:version (STRING, admin, ledger -> router, ledger): the directory version
+  (a count raised by every change in the database) that Redis holds all of; written last.
+  Missing, or below one a router saw before: Redis is not (yet) filled, and a router does
+  not call a key unknown that it cannot find (UNAVAILABLE, or its cached verdict).
+- meshserve:apikeys:{tenant} (HASH, admin -> admin): key id -> "sha256:created_ms", where
+  meshserve kept a tenant's keys before the database did; read only by `python -m router
+  tenants import`.
 - meshserve:limit:{tenant}:rps, meshserve:limit:{tenant}:tpm (HASH, router <-> router):
   token buckets {"level", "at_us"}, read and written only by router/limits.py's scripts.
-- meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router): micro-USD the tenant was
-  billed this UTC month, for its spend cap.
+- meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router; ledger raises it): micro-USD
+  the tenant was billed this UTC month, for its spend cap; a refill raises it to what the
+  ledger counted (never lowers it).
 
 Everything read from Redis is checked before use (`WorkerInfo.from_json`,
 `DepthSample.decode`, `TenantPolicy.from_json`, the ledger's `parse_entry`); with the ACL
-users of `deploy/redis_acl.py` each role may write only its own keys.
+users of `devmesh/redis_acl.py` each role may write only its own keys.
 
 Usage is written as absolute totals per router (HSET, not HINCRBY): writing the same totals
 twice changes nothing, and a Redis that restarted empty gets the full totals back on the
@@ -141,6 +150,9 @@ def tenant_key(tenant: str) -> str:
 
 def api_key_key(key_sha256: str) -> str:
     return f"{PREFIX}:apikey:{key_sha256}"
+
+
+TENANTS_VERSION = f"{PREFIX}:tenants:version"
 
 
 def tenant_keys_key(tenant: str) -> str:

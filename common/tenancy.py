@@ -16,13 +16,15 @@ import re
 import secrets
 from dataclasses import asdict, dataclass, field
 
+from common import model_keys
+
 # meshserve's ModelConfig parameters that are the mesh's business, not the client's: a
 # client that is not an admin gets the ModelConfig without them.
-PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
+PRICE_PER_CALL = model_keys.PRICE_PER_CALL
 # An LLM's prices per 1,000 tokens: prompt (input) and completion (output) tokens.
-PRICE_PER_1K_INPUT = "meshserve.price_per_1k_input_tokens_micro_usd"
-PRICE_PER_1K_OUTPUT = "meshserve.price_per_1k_output_tokens_micro_usd"
-TRAINING_COST = "meshserve.training_cost_micro_usd"
+PRICE_PER_1K_INPUT = model_keys.PRICE_PER_1K_INPUT
+PRICE_PER_1K_OUTPUT = model_keys.PRICE_PER_1K_OUTPUT
+TRAINING_COST = model_keys.TRAINING_COST
 PRIVATE_PARAMETERS = frozenset(
     {PRICE_PER_CALL, PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, TRAINING_COST}
 )

@@ -1,4 +1,4 @@
-"""TLS for the mesh's gRPC: credentials from PEM files (made by `python -m deploy certs`).
+"""TLS for the mesh's gRPC: credentials from PEM files (made by `python -m devmesh certs`).
 
 - The router serves TLS to clients when given a certificate and key.
 - A worker given a client CA serves mutual TLS: it accepts only clients that present a

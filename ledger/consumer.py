@@ -19,7 +19,7 @@ whose live registrations disagree on its price or training cost keeps the terms 
 before (one forged registration does not reprice a model). A batch key
 "model|version|tenant" counts for a tenant the mesh knows (meshserve:tenants), else the
 entry is quarantined. A well-formed forgery is kept out by Redis's ACL users
-(deploy/redis_acl.py): only the router role may append to the streams.
+(devmesh/redis_acl.py): only the router role may append to the streams.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import structlog
 from common import mesh_state, redis_conn
 from common.mesh_state import WorkerInfo
 from common.tenancy import TENANT_NAME
+from common.tenant_directory import TenantDirectory
 from ledger.config import LedgerConfig
+from ledger.refill import Refiller
 from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
 log = structlog.get_logger()
@@ -106,9 +108,17 @@ def check_entry(
 
 class Consumer:
     def __init__(
-        self, redis_url: str, store: Store, config: LedgerConfig, password: str | None = None
+        self,
+        redis_url: str,
+        store: Store,
+        config: LedgerConfig,
+        password: str | None = None,
+        reconcile_s: float = 60.0,
     ) -> None:
         self.redis = redis_conn.connect(redis_url, password=password, timeout_s=5)
+        self.directory = TenantDirectory(store)
+        # tenants and keys: the database's, refilled into a Redis that lost them
+        self.refiller = Refiller(self.redis, self.directory, store, reconcile_s)
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)
@@ -117,11 +127,13 @@ class Consumer:
         self._disputed: set[str] = set()  # models whose live replicas disagree on terms
         self._known: set[str] = set(config.models) | set(store.models())  # served models
         self._refused: set[str] = set()  # registration texts already logged as refused
-        self._tenants: set[str] = set(store.tenants())  # tenants batches may count
+        # tenants batches may count
+        self._tenants: set[str] = set(store.tenants()) | set(self.directory.tenants())
 
     def flush(self) -> int:
         """One pass; returns the number of batches applied."""
         applied = 0
+        self.refiller.check()  # first: a Redis that lost the tenants serves no key meanwhile
         self._record_registry()  # first: the models it names are the ones batches may count
         tenants: set[str] = self.redis.smembers(mesh_state.TENANTS)  # type: ignore[assignment]
         self._tenants.update(t for t in tenants if TENANT_NAME.match(t))

@@ -28,14 +28,15 @@ import numpy as np
 import onnx
 from google.protobuf import text_format
 
+from common import model_keys, step_graph
 from protos import model_config_pb2 as mc
 
 PROJECTIONS = {"MatMul", "Gemm", "MatMulInteger", "MatMulNBits", "FusedMatMul"}
 ATTENTION = ("Attention", "QAttention")  # com.microsoft: q/k/v weight [hidden, 3 x hidden]
 INTEGER = ("MatMulInteger", "QAttention")
-LLM_META = "meshserve.llm."
-ENGINE_KEY = "meshserve.engine"
-VERSION_LABEL = "meshserve.version."
+LLM_META = step_graph.META
+ENGINE_KEY = model_keys.ENGINE
+VERSION_LABEL = model_keys.VERSION_LABEL
 
 ENCODER, DECODER, GENERIC = "encoder", "decoder", "generic"
 ENCODER_TOKENS = 16  # an encoder item's tokens when none is given: TEXT's padding unit

@@ -153,8 +153,7 @@ def decoder_runs(
     path: Path, batches: list[int], prompt: int, context: int, threads: int, budget_s: float
 ) -> tuple[dict[int, float], float]:
     """(decode step seconds by batch at `context` tokens, prefill seconds of `prompt`)."""
-    from worker.llm.cache import CacheShape, KVCache
-    from worker.llm.engine import _page_aligned
+    from worker.llm.cache import CacheShape, KVCache, page_aligned
     from worker.llm.model import StepModel
 
     model = StepModel(_session(path, threads))
@@ -162,7 +161,7 @@ def decoder_runs(
     slots, max_len = max(batches), max(prompt, context) + 1
     cache = KVCache(
         CacheShape(
-            f.layers, f.kv_heads, f.head_dim, slots, _page_aligned(max_len, f.kv_heads * f.head_dim)
+            f.layers, f.kv_heads, f.head_dim, slots, page_aligned(max_len, f.kv_heads * f.head_dim)
         ),
         slots * max_len,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common import model_keys
 from planner.analysis import (
     DECODER,
     AnalysisError,
@@ -20,10 +21,10 @@ GATED = {
     True: ("decoder-fp16", "decoder-int8-weight-only", "decoder-int4-weight-only"),
 }
 PRICE_KEYS = {
-    "per_call_micro_usd": "meshserve.price_per_call_micro_usd",
-    "training_cost_micro_usd": "meshserve.training_cost_micro_usd",
-    "per_1k_input_micro_usd": "meshserve.price_per_1k_input_tokens_micro_usd",
-    "per_1k_output_micro_usd": "meshserve.price_per_1k_output_tokens_micro_usd",
+    "per_call_micro_usd": model_keys.PRICE_PER_CALL,
+    "training_cost_micro_usd": model_keys.TRAINING_COST,
+    "per_1k_input_micro_usd": model_keys.PRICE_PER_1K_INPUT,
+    "per_1k_output_micro_usd": model_keys.PRICE_PER_1K_OUTPUT,
 }
 
 

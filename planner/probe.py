@@ -185,8 +185,8 @@ def mesh_overhead(log_dir: Path, seconds: float = 4.0) -> dict[str, float]:
     (cores / throughput at 16 callers: client, router and worker all on this host)."""
     import asyncio
 
-    from deploy import toy_models
-    from deploy.processes import LocalMesh
+    from devmesh import toy_models
+    from devmesh.processes import LocalMesh
     from loadtest.runner import Load, closed_loop, open_loop
     from protos import grpc_service_pb2 as pb
 

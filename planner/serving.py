@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from deploy.processes import LocalMesh
+from devmesh.processes import LocalMesh
 from loadtest.runner import Load, closed_loop, open_loop
 from planner.analysis import ModelAnalysis
 from planner.calibrate import Calibration, encoder_feeds, refit

@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{args.model}/{args.recipe}: {a.model} (not gated yet: run evaluate)")
         return 0
     if args.command == "shard":
-        from quantize.shard import ShardError, shard_model
+        from quantize.shard import ShardError
+        from quantize.sharding import shard_model
 
         try:
             for path in shard_model(

@@ -17,13 +17,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from common import model_keys
 from quantize import pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 
 MODEL = "smollm2"
 DEFAULT_RECIPE = "decoder-int8-weight-only"
 MAX_POSITIONS = pipeline.MAX_POSITIONS
-MAX_MODEL_LEN = "meshserve.max_model_len"
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name
 
 

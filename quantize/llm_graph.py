@@ -30,22 +30,22 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from common.step_graph import (
+    IDS,
+    LOGITS,
+    META,
+    NUM_LOGITS,
+    SEQLENS,
+    TOTAL,
+    past_names,
+    present_names,
+)
 from quantize.models import DecoderConfig, LlamaDecoder
 
 OPSET = 17
 IR_VERSION = 10  # onnxruntime 1.23 reads IR <= 11; onnx 1.19 writes 12 by default
-META = "meshserve.llm."
-IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
-NUM_LOGITS = "num_logits"
+
 INT64_MAX = np.iinfo(np.int64).max
-
-
-def past_names(layer: int) -> tuple[str, str]:
-    return f"past_key.{layer}", f"past_value.{layer}"
-
-
-def present_names(layer: int) -> tuple[str, str]:
-    return f"present_key.{layer}", f"present_value.{layer}"
 
 
 def rope_tables(c: DecoderConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:

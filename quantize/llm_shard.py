@@ -14,7 +14,7 @@ layer into segments, each a small ONNX graph built with llm_graph's own pieces:
 
 The embedding and the norms are replicated (the residual stream is the same on every rank);
 the LM head is vocab-parallel — its rows padded with zeros to a multiple of N — and the
-shards are gathered on rank 0, the leader, which alone samples. worker/llm/tp.py runs them.
+shards are gathered on rank 0, the leader, which alone samples. worker/tp/llm_step.py runs them.
 
 Tensor names: an output `partial` is all-reduced into the next segment's `reduced`;
 `hidden_out` becomes the next `hidden`; the cache is past_key.{i}/present_key.{i} (bound to
@@ -41,21 +41,25 @@ import torch
 from onnx import TensorProto, helper
 from tokenizers import Tokenizer
 
+from common.shard_format import (
+    FORMAT,
+    HIDDEN,
+    HIDDEN_OUT,
+    LLM,
+    MANIFEST,
+    PARTIAL,
+    REDUCED,
+    ROPE_FILE,
+    sha256,
+    shard_dir,
+)
+from common.shard_format import LOGITS_SHARD as SHARD
 from quantize import llm_graph as lg
 from quantize.models import DecoderConfig, LlamaDecoder
-from quantize.shard import FORMAT, MANIFEST, ShardError, check_tp, shard_dir
-from worker.tp_runtime import sha256
+from quantize.shard import ShardError, check_tp
 
-KIND = "llm"
-HIDDEN, HIDDEN_OUT, REDUCED, PARTIAL, SHARD = (
-    "hidden",
-    "hidden_out",
-    "reduced",
-    "partial",
-    "logits_shard",
-)
+KIND = LLM
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"  # llm_graph's names; a file per rank here
-ROPE_FILE = "rope.npz"
 COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # a rank keeps rows of [out, in]
 ROW_PARALLEL = ("o", "down")  # a rank keeps columns
 

@@ -20,11 +20,12 @@ from pathlib import Path
 from google.protobuf import text_format
 from tokenizers import Tokenizer
 
+from common import model_keys
+from common.model_config import config_text as write_config
 from protos import model_config_pb2 as mc
 from quantize import distill, distill_text, encoder_graph, evaluate, llm_graph, report, weights
 from quantize.models import BertEncoder, LlamaDecoder
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe, lookup
-from worker import config as cfg
 
 MAX_POSITIONS = 8192  # SmolLM2's trained context; the serving limit is max_model_len
 MODEL_FILE = "model.onnx"
@@ -59,9 +60,9 @@ SOURCES = {
             weights.load_minilm,
             ("encoder-fp16", "encoder-int8-dynamic"),
             {
-                cfg.PRICE_PER_CALL: "20",
-                cfg.TRAINING_COST: "300000000",
-                cfg.TEXT_TASK: "embed",
+                model_keys.PRICE_PER_CALL: "20",
+                model_keys.TRAINING_COST: "300000000",
+                model_keys.TEXT_TASK: "embed",
             },
         ),
         Source(
@@ -70,12 +71,12 @@ SOURCES = {
             weights.load_smollm2,
             ("decoder-int8-weight-only", "decoder-int4-weight-only", "decoder-int8-dynamic"),
             {
-                cfg.PRICE_PER_CALL: "200",
-                cfg.TRAINING_COST: "2500000000",
-                "meshserve.price_per_1k_input_tokens_micro_usd": "50",
-                "meshserve.price_per_1k_output_tokens_micro_usd": "200",
-                cfg.ENGINE: cfg.LLM_ENGINE,
-                "meshserve.max_model_len": "2048",
+                model_keys.PRICE_PER_CALL: "200",
+                model_keys.TRAINING_COST: "2500000000",
+                model_keys.PRICE_PER_1K_INPUT: "50",
+                model_keys.PRICE_PER_1K_OUTPUT: "200",
+                model_keys.ENGINE: model_keys.LLM_ENGINE,
+                model_keys.MAX_MODEL_LEN: "2048",
             },
             max_batch_size=16,
             max_queue_delay_us=1000,
@@ -370,10 +371,10 @@ def config_text(model: Source, versions: dict[int, str]) -> str:
         return llm_config_text(model, versions)
     params = {
         **model.config,
-        cfg.TOKENIZER: TOKENIZER_FILE,
+        model_keys.TOKENIZER: TOKENIZER_FILE,
         **{f"meshserve.version.{v}": label for v, label in versions.items()},
     }
-    return cfg.config_text(
+    return write_config(
         model.name,
         model.max_batch_size,
         model.max_queue_delay_us,
@@ -392,7 +393,7 @@ def llm_config_text(model: Source, versions: dict[int, str]) -> str:
         config.version_policy.all.SetInParent()
     params = {
         **model.config,
-        cfg.TOKENIZER: TOKENIZER_FILE,
+        model_keys.TOKENIZER: TOKENIZER_FILE,
         **{f"meshserve.version.{v}": label for v, label in versions.items()},
     }
     for key, value in params.items():
@@ -426,7 +427,7 @@ def installed_versions(output: Path, name: str) -> dict[int, str]:
     if not path.exists():
         return {}
     config = text_format.Parse(path.read_text(), mc.ModelConfig())
-    prefix = "meshserve.version."
+    prefix = model_keys.VERSION_LABEL
     return {
         int(k.removeprefix(prefix)): v.string_value
         for k, v in config.parameters.items()

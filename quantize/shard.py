@@ -13,7 +13,7 @@ replicated bias is added once, after the reduce, in the next segment). Embedding
 are replicated. A decoder is sharded as the LLM engine's step graph instead
 (quantize/llm_shard.py, the same cut over an in-place KV cache).
 
-Tensor-name contract with worker/tp_runtime.py: an output `partial` is all-reduced into
+Tensor-name contract with worker/tp/runtime.py: an output `partial` is all-reduced into
 `reduced`; `X_out` becomes `X`; anything else keeps its name.
 
 Written into a model repository as DIR/<model>/<version>/tp<N>/{manifest.json, rank<r>/*.onnx}.
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.shard_format import ENCODER, FORMAT, MANIFEST, sha256, shard_dir
 from quantize.models import (
     BertEncoder,
     BertLayer,
@@ -42,12 +43,8 @@ from quantize.models import (
     gelu_mlp,
     mean_pool,
 )
-from worker import config as cfg
-from worker.tp_runtime import MANIFEST as MANIFEST  # the reader owns the format
-from worker.tp_runtime import sha256
 
 OPSET = 17
-FORMAT = 1
 
 
 class ShardError(Exception):
@@ -313,10 +310,6 @@ def io_of(model: BertEncoder) -> tuple[list[dict], list[dict]]:
     )
 
 
-def shard_dir(model_dir: Path, version: str, tp: int) -> Path:
-    return model_dir / version / f"tp{tp}"
-
-
 def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version: str = "1") -> Path:
     """Every rank's segments and the manifest; returns the manifest's path. The shard set
     appears complete or not at all (staged in a temporary folder, then renamed)."""
@@ -356,7 +349,7 @@ def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version:
         manifest = {
             "format": FORMAT,
             "model": name,
-            "kind": "encoder",
+            "kind": ENCODER,
             "tp": tp,
             "config": dataclasses.asdict(c),  # type: ignore[call-overload]
             "segments": [
@@ -376,60 +369,3 @@ def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version:
             target.replace(old)
         staged.replace(target)
     return target / MANIFEST
-
-
-def heads_of(model: nn.Module) -> tuple[int, int]:
-    c: Any = model.config
-    return c.heads, getattr(c, "kv_heads", c.heads)
-
-
-# ---- the CLI step: python -m quantize shard --model M --tp N ---------------------------
-
-
-def truncate(model: nn.Module, layers: int) -> nn.Module:
-    """The first `layers` layers of a loaded model (tests and quick checks on real weights)."""
-    c: Any = model.config
-    if layers >= c.layers:
-        return model
-    model.layers = nn.ModuleList(list(model.layers)[:layers])  # type: ignore[arg-type]
-    model.config = dataclasses.replace(c, layers=layers)
-    return model
-
-
-def shard_model(
-    name: str,
-    tps: list[int],
-    output: Path,
-    layers: int | None = None,
-    version: str = "1",
-    serve_as: str | None = None,
-) -> list[Path]:
-    """Load the real weights of `name` (quantize/pipeline.py SOURCES), write a tp<N> shard set
-    for each N into OUTPUT/<serve_as or name>/<version>/, and a config.pbtxt when there is
-    none. An encoder's group serves token ids (no text parameters); a decoder's is the LLM
-    engine's step graph (quantize/llm_shard.py), served with Triton's vLLM-backend tensors."""
-    from quantize import pipeline
-
-    source = pipeline.source(name)
-    loaded = source.load()
-    model = loaded.model
-    heads, kv = heads_of(model)
-    for tp in tps:  # refuse before any slow export
-        check_tp(name, heads, kv, tp)
-    if layers:
-        model = truncate(model, layers)
-    serve_as = serve_as or name
-    if isinstance(model, LlamaDecoder):  # a decoder is served by the LLM engine
-        from quantize import llm, llm_shard
-
-        return llm_shard.write_model(
-            model, loaded.tokenizer, serve_as, output, tps, llm.MAX_POSITIONS
-        )
-    model_dir = output / serve_as
-    model_dir.mkdir(parents=True, exist_ok=True)
-    if not (model_dir / "config.pbtxt").exists():
-        params = {k: v for k, v in source.config.items() if k != cfg.TEXT_TASK}
-        (model_dir / "config.pbtxt").write_text(
-            cfg.config_text(serve_as, source.max_batch_size, source.max_queue_delay_us, params)
-        )
-    return [write_shards(model, serve_as, model_dir, tp, version) for tp in tps]

@@ -13,8 +13,9 @@ Two outputs, one flusher:
   The router keeps each batch until the ledger acks its id, and appends again what a
   restarted Redis lost: the ledger applies each id once.
 
-A Redis that restarted empty is caught before anything new is appended: the append script
-refuses when this router's stream should exist and does not, and the router then appends
+A Redis that lost this router's last batch is caught before anything new is appended (it
+restarted empty or from an old AOF, or a replica that lagged took over): the append script
+refuses when the batch appended last is neither in the stream nor acked, and the router appends
 every batch the ledger has not acked, oldest first, before the new ones. An id at or below
 the stream's last one is skipped only when Redis already holds that very batch (a resend
 after a lost reply) or the ledger has acked it; anything else is an error, never a silent
@@ -51,26 +52,47 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from common import mesh_state, redis_conn
 from common.outage import Outage
+from router.usage import (  # re-exported: the names callers know from here
+    FINISHED,
+    NO_TOKENS,
+    Receipt,
+    Tokens,
+    Usage,
+    read_usage,
+    token_revenue,
+)
 
 log = structlog.get_logger()
+
+__all__ = [
+    "FINISHED",
+    "NO_TOKENS",
+    "Accounting",
+    "Batch",
+    "Receipt",
+    "Tokens",
+    "Usage",
+    "read_usage",
+    "token_revenue",
+]
 
 TOTALS_EVERY_S = 0.2
 WHEN_SLOW = ("answer", "unavailable")
 COMMIT_DELAY_S = 0.0005
 
-# KEYS[1]: the stream, KEYS[2]: the ledger's ack. ARGV[1]: "1" if the stream must exist
-# already. Then (id, usage, at_ms) per batch. Returns the number of batches now in Redis, or
-# -1 when the stream vanished (Redis restarted). An id at or below the stream's last one is
-# skipped only when that entry is there already (a resend) or the ledger acked it; else the
-# script fails, so no count is ever reported as written when it was not.
+# KEYS[1]: the stream, KEYS[2]: the ledger's ack. ARGV[1]: the id this router appended last
+# ("" before its first append). Then (id, usage, at_ms) per batch. Returns the number of
+# batches now in Redis, or -1 when Redis lost what this router appended last (neither in the
+# stream nor acked: a restart without it, an old AOF, a failover to a replica that lagged).
+# An id at or below the stream's last one is skipped only when that entry is there already
+# (a resend) or the ledger acked it; else the script fails, so no count is ever reported as
+# written when it was not.
 APPEND = """
-if ARGV[1] == "1" and redis.call("EXISTS", KEYS[1]) == 0 then return -1 end
 local function parse(id)
   local ms, seq = string.match(id, "^(%d+)-(%d+)$")
   if ms == nil then ms, seq = string.match(id, "^(%d+)$"), "1" end
@@ -79,19 +101,23 @@ end
 local function le(a_ms, a_seq, b_ms, b_seq)
   return a_ms < b_ms or (a_ms == b_ms and a_seq <= b_seq)
 end
+local function acked(id)
+  local ack = redis.call("GET", KEYS[2])
+  if not ack then return false end
+  local id_ms, id_seq = parse(id)
+  local ack_ms, ack_seq = parse(ack)
+  return ack_ms ~= nil and le(id_ms, id_seq, ack_ms, ack_seq)
+end
+if ARGV[1] ~= "" and #redis.call("XRANGE", KEYS[1], ARGV[1], ARGV[1], "COUNT", 1) == 0
+    and not acked(ARGV[1]) then
+  return -1
+end
 for i = 2, #ARGV, 3 do
   local r = redis.pcall("XADD", KEYS[1], ARGV[i], "usage", ARGV[i + 1], "at_ms", ARGV[i + 2])
   if type(r) == "table" and r.err then
     if not string.find(r.err, "equal or smaller") then return redis.error_reply(r.err) end
     local there = redis.call("XRANGE", KEYS[1], ARGV[i], ARGV[i], "COUNT", 1)
-    local ack = redis.call("GET", KEYS[2])
-    local id_ms, id_seq = parse(ARGV[i])
-    local acked = false
-    if ack then
-      local ack_ms, ack_seq = parse(ack)
-      acked = ack_ms ~= nil and le(id_ms, id_seq, ack_ms, ack_seq)
-    end
-    if #there == 0 and not acked then
+    if #there == 0 and not acked(ARGV[i]) then
       return redis.error_reply("BATCHID " .. ARGV[i] .. " is at or below the last id of " ..
         KEYS[1] .. " and is neither there nor acked: is another router using this id?")
     end
@@ -99,80 +125,6 @@ for i = 2, #ARGV, 3 do
 end
 return (#ARGV - 1) / 3
 """
-
-
-def token_revenue(prompt: int, completion: int, per_1k_in: int, per_1k_out: int) -> int:
-    """micro-USD for one call's tokens: ceil((prompt x p_in + completion x p_out) / 1000),
-    rounded up once per call (never more than 1 micro-USD above the exact price)."""
-    return -(-(prompt * per_1k_in + completion * per_1k_out) // 1000)
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """Tokens billed (a call's, or a streamed piece's share of it) and their revenue."""
-
-    prompt: int = 0
-    completion: int = 0
-    revenue_micro_usd: int = 0
-
-
-NO_TOKENS = Tokens()
-FINISHED = {"stop": "finished_stop", "length": "finished_length"}  # else finished_other
-
-
-@dataclass
-class Usage:
-    calls: int = 0
-    success: int = 0
-    errors: int = 0
-    revenue_micro_usd: int = 0
-    upstream_ns: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    token_revenue_micro_usd: int = 0
-    finished_stop: int = 0
-    finished_length: int = 0
-    finished_other: int = 0
-
-    def add(
-        self,
-        ok: bool,
-        price: int,
-        upstream_ns: int,
-        tokens: Tokens = NO_TOKENS,
-        finish: str | None = None,
-    ) -> None:
-        self.calls += 1
-        self.success += ok
-        self.errors += not ok
-        self.revenue_micro_usd += price if ok else 0
-        self.upstream_ns += upstream_ns
-        self.add_tokens(tokens)
-        if ok and finish is not None:
-            self._finish(finish, 1)
-
-    def add_tokens(self, tokens: Tokens, sign: int = 1) -> None:
-        self.prompt_tokens += sign * tokens.prompt
-        self.completion_tokens += sign * tokens.completion
-        self.token_revenue_micro_usd += sign * tokens.revenue_micro_usd
-
-    def _finish(self, reason: str, n: int) -> None:
-        name = FINISHED.get(reason, "finished_other")
-        setattr(self, name, getattr(self, name) + n)
-
-    def refund(self, receipt: Receipt) -> None:
-        """A call counted as a success whose client did not get it: an error after all (or,
-        for a streamed piece, tokens recorded whose piece did not go out)."""
-        if receipt.call:
-            self.success -= 1
-            self.errors += 1
-            self.revenue_micro_usd -= receipt.price_micro_usd
-            if receipt.finish is not None:
-                self._finish(receipt.finish, -1)
-        self.add_tokens(receipt.tokens, -1)
-
-    def as_list(self) -> list[int]:
-        return [getattr(self, f) for f in mesh_state.USAGE_FIELDS]
 
 
 @dataclass
@@ -190,19 +142,6 @@ class Batch:
     def args(self) -> list[str]:
         usage = json.dumps({k: u.as_list() for k, u in self.usage.items()})
         return [f"{self.epoch}-{self.seq}", usage, str(self.at_ms)]
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """What `refund` needs to take back one recorded success (or streamed piece)."""
-
-    model: str
-    version: str
-    price_micro_usd: int
-    tokens: Tokens = NO_TOKENS
-    finish: str | None = None
-    call: bool = True  # False: only the tokens of one streamed piece
-    tenant: str = ""  # whose call ("" with auth off)
 
 
 def parse_batch_id(text: str) -> tuple[int, int]:
@@ -247,7 +186,7 @@ class Accounting:
         self._retained: list[Batch] = []  # in Redis, not yet acked by the ledger
         self._wake = asyncio.Event()
         self.redis_state = Outage("usage_flush_failed_keeping_in_memory", "usage_flush_recovered")
-        self._stream_exists = False  # once we appended, the stream must be there
+        self._last_appended = ""  # Redis must hold it (or its ack) at the next append
         self._totals_due = 0.0
         self._records = 0  # calls recorded so far
         self._totals_written = -1  # self._records as of the last totals write
@@ -358,11 +297,11 @@ class Accounting:
             if not self._epoch_checked:
                 await self._check_epoch()
             appended = await self._send(sending)
-            if appended < 0:  # Redis lost our stream: put back what the ledger has not acked
+            if appended < 0:  # Redis lost our last batch: put back what the ledger has not acked
                 log.warning("redis_restarted_resending_batches", batches=len(self._retained))
                 self._unsent[:0] = self._retained
                 self._retained = []
-                self._stream_exists = False
+                self._last_appended = ""
                 sending = list(self._unsent)
                 await self._send(sending)
         except (RedisError, OSError) as e:
@@ -416,7 +355,7 @@ class Accounting:
         self._epoch_checked = True
 
     async def _send(self, batches: list[Batch]) -> int:
-        args = ["1" if self._stream_exists else "0"]
+        args = [self._last_appended]
         for b in batches:
             b.epoch = b.epoch or self.epoch
             args += b.args()
@@ -425,8 +364,8 @@ class Accounting:
             mesh_state.ledger_ack_key(self.router_id),
         ]
         appended = int(await self._append(keys=keys, args=args))
-        if appended >= 0:
-            self._stream_exists = True
+        if appended >= 0 and batches:
+            self._last_appended = f"{batches[-1].epoch}-{batches[-1].seq}"
         return appended
 
     async def _maintain(self) -> None:
@@ -453,15 +392,3 @@ class Accounting:
         with contextlib.suppress(RedisError, OSError):
             await self._write_totals()
         await self.redis.aclose()
-
-
-async def read_usage(redis: aioredis.Redis) -> dict[tuple[str, str], Usage]:
-    """Live totals over every router, as Redis holds them now."""
-    totals: dict[tuple[str, str], Usage] = defaultdict(Usage)
-    for router_id in await redis.smembers(mesh_state.ROUTERS):  # type: ignore[misc]
-        fields = await redis.hgetall(mesh_state.usage_key(router_id))  # type: ignore[misc]
-        for key, value in fields.items():
-            model, version, name = mesh_state.parse_usage_field(key)
-            u = totals[(model, version)]
-            setattr(u, name, getattr(u, name) + int(value))
-    return dict(totals)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from common import llm_protocol
 from common.mesh_state import ModelEntry
 from protos.usage_pb2 import ResponseHeader, StreamResponseHeader
 from router.accounting import Tokens, token_revenue
 
-FINAL = "triton_final_response"
+FINAL = llm_protocol.FINAL_RESPONSE
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,12 @@ def _piece(header: ResponseHeader, error: str = "") -> Piece:
         return max(p.int64_param, 0)
 
     final = params.get(FINAL)
-    reason = params.get("finish_reason")
+    reason = params.get(llm_protocol.FINISH_REASON)
     return Piece(
         final=final is None or final.bool_param,
         error=error,
-        prompt_tokens=count("prompt_tokens"),
-        completion_tokens=count("completion_tokens"),
+        prompt_tokens=count(llm_protocol.PROMPT_TOKENS),
+        completion_tokens=count(llm_protocol.COMPLETION_TOKENS),
         finish_reason=reason.string_param if reason is not None else None,
     )
 

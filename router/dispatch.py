@@ -1,23 +1,40 @@
-"""Pick a replica, forward the call, fail over, count it.
+"""The one forward path: pick a replica, forward a request, fail over, count it.
+
+ModelInfer and every request of a ModelStreamInfer go through the same steps here (a unary
+call is a stream of one response); only the transport to the worker differs (a unary call
+or a worker stream, see `_Upstream`):
+
+    guard = dispatcher.guard(raw, tenant, streamed)    # parse the header: the guard
+    await dispatcher.admit(guard)                      # the tenant's limits, in-flight limits
+    async for reply in dispatcher.responses(guard, raw, deadline):  # pick, forward, failover
+        receipt, record = guard.bill(reply.piece, reply.ends, reply.code)
+        ...  # wait for the record (Accounting.durable), deliver, guard.refund if undelivered
+    guard.close(code)                                  # release the slot, count; an error
+                                                       # is recorded if it ended without one
+
+`infer` is that loop for a unary call (one reply, billed once it is in Redis), and
+router/streams.py runs it for each request of a stream. An HTTP front end builds the
+ModelInferRequest bytes itself and calls `infer`, or `StreamForwarder.serve` for a stream.
 
 The request arrives as bytes and leaves as the same bytes: only its header (model, version,
 id) is parsed; a header that does not parse is INVALID_ARGUMENT. The router admits at most
 `max_inflight` calls at once, and `max_inflight_per_model` per model: beyond them a call is
 answered RESOURCE_EXHAUSTED at once instead of queueing inside the router.
 
-Billing: a call counts as a success only when the router answers OK. A call cancelled by its
-client, or whose deadline passes, before that is an error; one answered with less than
-`answer_margin_s` of its deadline left is DEADLINE_EXCEEDED (the reply could not reach the
-client in time); one answered OK whose client turned out to be gone is refunded by the
-servicer (see `settle`). A call in flight to a replica that leaves the registry (a stopped
-worker stops its heartbeat) is cancelled and retried on another replica, or answered
-UNAVAILABLE; so is one to a replica that stalls (no depth sample, no health answer).
-A client-chosen model or version becomes a metric label or a ledger row only
-when the mesh serves it; anything else is `_unknown_`.
+Billing (see router/guard.py): a unary call counts as a success only when the router
+answers OK. A call cancelled by its client, or whose deadline passes, before that is an
+error; one answered with less than `answer_margin_s` of its deadline left is
+DEADLINE_EXCEEDED (the reply could not reach the client in time); one answered OK whose
+client turned out to be gone is refunded by the servicer (see `settle`). A call in flight to
+a replica that leaves the registry (a stopped worker stops its heartbeat) is cancelled and
+retried on another replica, or answered UNAVAILABLE; so is one to a replica that stalls (no
+depth sample, no health answer). A client-chosen model or version becomes a metric label or
+a ledger row only when the mesh serves it; anything else is `_unknown_`.
 
 One retry on another replica after UNAVAILABLE (a dead or unreachable worker, which is then
-ejected) or RESOURCE_EXHAUSTED (its queue filled since the last sample), while
-the caller's deadline allows; never after INVALID_ARGUMENT, NOT_FOUND and the like.
+ejected) or RESOURCE_EXHAUSTED (its queue filled since the last sample), while the caller's
+deadline allows and before any response of the request was forwarded; never after
+INVALID_ARGUMENT, NOT_FOUND and the like.
 """
 
 from __future__ import annotations
@@ -25,8 +42,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -36,23 +55,37 @@ from common.errors import (
     DeadlineExceeded,
     InvalidArgument,
     MeshError,
-    ResourceExhausted,
     Unavailable,
     UpstreamError,
     clip,
 )
-from common.mesh_state import ModelEntry, now_ms
+from common.mesh_state import ModelEntry
 from protos.routing_pb2 import InferHeader
-from router import billing, metrics, policy
-from router.accounting import NO_TOKENS, Accounting, Receipt
+from router import billing, metrics
+from router.accounting import Accounting, Receipt
 from router.affinity import Affinity, session_of
 from router.auth import Auth, Tenant
+from router.billing import Piece
+from router.guard import OK, UNKNOWN, Admission, RequestGuard
 from router.registry import Registry, Replica
+from router.routing import Picker
 
 log = structlog.get_logger()
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-UNKNOWN = "_unknown_"  # the one label and ledger version for what the mesh does not serve
+__all__ = ["RETRYABLE", "UNKNOWN", "Dispatcher", "Reply", "RequestGuard"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One response of a request as it came from the worker. `raw` None: the worker's
+    stream closed without a final response (nothing to forward, only the end to record).
+    `ends`: the request's last response; `code`: OK, or UNKNOWN for an error response."""
+
+    raw: bytes | None
+    piece: Piece | None
+    ends: bool
+    code: grpc.StatusCode = OK
 
 
 class Dispatcher:
@@ -70,76 +103,181 @@ class Dispatcher:
         max_sessions: int = 100_000,
         auth: Auth | None = None,
     ) -> None:
-        if policy_name not in policy.POLICIES:
-            raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")
         self.registry = registry
         self.accounting = accounting
-        self.policy = policy_name
-        self.sample_max_age_ms = sample_max_age_ms
-        self.default_timeout_s = default_timeout_s
-        self.rng = rng or random.Random()
-        self.max_inflight = max_inflight
-        self.max_inflight_per_model = max_inflight_per_model
-        self.answer_margin_s = answer_margin_s
         self.affinity = Affinity(max_sessions)
+        self.picker = Picker(policy_name, sample_max_age_ms, rng, self.affinity)
+        self.default_timeout_s = default_timeout_s
+        self.admission = Admission(max_inflight, max_inflight_per_model)
+        self.answer_margin_s = answer_margin_s
         self.auth = auth  # tenants: models and limits (None: auth off)
-        self._tick = 0
-        self._inflight = 0
-        self._inflight_by_model: Counter[str] = Counter()
 
     def pick(self, replicas: list[Replica], model: str, session: str | None = None) -> Replica:
-        """One of `replicas` (of `model`) by the policy; the replica that served `session`
-        before while it has room (see policy.choose, router.affinity)."""
-        now = now_ms()
-        by_id = {r.id: r for r in replicas}
-        fresh = [
-            r.sample
-            for r in replicas
-            if r.sample is not None
-            and r.sample.kv_total
-            and now - r.sample.at_ms <= self.sample_max_age_ms
-        ]
-        need = policy.kv_need((s.depth, s.kv_used) for s in fresh)
-        candidates = [
-            policy.Candidate(
-                r.id,
-                policy.load(
-                    r.sample.depth if r.sample else None,
-                    r.sample.at_ms if r.sample else None,
-                    r.inflight.values(),
-                    now,
-                    self.sample_max_age_ms,
-                ),
-                r.info.models[model].max_queue,
-                policy.kv_free(
-                    r.sample.kv_used,
-                    r.sample.kv_total,
-                    r.sample.at_ms,
-                    now,
-                    self.sample_max_age_ms,
+        """One of `replicas` (of `model`) by the policy (see router.routing)."""
+        return self.picker.pick(replicas, model, session)
+
+    # -- one request -----------------------------------------------------------------------
+
+    def guard(self, raw: bytes, tenant: Tenant | None, streamed: bool = False) -> RequestGuard:
+        """The guard of one request (a serialized ModelInferRequest; `streamed`: one request
+        of a ModelStreamInfer), from its header. InvalidArgument (counted) when the header
+        does not parse."""
+        try:
+            header = InferHeader.FromString(raw)
+        except DecodeError as e:
+            metrics.REQUESTS.labels(UNKNOWN, "INVALID_ARGUMENT").inc()
+            raise InvalidArgument(
+                f"the request does not parse as a ModelInferRequest: {clip(str(e), 120)}"
+            ) from None
+        guard = RequestGuard(
+            self.accounting,
+            self.admission,
+            header.id,
+            header.model_name,
+            header.model_version,
+            tenant,
+            session_of(header.parameters),
+            streamed,
+        )
+        found = self.entry(guard.model, guard.asked_version, None)
+        if found is not None:
+            guard.serve(*found)
+        return guard
+
+    async def admit(self, guard: RequestGuard) -> None:
+        """Let the request in: its tenant (auth on) allowed the model and within its limits,
+        then the router's in-flight limits (for a model the mesh serves). MeshError when
+        refused; the caller ends the guard with its code (a tenant's refusal is counted in
+        the metrics, not recorded as a call: the router's own refusal is an error)."""
+        if guard.tenant is not None and self.auth is not None:
+            try:
+                await self.auth.admit(guard.tenant, guard.model)
+            except MeshError:
+                guard.refused = True  # counted in metrics, not a call of the model's
+                raise
+        if guard.entry is not None:
+            guard.admit()
+
+    async def responses(
+        self, guard: RequestGuard, raw: bytes, deadline: float | None
+    ) -> AsyncGenerator[Reply, None]:
+        """Forward one request to a replica of its model and yield the worker's responses
+        as they come, the last one with `ends`; on a worker stream when the guard is
+        `streamed`, else as a unary call (one response). Fails over once (see the module
+        docstring); raises MeshError when the request ends without a response of its own.
+        `deadline` is time.monotonic()-based."""
+        replicas = self.registry.replicas_for(guard.model, guard.asked_version)
+        if not replicas:
+            raise self.registry.unserved(guard.model, guard.asked_version)
+        tried: set[str] = set()
+        while True:
+            pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
+            if not pool:
+                raise Unavailable(
+                    f"no healthy replica of model {clip(guard.model)}: "
+                    f"{len(replicas)} known, all failed or ejected"
                 )
-                if r.sample
-                else None,
-            )
-            for r in replicas
-        ]
-        open_ = [c for c in candidates if not c.full]
-        if not open_:
-            raise ResourceExhausted(
-                f"every replica of model {model!r} is at its max queue "
-                f"({', '.join(f'{c.id}: {c.load}/{c.max_queue}' for c in candidates)}); "
-                "retry later"
-            )
-        self._tick += 1
-        preferred = self.affinity.get(model, session)
-        chosen = policy.choose(self.policy, open_, self.rng, self._tick, need, preferred)
-        if session is not None:
-            outcome = "new" if preferred is None else "hit" if chosen.id == preferred else "moved"
-            metrics.AFFINITY.labels(outcome).inc()
-            self.affinity.remember(model, session, chosen.id)
-        if self.policy == "p2c" and not chosen.has_room(need):
-            metrics.KV_NO_ROOM.inc()  # every replica's cache was full: it waits there
-        return by_id[chosen.id]
+            replica = self.pick(pool, guard.model, guard.session)
+            found = self.entry(guard.model, guard.asked_version, replica)
+            if found is not None:  # billed as the replica that answers serves it
+                guard.serve(*found)
+            guard.replica = replica
+            timeout = self.default_timeout_s if deadline is None else deadline - time.monotonic()
+            if timeout <= 0:
+                raise UpstreamError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before forwarding"
+                )
+            forwarded = False
+            try:
+                async with aclosing(self._attempt(replica, guard, raw, timeout)) as replies:
+                    async for reply in replies:
+                        forwarded = True
+                        yield reply
+                return
+            except UpstreamError as e:
+                status = e.code
+                tried.add(replica.id)
+                # One retry, and only where another replica can take it: with none left the
+                # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
+                another = any(
+                    r.id not in tried and not r.ejected and not r.dropped for r in replicas
+                )
+                if not forwarded and status in RETRYABLE and len(tried) == 1 and another:
+                    metrics.RETRIES.labels(status.name).inc()
+                    event = "retrying_stream" if guard.streamed else "retrying"
+                    log.info(event, worker=replica.id, code=status.name, model=guard.model)
+                    continue
+                if guard.streamed:
+                    log.warning(
+                        "stream_failed", worker=replica.id, code=status.name, model=guard.model
+                    )
+                raise
+
+    async def _attempt(
+        self, replica: Replica, guard: RequestGuard, raw: bytes, timeout: float
+    ) -> AsyncGenerator[Reply, None]:
+        """One attempt: the request on one replica, as a unary call or a worker stream; its
+        responses as they come, with the replica's bookkeeping around it (in-flight token
+        and gauge, the calls the registry may abandon, eject on UNAVAILABLE) and the time
+        upstream added to the guard. A failure raises UpstreamError with the worker's code."""
+        registry = self.registry
+        token = registry.begin(replica)
+        metrics.INFLIGHT.labels(replica.id).inc()
+        t0 = time.perf_counter()
+        call: Any = (
+            replica.stream(timeout=timeout)
+            if guard.streamed
+            else replica.infer(raw, timeout=timeout)
+        )
+        replica.calls.add(call)
+        ended = False
+        try:
+            if not guard.streamed:
+                response = await call
+                replica.heard_at = time.monotonic()
+                ended = True
+                yield Reply(response, None, True)
+                return
+            await call.write(raw)
+            await call.done_writing()
+            while (response := await call.read()) is not grpc.aio.EOF:
+                replica.heard_at = time.monotonic()
+                assert isinstance(response, bytes)
+                piece = billing.stream_piece(response)
+                ends = (piece.final or bool(piece.error)) and not ended
+                if ends:  # its time upstream is counted with its end
+                    t0 = _add_upstream(guard, t0)
+                ended = ended or ends
+                yield Reply(response, piece, ends, grpc.StatusCode.UNKNOWN if piece.error else OK)
+            if not ended:  # the worker's stream closed OK without a final response
+                t0 = _add_upstream(guard, t0)
+                ended = True
+                yield Reply(None, None, True)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call not in replica.abandoned or (task is not None and task.cancelling()):
+                raise  # our own caller went away (a stream's worker call is cancelled below)
+            # The registry gave up on the replica (left, or stalled) and cancelled this call.
+            raise UpstreamError(
+                grpc.StatusCode.UNAVAILABLE, "the replica stopped answering"
+            ) from None
+        except grpc.aio.AioRpcError as e:
+            status, details = e.code(), e.details() or e.code().name
+            if status == grpc.StatusCode.UNAVAILABLE:
+                registry.eject(replica, details)
+                metrics.EJECTIONS.labels(replica.id).inc()
+            if not ended:  # once answered, a late transport error changes nothing
+                raise UpstreamError(status, details) from None
+        finally:
+            if guard.streamed:
+                call.cancel()  # no-op once it ended; else the worker aborts the request
+            replica.calls.discard(call)
+            replica.abandoned.discard(call)
+            _add_upstream(guard, t0)
+            registry.end(replica, token)
+            metrics.INFLIGHT.labels(replica.id).dec()
+
+    # -- a unary call ----------------------------------------------------------------------
 
     async def infer(
         self, raw: bytes, deadline: float | None, tenant: Tenant | None = None
@@ -149,55 +287,30 @@ class Dispatcher:
 
         A success is answered once its record is in Redis (group commit, see accounting).
         Returns the reply and, for a recorded success, the receipt `settle` takes."""
-        start = time.perf_counter()
+        guard = self.guard(raw, tenant)
         try:
-            header = InferHeader.FromString(raw)
-        except DecodeError as e:
-            metrics.REQUESTS.labels(UNKNOWN, "INVALID_ARGUMENT").inc()
-            raise InvalidArgument(
-                f"the request does not parse as a ModelInferRequest: {clip(str(e), 120)}"
-            ) from None
-        model, version = header.model_name, header.model_version
-        served = bool(self.registry.replicas_for(model))
-        attempt = _Attempt(session=session_of(header.parameters), tenant=tenant)
-        code = grpc.StatusCode.UNKNOWN  # until the call ends one way or another
-        admitted = False
-        reply = b""
-        try:
-            if tenant is not None and self.auth is not None:
-                await self.auth.admit(tenant, model)
-            if served:
-                self.admit(model)
-                admitted = True
-            reply = await self._forward(raw, model, version, deadline, attempt)
+            await self.admit(guard)
+            reply = None
+            async with aclosing(self.responses(guard, raw, deadline)) as replies:
+                async for reply in replies:  # noqa: B007 (one reply: the last is kept)
+                    pass
+            assert reply is not None and reply.raw is not None  # a unary call has one
             self._check_margin(deadline)
-            code = grpc.StatusCode.OK
         except MeshError as e:
-            code = e.code
+            guard.close(e.code)
             raise
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed
-            late = deadline is not None and time.monotonic() >= deadline
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
+            guard.close(_cut(deadline))
             raise
-        finally:
-            if admitted:
-                self.release(model)
-            label = model if served else UNKNOWN
-            if code != grpc.StatusCode.OK:  # an OK is counted once it is sure (below)
-                metrics.REQUESTS.labels(label, code.name).inc()
-            metrics.LATENCY.labels("upstream").observe(attempt.upstream_s)
-            metrics.LATENCY.labels("router").observe(
-                time.perf_counter() - start - attempt.upstream_s
-            )
-            recorded = self._account(model, version, attempt, code, reply)
-        if recorded is None or self.accounting is None:
-            metrics.REQUESTS.labels(label, code.name).inc()
-            return reply, None
-        future, receipt = recorded
-        assert receipt is not None  # code is OK here
+        guard.release()
+        piece = billing.unary_piece(reply.raw) if guard.meter is not None else None
+        receipt, record = guard.bill(piece, ends=True)
+        if record is None or self.accounting is None:
+            guard.count(OK)
+            return reply.raw, None
+        assert receipt is not None  # a success
         try:
-            durable = await self.accounting.durable(future)
-            if not durable:
+            if not await self.accounting.durable(record):
                 if self.accounting.when_slow == "unavailable":
                     raise Unavailable(
                         f"the call's record did not reach Redis within "
@@ -206,15 +319,15 @@ class Dispatcher:
                 metrics.REPLIES_BEFORE_DURABLE.inc()
             self._check_margin(deadline)
         except MeshError as e:
-            metrics.REQUESTS.labels(label, e.code.name).inc()
-            self.refund(receipt)
+            guard.count(e.code)
+            guard.refund(receipt)
             raise
         except BaseException:
-            metrics.REQUESTS.labels(label, grpc.StatusCode.CANCELLED.name).inc()
-            self.refund(receipt)
+            guard.count(grpc.StatusCode.CANCELLED)
+            guard.refund(receipt)
             raise
-        metrics.REQUESTS.labels(label, code.name).inc()
-        return reply, receipt
+        guard.count(OK)
+        return reply.raw, receipt
 
     def settle(self, receipt: Receipt, delivered: bool) -> None:
         """Once the RPC is over: a success whose reply did not reach its client is refunded."""
@@ -230,84 +343,6 @@ class Dispatcher:
         if deadline is not None and deadline - time.monotonic() < self.answer_margin_s:
             raise DeadlineExceeded("the reply was ready too close to the deadline to reach it")
 
-    def admit(self, model: str) -> None:
-        if self._inflight >= self.max_inflight:
-            metrics.REJECTED.labels("total").inc()
-            raise ResourceExhausted(
-                f"the router has {self._inflight} calls in flight, its limit; retry later"
-            )
-        if self._inflight_by_model[model] >= self.max_inflight_per_model:
-            metrics.REJECTED.labels("model").inc()
-            raise ResourceExhausted(
-                f"the router has {self._inflight_by_model[model]} calls to model "
-                f"{clip(model)} in flight, its per-model limit; retry later"
-            )
-        self._inflight += 1
-        self._inflight_by_model[model] += 1
-
-    def release(self, model: str) -> None:
-        self._inflight -= 1
-        self._inflight_by_model[model] -= 1
-        if not self._inflight_by_model[model]:
-            del self._inflight_by_model[model]
-
-    async def _forward(
-        self, raw: bytes, model: str, version: str, deadline: float | None, attempt: _Attempt
-    ) -> bytes:
-        replicas = self.registry.replicas_for(model, version)
-        if not replicas:
-            raise self.registry.unserved(model, version)
-        tried: set[str] = set()
-        while True:
-            pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
-            if not pool:
-                raise Unavailable(
-                    f"no healthy replica of model {clip(model)}: "
-                    f"{len(replicas)} known, all failed or ejected"
-                )
-            replica = self.pick(pool, model, attempt.session)
-            attempt.replica = replica
-            timeout = self.default_timeout_s if deadline is None else deadline - time.monotonic()
-            if timeout <= 0:
-                raise UpstreamError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before forwarding"
-                )
-            token = self.registry.begin(replica)
-            metrics.INFLIGHT.labels(replica.id).inc()
-            t0 = time.perf_counter()
-            call = replica.infer(raw, timeout=timeout)
-            replica.calls.add(call)
-            try:
-                reply: bytes = await call
-                replica.heard_at = time.monotonic()
-                return reply
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if call not in replica.abandoned or (task is not None and task.cancelling()):
-                    raise  # our own caller went away
-                # The registry gave up on the replica and cancelled this call (see Registry).
-                status, details = grpc.StatusCode.UNAVAILABLE, "the replica stopped answering"
-            except grpc.aio.AioRpcError as e:
-                status, details = e.code(), e.details() or e.code().name
-                if status == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.eject(replica, details)
-                    metrics.EJECTIONS.labels(replica.id).inc()
-            finally:
-                replica.calls.discard(call)
-                replica.abandoned.discard(call)
-                attempt.upstream_s += time.perf_counter() - t0
-                self.registry.end(replica, token)
-                metrics.INFLIGHT.labels(replica.id).dec()
-            tried.add(replica.id)
-            # One retry, and only where another replica can take it: with none left the
-            # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
-            another = any(r.id not in tried and not r.ejected and not r.dropped for r in replicas)
-            if status in RETRYABLE and len(tried) == 1 and another:
-                metrics.RETRIES.labels(status.name).inc()
-                log.info("retrying", worker=replica.id, code=status.name, model=model)
-                continue
-            raise UpstreamError(status, details)
-
     def entry(
         self, model: str, version: str, replica: Replica | None
     ) -> tuple[ModelEntry, str] | None:
@@ -321,35 +356,14 @@ class Dispatcher:
             version = UNKNOWN  # a client-chosen string never becomes a row of its own
         return entry, version or entry.versions[-1]
 
-    def _account(
-        self, model: str, version: str, attempt: _Attempt, code: grpc.StatusCode, reply: bytes
-    ) -> tuple[asyncio.Future, Receipt | None] | None:
-        if self.accounting is None:
-            return None
-        found = self.entry(model, version, attempt.replica)
-        if found is None:
-            return None
-        entry, version = found
-        ok = code == grpc.StatusCode.OK
-        price = entry.price_micro_usd
-        tokens, finish = NO_TOKENS, None
-        if ok and billing.priced_per_token(entry):  # an LLM answering a unary call
-            piece = billing.unary_piece(reply)
-            tokens, finish = billing.TokenMeter.of(entry).advance(piece), piece.finish_reason or ""
-        upstream_ns = int(attempt.upstream_s * 1e9)
-        tenant = attempt.tenant.name if attempt.tenant else ""
-        future = self.accounting.record(
-            model, version, ok, price, upstream_ns, tokens, finish, tenant
-        )
-        return future, Receipt(model, version, price, tokens, finish, tenant=tenant) if ok else None
+
+def _cut(deadline: float | None) -> grpc.StatusCode:
+    """The code of a request cut by its client: its deadline passed, or it cancelled."""
+    late = deadline is not None and time.monotonic() >= deadline
+    return grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
 
 
-@dataclass
-class _Attempt:
-    """What one call went through: the replica that answered (or last tried), time upstream,
-    and its session."""
-
-    replica: Replica | None = None
-    upstream_s: float = 0.0
-    session: str | None = None  # the conversation it belongs to (router.affinity)
-    tenant: Tenant | None = None  # whose call (auth on)
+def _add_upstream(guard: RequestGuard, since: float) -> float:
+    now = time.perf_counter()
+    guard.upstream_s += now - since
+    return now

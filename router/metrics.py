@@ -6,7 +6,7 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.streaming import TOKEN_BUCKETS
+from common.llm_protocol import TOKEN_BUCKETS
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -19,7 +19,7 @@ dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
 What Redis holds is checked before it is used: a registration that does not parse as a
 WorkerInfo, or that prices a model differently from the replicas already serving it, is
 ignored with one log line per registration text (Redis ACLs limit who may write it; see
-deploy/redis_acl.py).
+devmesh/redis_acl.py).
 """
 
 from __future__ import annotations

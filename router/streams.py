@@ -1,11 +1,12 @@
 """ModelStreamInfer on the router: a real stream both ways, bytes untouched, billed as it goes.
 
-Each request on the client's stream is forwarded on a worker stream of its own, to one
-replica picked as ModelInfer picks (same policy, same admission limits): the request pins to
-that replica for all its responses. Every response the worker sends is passed back as it
-comes, its bytes untouched (`triton_final_response` and all); the responses of the stream's
-requests interleave as they come. Only headers are parsed: the request's InferHeader to
-route it, the response's usage parameters to bill it (see `billing`).
+Each request on the client's stream is forwarded on a worker stream of its own by the one
+forward path ModelInfer takes (router/dispatch.py: same guard, policy, admission limits,
+failover): the request pins to the replica picked for all its responses. Every response
+the worker sends is passed back as it comes, its bytes untouched (`triton_final_response`
+and all); the responses of the stream's requests interleave as they come. Only headers are
+parsed: the request's InferHeader to route it, the response's usage parameters to bill it
+(see `billing`).
 
 Ends of a request:
 
@@ -39,27 +40,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
-import structlog
-from google.protobuf.message import DecodeError
 
-from common.errors import MeshError, clip
-from common.mesh_state import ModelEntry
+from common.errors import MeshError
 from protos import grpc_service_pb2 as pb
-from protos.routing_pb2 import InferHeader
-from router import billing, metrics
-from router.accounting import NO_TOKENS, Receipt, Tokens
-from router.affinity import session_of
+from router import metrics
+from router.accounting import Receipt
 from router.auth import Tenant
 from router.billing import Piece
-from router.dispatch import RETRYABLE, UNKNOWN, Dispatcher
-from router.registry import Replica
-
-log = structlog.get_logger()
-
-OK = grpc.StatusCode.OK
+from router.dispatch import Dispatcher
+from router.guard import OK, RequestGuard
 
 Send = Callable[[bytes], Awaitable[None]]
 
@@ -69,46 +62,11 @@ def _written(write: asyncio.Future) -> bool:
 
 
 @dataclass(eq=False)
-class _Call:
-    """One request on the client's stream."""
-
-    id: str
-    model: str
-    version: str  # as asked; the billed version once `entry` is known
-    entry: ModelEntry | None = None
-    meter: billing.TokenMeter | None = None
-    ended: bool = False
-    upstream_s: float = 0.0
-    session: str | None = None  # session_id / conversation_id: affinity (router/affinity.py)
-    started: float = field(default_factory=time.perf_counter)
-    last_piece: float | None = None  # when the last piece carrying tokens was forwarded
-    tokens_out: int = 0  # completion tokens forwarded so far
-
-    def observe(self, piece: billing.Piece) -> None:
-        """TTFT, inter-token latency and tokens, from the running counts on each piece."""
-        if piece.completion_tokens is None or piece.completion_tokens <= self.tokens_out:
-            return
-        now = time.perf_counter()
-        new = piece.completion_tokens - self.tokens_out
-        if self.last_piece is None:
-            metrics.TTFT.labels(self.label).observe(now - self.started)
-            if piece.prompt_tokens:
-                metrics.TOKENS.labels(self.label, "in").inc(piece.prompt_tokens)
-        else:
-            metrics.INTER_TOKEN.labels(self.label).observe((now - self.last_piece) / new)
-        metrics.TOKENS.labels(self.label, "out").inc(new)
-        self.last_piece, self.tokens_out = now, piece.completion_tokens
-
-    @property
-    def label(self) -> str:
-        return self.model if self.entry is not None else UNKNOWN
-
-
-@dataclass(eq=False)
 class _Item:
-    """A response to forward (raw None: nothing to forward, only the end to record)."""
+    """A response to forward (raw None: nothing to forward, only the end to record); guard
+    None: a request whose header did not parse (nothing to bill)."""
 
-    call: _Call
+    guard: RequestGuard | None
     raw: bytes | None
     piece: Piece | None = None
     ends: bool = False
@@ -117,19 +75,18 @@ class _Item:
 
 
 class StreamForwarder:
-    """One client's ModelStreamInfer."""
+    """One client's ModelStreamInfer (an HTTP stream can be served the same way: `serve`
+    with the request bytes it built and its own `send`)."""
 
     def __init__(
         self, dispatcher: Dispatcher, deadline: float | None, tenant: Tenant | None = None
     ) -> None:
         self.dispatcher = dispatcher
         self.tenant = tenant  # whose stream (auth on): each request checked and billed
-        self.tenant_name = tenant.name if tenant else ""
-        self.registry = dispatcher.registry
         self.accounting = dispatcher.accounting
         self.deadline = deadline
         self.out: asyncio.Queue[_Item | None] = asyncio.Queue()
-        self.calls: set[_Call] = set()
+        self.guards: set[RequestGuard] = set()
 
     async def serve(self, requests: AsyncIterator[bytes], send: Send) -> None:
         """Forward `requests`' responses with `send` (the RPC's write) until the client's
@@ -157,31 +114,34 @@ class StreamForwarder:
                         break
                     item = self.out.get_nowait()
                 done = item is None
-                try:
-                    await self._bill(batch)
-                except BaseException:  # the client went away while the records were written
-                    for unsent in batch:
-                        self._take_back(unsent)
-                    raise
-                for i, item in enumerate(batch):
-                    try:
-                        if item.raw is not None:
-                            await self._send(item, send)
-                    except BaseException:
-                        for unsent in batch[i + 1 :]:  # the rest did not go out
-                            self._take_back(unsent)
-                        raise
-                    if item.ends:  # a long-lived stream keeps no state of finished requests
-                        self.calls.discard(item.call)
+                await self._deliver(batch, send)
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
             late = self.deadline is not None and time.monotonic() >= self.deadline
             code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
-            for call in self.calls:
-                if not call.ended:  # cut before its end: an error, its pieces billed
-                    self._record_end(call, code, None)
+            for guard in self.guards:  # cut before its end: an error, its pieces billed
+                guard.close(code)
+
+    async def _deliver(self, batch: list[_Item], send: Send) -> None:
+        """Bill the batch, then write it; what did not go out is taken back."""
+        try:
+            await self._bill(batch)
+        except BaseException:  # the client went away while the records were written
+            for unsent in batch:
+                self._take_back(unsent)
+            raise
+        for i, item in enumerate(batch):
+            try:
+                if item.raw is not None:
+                    await self._send(item, send)
+            except BaseException:
+                for unsent in batch[i + 1 :]:  # the rest did not go out
+                    self._take_back(unsent)
+                raise
+            if item.ends and item.guard is not None:  # a long-lived stream keeps no state
+                self.guards.discard(item.guard)  # of finished requests
 
     # -- billing ---------------------------------------------------------------------------
 
@@ -189,58 +149,18 @@ class StreamForwarder:
         """Record what the batch's responses bill; wait until Redis has it."""
         futures = []
         for item in batch:
-            call = item.call
-            tokens = NO_TOKENS
-            if call.meter is not None and item.piece is not None:
-                tokens = call.meter.advance(item.piece)
-            if item.ends:
-                finish = item.piece.finish_reason if item.piece else None
-                item.receipt, future = self._record_end(call, item.code, finish, tokens)
-            elif tokens != NO_TOKENS and self.accounting is not None:
-                assert call.entry is not None
-                future = self.accounting.record_tokens(
-                    call.model, call.version, tokens, self.tenant_name
-                )
-                item.receipt = Receipt(
-                    call.model, call.version, 0, tokens, call=False, tenant=self.tenant_name
-                )
-            else:
+            guard = item.guard
+            if guard is None:
                 continue
+            item.receipt, future = guard.bill(item.piece, item.ends, item.code)
+            if item.ends:
+                guard.count(item.code)
             if future is not None and future not in futures:
                 futures.append(future)
         if self.accounting is not None:
             for future in futures:
                 if not await self.accounting.durable(future):
                     metrics.REPLIES_BEFORE_DURABLE.inc()
-
-    def _record_end(
-        self,
-        call: _Call,
-        code: grpc.StatusCode,
-        finish: str | None,
-        tokens: Tokens = NO_TOKENS,
-    ) -> tuple[Receipt | None, asyncio.Future | None]:
-        call.ended = True
-        metrics.REQUESTS.labels(call.label, code.name).inc()
-        metrics.LATENCY.labels("upstream").observe(call.upstream_s)
-        if self.accounting is None or call.entry is None:
-            return None, None
-        ok = code == OK
-        price = call.entry.price_micro_usd
-        if call.meter is None:
-            finish = None
-        elif ok:
-            finish = finish or ""
-        upstream_ns = int(call.upstream_s * 1e9)
-        tenant = self.tenant_name
-        future = self.accounting.record(
-            call.model, call.version, ok, price, upstream_ns, tokens, finish, tenant
-        )
-        if ok:
-            return Receipt(call.model, call.version, price, tokens, finish, tenant=tenant), future
-        if tokens != NO_TOKENS:
-            return Receipt(call.model, call.version, 0, tokens, call=False, tenant=tenant), future
-        return None, future
 
     async def _send(self, item: _Item, send: Send) -> None:
         """Write one response. The write runs shielded: when the client's cancel interrupts
@@ -258,144 +178,35 @@ class StreamForwarder:
 
     def _take_back(self, item: _Item) -> None:
         """A response billed but not forwarded (the client went away)."""
-        receipt = item.receipt
-        if receipt is None:
-            return
-        if item.call.meter is not None:
-            item.call.meter.take_back(receipt.tokens)
-        self.dispatcher.refund(receipt)
+        if item.guard is not None:
+            item.guard.refund(item.receipt)
 
     # -- forwarding ------------------------------------------------------------------------
 
     async def _request(self, raw: bytes) -> None:
+        """One request of the stream, by the dispatcher's one forward path; a request that
+        ends without a response of its own gets an error response."""
         try:
-            header = InferHeader.FromString(raw)
-        except DecodeError as e:
-            call = _Call("", "", "")
-            self.calls.add(call)
-            message = f"the request does not parse as a ModelInferRequest: {clip(str(e), 120)}"
-            await self._fail(call, grpc.StatusCode.INVALID_ARGUMENT, message)
+            guard = self.dispatcher.guard(raw, self.tenant, streamed=True)
+        except MeshError as e:  # its header does not parse
+            self._fail(None, e.code, e.message)
             return
-        call = _Call(header.id, header.model_name, header.model_version)
-        call.session = session_of(header.parameters)
-        self.calls.add(call)
-        if self.tenant is not None and self.dispatcher.auth is not None:
-            try:
-                await self.dispatcher.auth.admit(self.tenant, call.model)
-            except MeshError as e:  # not its model, or over a limit: this request only
-                await self._fail(call, e.code, e.message, e.trailers)
-                return
-        replicas = self.registry.replicas_for(call.model, call.version)
-        found = self.dispatcher.entry(call.model, call.version, None) if replicas else None
-        if found is None:
-            error = self.registry.unserved(call.model, call.version)
-            await self._fail(call, error.code, error.message)
-            return
-        call.entry, call.version = found
-        if billing.priced_per_token(call.entry):
-            call.meter = billing.TokenMeter.of(call.entry)
+        self.guards.add(guard)
         try:
-            self.dispatcher.admit(call.model)
-        except Exception as e:
-            await self._fail(call, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            return
-        try:
-            await self._forward(raw, call, replicas)
+            await self.dispatcher.admit(guard)  # not its model, or over a limit: this one only
+            replies = self.dispatcher.responses(guard, raw, self.deadline)
+            async with aclosing(replies) as responses:
+                async for reply in responses:
+                    item = _Item(guard, reply.raw, reply.piece, reply.ends, reply.code)
+                    self.out.put_nowait(item)
+        except MeshError as e:
+            self._fail(guard, e.code, e.message, e.trailers)
         finally:
-            self.dispatcher.release(call.model)
+            guard.release()
 
-    async def _forward(self, raw: bytes, call: _Call, replicas: list[Replica]) -> None:
-        tried: set[str] = set()
-        while True:
-            pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
-            if not pool:
-                message = (
-                    f"no healthy replica of model {clip(call.model)}: "
-                    f"{len(replicas)} known, all failed or ejected"
-                )
-                await self._fail(call, grpc.StatusCode.UNAVAILABLE, message)
-                return
-            try:
-                replica = self.dispatcher.pick(pool, call.model, call.session)
-            except Exception as e:  # every replica at its max queue
-                await self._fail(call, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                return
-            timeout = (
-                self.dispatcher.default_timeout_s
-                if self.deadline is None
-                else self.deadline - time.monotonic()
-            )
-            if timeout <= 0:
-                message = "deadline passed before forwarding"
-                await self._fail(call, grpc.StatusCode.DEADLINE_EXCEEDED, message)
-                return
-            status, details, forwarded = await self._attempt(raw, call, replica, timeout)
-            if status == OK:
-                return
-            tried.add(replica.id)
-            another = any(r.id not in tried and not r.ejected and not r.dropped for r in replicas)
-            if not forwarded and status in RETRYABLE and len(tried) == 1 and another:
-                metrics.RETRIES.labels(status.name).inc()
-                log.info("retrying_stream", worker=replica.id, code=status.name, model=call.model)
-                continue
-            log.warning("stream_failed", worker=replica.id, code=status.name, model=call.model)
-            await self._fail(call, status, details)
-            return
-
-    async def _attempt(
-        self, raw: bytes, call: _Call, replica: Replica, timeout: float
-    ) -> tuple[grpc.StatusCode, str, bool]:
-        """One worker stream for one request: (status, details, any response forwarded)."""
-        token = self.registry.begin(replica)
-        metrics.INFLIGHT.labels(replica.id).inc()
-        t0 = time.perf_counter()
-        stream = replica.stream(timeout=timeout)
-        replica.calls.add(stream)
-        forwarded = ended = False
-        try:
-            await stream.write(raw)
-            await stream.done_writing()
-            while (response := await stream.read()) is not grpc.aio.EOF:
-                replica.heard_at = time.monotonic()
-                assert isinstance(response, bytes)
-                piece = billing.stream_piece(response)
-                call.observe(piece)
-                ends = piece.final or bool(piece.error)
-                code = grpc.StatusCode.UNKNOWN if piece.error else OK
-                if ends and not ended:  # its time upstream is counted with its end
-                    t0 = _add_upstream(call, t0)
-                await self.out.put(_Item(call, response, piece, ends and not ended, code))
-                forwarded = True
-                ended = ended or ends
-            if not ended:  # the worker's stream closed OK without a final response
-                t0 = _add_upstream(call, t0)
-                await self.out.put(_Item(call, None, None, True, OK))
-            return OK, "", forwarded
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if stream not in replica.abandoned or (task is not None and task.cancelling()):
-                raise  # the client went away: the worker stream is cancelled below
-            # The registry gave up on the replica (left, or stalled) and cancelled this call.
-            return grpc.StatusCode.UNAVAILABLE, "the replica stopped answering", forwarded
-        except grpc.aio.AioRpcError as e:
-            status, details = e.code(), e.details() or e.code().name
-            if status == grpc.StatusCode.UNAVAILABLE:
-                self.registry.eject(replica, details)
-                metrics.EJECTIONS.labels(replica.id).inc()
-            if ended:  # the request was answered; a late transport error changes nothing
-                return OK, "", forwarded
-            return status, details, forwarded
-        finally:
-            stream.cancel()  # no-op once it ended; else the worker aborts the request
-            replica.calls.discard(stream)
-            replica.abandoned.discard(stream)
-            _add_upstream(call, t0)
-            self.registry.end(replica, token)
-            metrics.INFLIGHT.labels(replica.id).dec()
-
-    async def _fail(
+    def _fail(
         self,
-        call: _Call,
+        guard: RequestGuard | None,
         code: grpc.StatusCode,
         message: str,
         trailers: tuple[tuple[str, str], ...] = (),
@@ -405,14 +216,10 @@ class StreamForwarder:
         response's parameters: a stream has one trailer, at its end, not one per request."""
         response = pb.ModelStreamInferResponse(
             error_message=f"{code.name}: {message}",
-            infer_response=pb.ModelInferResponse(id=call.id, model_name=call.model),
+            infer_response=pb.ModelInferResponse(
+                id=guard.id if guard else "", model_name=guard.model if guard else ""
+            ),
         )
         for name, value in trailers:
             response.infer_response.parameters[name].string_param = value
-        await self.out.put(_Item(call, response.SerializeToString(), None, True, code))
-
-
-def _add_upstream(call: _Call, since: float) -> float:
-    now = time.perf_counter()
-    call.upstream_s += now - since
-    return now
+        self.out.put_nowait(_Item(guard, response.SerializeToString(), None, True, code))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import processes, toy_models
-from deploy.processes import free_port
+from devmesh import processes, toy_models
+from devmesh.processes import free_port
 
 # Test-only models: the MLP under configs that make batching and backpressure observable.
 TEST_CONFIGS = {

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from common import dtypes
+from common import dtypes, llm_protocol
+from common.bytes_codec import deserialize_bytes, serialize_bytes
 from common.errors import InvalidArgument
 from common.rpc import MAX_MESSAGE_BYTES
 from protos import grpc_service_pb2 as pb
 from worker.config import (
-    LLM_MESSAGES,
     LLM_OUTPUT,
-    LLM_TEXT_INPUT,
     TEXT_INPUT,
     TOKENIZER,
     VOCAB_SIZE,
@@ -29,7 +28,6 @@ from worker.config import (
     vocab_sizes,
 )
 
-_LENGTH = struct.Struct("<I")
 # Past this many BYTES elements (or raw bytes) in one request, decoding and encoding run on a
 # thread rather than on the event loop, so health checks and other calls keep being answered.
 HEAVY_ELEMENTS = 50_000
@@ -75,91 +73,6 @@ def is_heavy(request: pb.ModelInferRequest) -> bool:
     return any(len(t.contents.bytes_contents) > HEAVY_ELEMENTS for t in request.inputs)
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes.
-    Vectorised: the elements joined once, the length prefixes placed by numpy."""
-    items = [x if type(x) is bytes else str(x).encode() for x in array.reshape(-1).tolist()]
-    n = len(items)
-    if n == 0:
-        return b""
-    lengths = np.fromiter(map(len, items), np.int64, count=n)
-    prefixes = lengths.astype("<u4").view(np.uint8).reshape(n, 4)
-    payload = np.frombuffer(b"".join(items), np.uint8)
-    out = np.empty(4 * n + payload.size, np.uint8)
-    first = int(lengths[0])
-    if (lengths == first).all():
-        rows = out.reshape(n, 4 + first)
-        rows[:, :4] = prefixes
-        rows[:, 4:] = payload.reshape(n, first)
-        return out.tobytes()
-    starts = 4 * np.arange(n, dtype=np.int64)
-    starts[1:] += np.cumsum(lengths[:-1])
-    is_prefix = np.zeros(out.size, bool)
-    for k in range(4):
-        is_prefix[starts + k] = True
-    out[is_prefix] = prefixes.reshape(-1)
-    out[~is_prefix] = payload
-    return out.tobytes()
-
-
-def deserialize_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
-    """v2 raw BYTES -> object array of `count` bytes. One pass, `count` (from the checked
-    shape) bounding the work: a precompiled struct and no per-element branches (~0.2 us an
-    element); a payload that is uniform, e.g. all empty, takes a vectorised path."""
-    array = np.empty(count, dtype=object)
-    if count == 0:
-        if raw:
-            raise InvalidArgument(
-                f"input {name!r}: BYTES raw content is {len(raw)} bytes, shape needs 0 elements"
-            )
-        return array
-    end = len(raw)
-    if end < 4 * count:
-        raise InvalidArgument(
-            f"input {name!r}: BYTES raw content is {end} bytes, too short for {count} elements "
-            "(each takes a 4-byte length prefix)"
-        )
-    first = _LENGTH.unpack_from(raw, 0)[0]
-    if end == count * (4 + first) and _uniform(raw, count, first):
-        if first == 0:
-            array.fill(b"")
-        else:
-            rows = np.frombuffer(raw, np.uint8).reshape(count, 4 + first)[:, 4:]
-            array[:] = np.ascontiguousarray(rows).view(f"V{first}").reshape(-1).tolist()
-        return array
-    items: list[bytes] = [b""] * count
-    unpack = _LENGTH.unpack_from
-    offset = 0
-    try:
-        for i in range(count):
-            (length,) = unpack(raw, offset)
-            offset += 4
-            items[i] = raw[offset : offset + length]
-            offset += length
-            if offset > end:
-                raise InvalidArgument(
-                    f"input {name!r}: BYTES element {i} claims {length} bytes but only "
-                    f"{end - offset + length} remain"
-                )
-    except struct.error:
-        raise InvalidArgument(
-            f"input {name!r}: BYTES raw content ends inside the 4-byte length prefix of "
-            f"element {i} (offset {offset}); shape needs {count} elements"
-        ) from None
-    if offset != end:
-        raise InvalidArgument(
-            f"input {name!r}: BYTES raw content has {end - offset} bytes left after the "
-            f"{count} elements the shape needs"
-        )
-    array[:] = items
-    return array
-
-
-def _uniform(raw: bytes, count: int, length: int) -> bool:
-    prefixes = np.frombuffer(raw, np.uint8).reshape(count, 4 + length)[:, :4]
-    return bool((np.ascontiguousarray(prefixes).view("<u4") == length).all())
-
-
 def decode_request(
     request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits = DEFAULT_LIMITS
 ) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -186,8 +99,8 @@ def decode_request(
     missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
     if TEXT_INPUT in missing and TOKENIZER in spec.parameters and arrays:
         missing.remove(TEXT_INPUT)  # token inputs instead of TEXT: worker/text.py checks them
-    if LLM_TEXT_INPUT in missing and LLM_MESSAGES in arrays:
-        missing.remove(LLM_TEXT_INPUT)  # a chat: the model's template makes the prompt
+    if llm_protocol.TEXT_INPUT in missing and llm_protocol.MESSAGES in arrays:
+        missing.remove(llm_protocol.TEXT_INPUT)  # a chat: the model's template makes the prompt
     if missing:
         want = ", ".join(f"{n} ({spec.inputs[n].datatype} {_dims(spec, n)})" for n in missing)
         raise InvalidArgument(
@@ -370,11 +283,11 @@ def encode_text_piece(
         data = text.encode()
         response.outputs.add(name=LLM_OUTPUT, datatype="BYTES", shape=[1])
         response.raw_output_contents.append(struct.pack("<I", len(data)) + data)
-    response.parameters["triton_final_response"].bool_param = final
+    response.parameters[llm_protocol.FINAL_RESPONSE].bool_param = final
     if usage is not None:
         prompt_tokens, completion_tokens, finish_reason = usage
-        response.parameters["prompt_tokens"].int64_param = prompt_tokens
-        response.parameters["completion_tokens"].int64_param = completion_tokens
+        response.parameters[llm_protocol.PROMPT_TOKENS].int64_param = prompt_tokens
+        response.parameters[llm_protocol.COMPLETION_TOKENS].int64_param = completion_tokens
         if final:
-            response.parameters["finish_reason"].string_param = finish_reason
+            response.parameters[llm_protocol.FINISH_REASON].string_param = finish_reason
     return response

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from common import dtypes
+from common import dtypes, llm_protocol, model_keys
+from common.model_config import config_text as config_text
 from common.tenancy import PRICE_PER_1K_INPUT as PRICE_PER_1K_INPUT
 from common.tenancy import PRICE_PER_1K_OUTPUT as PRICE_PER_1K_OUTPUT
 from common.tenancy import PRICE_PER_CALL as PRICE_PER_CALL
@@ -21,41 +22,37 @@ from protos import model_config_pb2 as mc
 
 # meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters); the
 # prices and training cost are in common.tenancy, which hides them from clients.
-EXECUTION_PROVIDER = "meshserve.execution_provider"
+EXECUTION_PROVIDER = model_keys.EXECUTION_PROVIDER
 # Adds this many microseconds of waiting to every execution while holding the model
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
 # machine whose few cores cannot also host real compute for several replicas.
-SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
+SIMULATED_COMPUTE_US = model_keys.SIMULATED_COMPUTE_US
 # "true": a batch waits out max_queue_delay_microseconds for more requests even when nothing
 # else of the model runs (Triton's rule, and meshserve's before it ran idle requests at once;
 # see worker/batcher.py). "false", the default: the delay applies only while a batch runs.
-DELAY_WHEN_IDLE = "meshserve.batch_delay_when_idle"
+DELAY_WHEN_IDLE = model_keys.DELAY_WHEN_IDLE
 # Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
 # the tokens. The worker then adds a BYTES input TEXT; the graph's token inputs become its
 # optional alternative.
-TOKENIZER = "meshserve.tokenizer"
-TEXT_TASK = "meshserve.text_task"  # embed (generation is the LLM engine's: ENGINE below)
+TOKENIZER = model_keys.TOKENIZER
+TEXT_TASK = model_keys.TEXT_TASK  # embed (generation is the LLM engine's: ENGINE below)
 TEXT_TASKS = ("embed",)
 # meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
 # an embedding). Found in the graph where an input indexes a constant table; may be set.
-VOCAB_SIZE = "meshserve.vocab_size."
-TEXT_INPUT = "TEXT"
+VOCAB_SIZE = model_keys.VOCAB_SIZE
+TEXT_INPUT = llm_protocol.TEXT
 # An LLM served by the generation engine (worker/llm/): the model folder holds the engine's
 # step graph and a tokenizer; clients speak Triton's vLLM-backend tensors (decoupled).
-ENGINE = "meshserve.engine"
+ENGINE = model_keys.ENGINE
 LLM_ENGINE = "llm"
-LLM_TEXT_INPUT = "text_input"
-# A chat instead of text_input: BYTES [1], a JSON list of {role, content} messages, rendered
-# by the model's own chat template on the worker (worker/llm/chat.py).
-LLM_MESSAGES = "messages"
 LLM_INPUTS = (
-    (LLM_TEXT_INPUT, mc.TYPE_STRING, False),
-    ("stream", mc.TYPE_BOOL, True),
-    ("sampling_parameters", mc.TYPE_STRING, True),
-    ("exclude_input_in_output", mc.TYPE_BOOL, True),
-    (LLM_MESSAGES, mc.TYPE_STRING, True),
+    (llm_protocol.TEXT_INPUT, mc.TYPE_STRING, False),
+    (llm_protocol.STREAM, mc.TYPE_BOOL, True),
+    (llm_protocol.SAMPLING_PARAMETERS, mc.TYPE_STRING, True),
+    (llm_protocol.EXCLUDE_INPUT_IN_OUTPUT, mc.TYPE_BOOL, True),
+    (llm_protocol.MESSAGES, mc.TYPE_STRING, True),
 )
-LLM_OUTPUT = "text_output"
+LLM_OUTPUT = llm_protocol.TEXT_OUTPUT
 
 
 class ConfigError(Exception):
@@ -92,24 +89,6 @@ class GraphTensor:
     name: str
     datatype: str
     dims: tuple[int | None, ...]
-
-
-def config_text(
-    name: str,
-    max_batch_size: int,
-    max_queue_delay_us: int,
-    parameters: Mapping[str, str],
-    all_versions: bool = False,
-    platform: str = "",
-) -> str:
-    """A config.pbtxt with dynamic batching, for the repositories meshserve writes itself."""
-    config = mc.ModelConfig(name=name, platform=platform, max_batch_size=max_batch_size)
-    config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
-    if all_versions:
-        config.version_policy.all.SetInParent()
-    for key, value in parameters.items():
-        config.parameters[key].string_value = value
-    return text_format.MessageToString(config)
 
 
 def read(model_dir: Path) -> mc.ModelConfig:

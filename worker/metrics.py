@@ -9,65 +9,21 @@ repository.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.streaming import TOKEN_BUCKETS
+from worker.token_metrics import REGISTRY
 
 if TYPE_CHECKING:
     from worker.repository import LoadedModel, Repository
 
     Roofline = Callable[[LoadedModel], dict[str, float]]
 
-# One registry per process, not prometheus_client's global one: a worker exposes its own
-# series only (no process_/python_ collectors from imported libraries' defaults).
-REGISTRY = CollectorRegistry()
-
-TTFT = Histogram(
-    "meshserve_worker_time_to_first_token_seconds",
-    "From a request's admission to the engine to its first generated token",
-    ["model"],
-    buckets=TOKEN_BUCKETS,
-    registry=REGISTRY,
-)
-INTER_TOKEN = Histogram(
-    "meshserve_worker_inter_token_seconds",
-    "Between a stream's pieces, per token they carry",
-    ["model"],
-    buckets=TOKEN_BUCKETS,
-    registry=REGISTRY,
-)
-
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
-
-
-@dataclass
-class TokenClock:
-    """One generation's timing: feed it each output's running completion-token count."""
-
-    model: str
-    started: float = field(default_factory=time.perf_counter)
-    last: float | None = None
-    tokens: int = 0
-
-    def observe(self, completion_tokens: int) -> int:
-        """The tokens new since the last call."""
-        new = completion_tokens - self.tokens
-        if new <= 0:
-            return 0
-        now = time.perf_counter()
-        if self.last is None:
-            TTFT.labels(self.model).observe(now - self.started)
-        else:
-            INTER_TOKEN.labels(self.model).observe((now - self.last) / new)
-        self.last, self.tokens = now, completion_tokens
-        return new
 
 
 class RepositoryCollector(Collector):

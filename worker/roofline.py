@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 
+from common import model_keys
 from planner import profiles
 from planner.analysis import AnalysisError, ModelAnalysis, analyse_file, read_config
 from planner.profiles import Profile
@@ -26,7 +27,7 @@ from worker.stats import ModelStats, Work
 
 log = structlog.get_logger()
 
-PREFIX = "meshserve.roofline."
+PREFIX = model_keys.ROOFLINE
 
 
 Cost = tuple[float, float]  # (FLOPs, bytes)

@@ -1,6 +1,6 @@
 """The worker process: load the repository, serve gRPC, drain on SIGTERM.
 
-torch is imported only for a shard group (`--tp N`, worker/tp_serve.py): a plain worker
+torch is imported only for a shard group (`--tp N`, worker/tp/serve.py): a plain worker
 runs without it (the `worker` extra does not install it).
 """
 
@@ -35,7 +35,7 @@ from worker.servicer import WorkerServicer, handler
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from worker.tp_serve import TpRepository
+    from worker.tp.serve import TpRepository
 
 log = structlog.get_logger()
 
@@ -64,7 +64,7 @@ async def serve(settings: WorkerSettings) -> None:
     repository: Repository
     group: TpRepository | None = None
     if settings.tp:
-        from worker.tp_serve import TpRepository  # torch: only a shard group needs it
+        from worker.tp.serve import TpRepository  # torch: only a shard group needs it
 
         repository = group = TpRepository(settings, options)
     else:

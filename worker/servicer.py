@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from common import rpc, streaming
+from common import llm_protocol, model_keys, rpc
 from common.errors import InvalidArgument, MeshError, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from worker import codec
+from worker import codec, streaming
 from worker.config import ModelSpec
 from worker.llm.engine import Output
 from worker.llm.serving import LLMServing
@@ -221,7 +221,7 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-EMPTY_FINAL = "triton_enable_empty_final_response"
+EMPTY_FINAL = llm_protocol.EMPTY_FINAL_RESPONSE
 
 
 def _usage(out: Output) -> tuple[int, int, str]:
@@ -267,7 +267,7 @@ def _roofline_usage(figures: dict[str, float]) -> list[pb.MemoryUsage]:
     return out
 
 
-SPECULATIVE = "meshserve.speculative."
+SPECULATIVE = model_keys.SPECULATIVE
 
 
 def _speculative_usage(model: LoadedModel) -> list[pb.MemoryUsage]:

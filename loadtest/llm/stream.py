@@ -25,14 +25,14 @@ import grpc
 import numpy as np
 
 from client import codec
-from common import tls
+from common import llm_protocol, tls
 from common.rpc import message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
-FINAL = "triton_final_response"
-EMPTY_FINAL = "triton_enable_empty_final_response"
-TEXT_OUTPUT = "text_output"
+FINAL = llm_protocol.FINAL_RESPONSE
+EMPTY_FINAL = llm_protocol.EMPTY_FINAL_RESPONSE
+TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
 
 @dataclass
@@ -59,14 +59,14 @@ def build_request(
     return_token_counts: bool = False,
 ) -> pb.ModelInferRequest:
     inputs: dict[str, np.ndarray] = {
-        "text_input": _bytes(text.encode()),
-        "stream": np.array([True]),
-        "sampling_parameters": _bytes(json.dumps(sampling).encode()),
-        "exclude_input_in_output": np.array([True]),
+        llm_protocol.TEXT_INPUT: _bytes(text.encode()),
+        llm_protocol.STREAM: np.array([True]),
+        llm_protocol.SAMPLING_PARAMETERS: _bytes(json.dumps(sampling).encode()),
+        llm_protocol.EXCLUDE_INPUT_IN_OUTPUT: np.array([True]),
     }
     if return_token_counts:
-        inputs["return_num_input_tokens"] = np.array([True])
-        inputs["return_num_output_tokens"] = np.array([True])
+        inputs[llm_protocol.RETURN_NUM_INPUT_TOKENS] = np.array([True])
+        inputs[llm_protocol.RETURN_NUM_OUTPUT_TOKENS] = np.array([True])
     request = codec.infer_request(model, inputs, version=version, request_id=request_id)
     request.parameters[EMPTY_FINAL].bool_param = True
     return request
@@ -137,7 +137,7 @@ def _record(out: Outcome, response: pb.ModelInferResponse, now: float) -> bool:
     result = codec.infer_result(response)
     text = result.outputs.get(TEXT_OUTPUT)
     piece = b"".join(text.reshape(-1)).decode("utf-8", "replace") if text is not None else ""
-    counts = result.outputs.get("num_output_tokens")
+    counts = result.outputs.get(llm_protocol.NUM_OUTPUT_TOKENS)
     if piece:
         out.pieces.append(now)
         out.text += piece
@@ -145,16 +145,16 @@ def _record(out: Outcome, response: pb.ModelInferResponse, now: float) -> bool:
             out.piece_tokens.append(int(counts.reshape(-1)[0]))
     elif counts is not None and out.piece_tokens:
         out.piece_tokens[-1] += int(counts.reshape(-1)[0])
-    prompt = result.outputs.get("num_input_tokens")
+    prompt = result.outputs.get(llm_protocol.NUM_INPUT_TOKENS)
     if prompt is not None:
         out.prompt_tokens = int(prompt.reshape(-1)[0])
     params = response.parameters
-    if "prompt_tokens" in params:
-        out.prompt_tokens = int(params["prompt_tokens"].int64_param)
-    if "completion_tokens" in params:
-        out.completion_tokens = int(params["completion_tokens"].int64_param)
-    if "finish_reason" in params:
-        out.finish_reason = params["finish_reason"].string_param
+    if llm_protocol.PROMPT_TOKENS in params:
+        out.prompt_tokens = int(params[llm_protocol.PROMPT_TOKENS].int64_param)
+    if llm_protocol.COMPLETION_TOKENS in params:
+        out.completion_tokens = int(params[llm_protocol.COMPLETION_TOKENS].int64_param)
+    if llm_protocol.FINISH_REASON in params:
+        out.finish_reason = params[llm_protocol.FINISH_REASON].string_param
     final = params[FINAL].bool_param if FINAL in params else True  # a non-decoupled model
     if final and out.completion_tokens is None and out.piece_tokens:
         out.completion_tokens = sum(out.piece_tokens)

@@ -19,15 +19,16 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from common import bytes_codec
+from common import llm_protocol as llm
 from protos import grpc_service_pb2 as pb
 from router.http import tensors
 from router.http.errors import HttpError
 
-TEXT_INPUT, TEXT_OUTPUT, MESSAGES = "text_input", "text_output", "messages"
-STREAM, SAMPLING, EXCLUDE = "stream", "sampling_parameters", "exclude_input_in_output"
-EMBED_INPUT = "TEXT"
-PROMPT_TOKENS, COMPLETION_TOKENS = "prompt_tokens", "completion_tokens"
-CACHED_TOKENS, FINISH_REASON, FINAL = "cached_tokens", "finish_reason", "triton_final_response"
+TEXT_INPUT, TEXT_OUTPUT, MESSAGES = llm.TEXT_INPUT, llm.TEXT_OUTPUT, llm.MESSAGES
+STREAM, SAMPLING, EXCLUDE = llm.STREAM, llm.SAMPLING_PARAMETERS, llm.EXCLUDE_INPUT_IN_OUTPUT
+PROMPT_TOKENS, COMPLETION_TOKENS = llm.PROMPT_TOKENS, llm.COMPLETION_TOKENS
+CACHED_TOKENS, FINISH_REASON, FINAL = llm.CACHED_TOKENS, llm.FINISH_REASON, llm.FINAL_RESPONSE
 DEFAULT_MAX_TOKENS = 256
 
 # OpenAI fields -> the engine's sampling keys (worker/llm/sampling.py).
@@ -161,9 +162,7 @@ def _bool(doc: dict, key: str, name: str | None = None) -> bool:
 
 def _bytes_input(request: pb.ModelInferRequest, name: str, texts: list[str]) -> None:
     request.inputs.add(name=name, datatype="BYTES", shape=[len(texts)])
-    request.raw_input_contents.append(
-        b"".join(tensors.LENGTH.pack(len(b)) + b for b in (t.encode() for t in texts))
-    )
+    request.raw_input_contents.append(bytes_codec.join(t.encode() for t in texts))
 
 
 def _bool_input(request: pb.ModelInferRequest, name: str, value: bool) -> None:
@@ -209,10 +208,8 @@ def embedding(doc: dict) -> Embedding:
 
 def embedding_request(e: Embedding, request_id: str) -> bytes:
     request = pb.ModelInferRequest(model_name=e.model, id=request_id)
-    request.inputs.add(name=EMBED_INPUT, datatype="BYTES", shape=[len(e.texts), 1])
-    request.raw_input_contents.append(
-        b"".join(tensors.LENGTH.pack(len(b)) + b for b in (t.encode() for t in e.texts))
-    )
+    request.inputs.add(name=llm.TEXT, datatype="BYTES", shape=[len(e.texts), 1])
+    request.raw_input_contents.append(bytes_codec.join(t.encode() for t in e.texts))
     return request.SerializeToString()
 
 

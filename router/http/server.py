@@ -30,6 +30,7 @@ log = logging.getLogger("uvicorn.error")
 
 class _Protocol(HttpToolsProtocol):
     header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[arg-type]

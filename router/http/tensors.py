@@ -19,6 +19,7 @@ import sys
 from array import array
 from typing import Any
 
+from common import bytes_codec
 from protos import grpc_service_pb2 as pb
 from router.http.errors import HttpError
 
@@ -40,7 +41,6 @@ CODES = {
 SIZES = {**{k: struct.calcsize(c) for k, c in CODES.items()}, "BF16": 2}
 INTEGER = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 HEADER_LENGTH = "inference-header-content-length"
-LENGTH = struct.Struct("<I")
 assert sys.byteorder == "little"  # raw contents are written as this machine lays them out
 
 Json = dict[str, Any]
@@ -199,9 +199,8 @@ def _pack(values: list, datatype: str, count: int, where: str) -> bytes:
         for v in values:
             if not isinstance(v, str):
                 raise _bad(f"{where}.data: strings expected for BYTES", f"{where}.data")
-            b = v.encode()
-            parts.append(LENGTH.pack(len(b)) + b)
-        return b"".join(parts)
+            parts.append(v.encode())
+        return bytes_codec.join(parts)
     if datatype == "BF16":
         raise _bad(f"{where}: BF16 only as binary data", f"{where}.datatype")
     if datatype == "BOOL":
@@ -227,13 +226,7 @@ def _unpack(raw: bytes, datatype: str) -> list:
     return [bool(v) for v in values] if datatype == "BOOL" else values
 
 
-def split_bytes(raw: bytes) -> list[bytes]:
-    out, i = [], 0
-    while i + 4 <= len(raw):
-        (n,) = LENGTH.unpack_from(raw, i)
-        out.append(raw[i + 4 : i + 4 + n])
-        i += 4 + n
-    return out
+split_bytes = bytes_codec.split
 
 
 def wants_binary(doc: Json) -> tuple[bool, set[str]]:
@@ -311,9 +304,8 @@ def generate_request(doc: Json, model: str, version: str, streamed: bool) -> pb.
         if isinstance(value, dict | list):
             value = json.dumps(value)
         if isinstance(value, str):
-            b = value.encode()
             request.inputs.add(name=name, datatype="BYTES", shape=[1])
-            request.raw_input_contents.append(LENGTH.pack(len(b)) + b)
+            request.raw_input_contents.append(bytes_codec.join([value.encode()]))
         elif isinstance(value, bool):
             request.inputs.add(name=name, datatype="BOOL", shape=[1])
             request.raw_input_contents.append(b"\x01" if value else b"\x00")

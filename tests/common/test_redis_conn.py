@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common import redis_conn
-from deploy.processes import LocalMesh
+from devmesh.processes import LocalMesh
 
 
 def test_sentinel_url_parts() -> None:

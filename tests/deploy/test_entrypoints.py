@@ -20,14 +20,14 @@ from pydantic_settings import BaseSettings
 
 import client.__main__
 import common.health
-import deploy.models
+import devmesh.models
 import ledger.__main__
 import loadtest.__main__
 import loadtest.llm.cli
 import quantize.__main__
 import router.__main__
 import worker.__main__
-from deploy import compose_check
+from devmesh import compose_check
 from ledger.settings import LedgerSettings
 from router.settings import RouterSettings
 from worker.settings import WorkerSettings
@@ -43,7 +43,7 @@ CLIS: dict[str, Callable[[list[str]], object]] = {
     "common.health": common.health.parse_args,
     "ledger": ledger.__main__.parse_args,
     "quantize": quantize.__main__.parse_args,
-    "deploy.models": deploy.models.parse_args,
+    "devmesh.models": devmesh.models.parse_args,
 }
 SETTINGS: dict[str, type[BaseSettings]] = {
     "MESHSERVE_WORKER_": WorkerSettings,
@@ -62,7 +62,7 @@ ROLES = {
     "build": ({"build"}, "quantize"),
 }
 # What else a role's image may start as a compose service (its CMD is the first).
-ALSO_STARTS = {"build": {"deploy.models"}}
+ALSO_STARTS = {"build": {"devmesh.models"}}
 SERVES_GRPC = {"router", "worker"}
 COMPOSE_FILES = sorted({name for files in compose_check.VARIANTS for name in files})
 
@@ -138,7 +138,7 @@ def test_compose_commands_are_real_clis(name: str) -> None:
             if dockerfile:
                 assert (compose_check.ROOT / dockerfile).exists(), f"{where}: no {dockerfile}"
     if name == "compose.yaml":
-        assert started == {"worker", "router", "loadtest", "deploy.models"}
+        assert started == {"worker", "router", "loadtest", "devmesh.models"}
         assert services["loadtest"]["profiles"] == ["loadtest"]
         assert sum(s.startswith("worker-") for s in services) == 3
 

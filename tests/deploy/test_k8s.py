@@ -24,7 +24,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from common import mesh_state
-from deploy import compose_check
+from devmesh import compose_check
 from tests.deploy.test_entrypoints import ROLES, SETTINGS, check_cli
 from worker.settings import WorkerSettings
 
@@ -262,7 +262,7 @@ def test_keda_scales_the_workers_on_the_keys_they_write(
         lists.add(meta["listName"])
     auth = find(docs, "TriggerAuthentication", "meshserve-redis")
     assert auth["spec"]["secretTargetRef"][0]["parameter"] == "password"
-    # mlp is served by the worker image (deploy/toy_models.py); smollm2 is the LLM.
+    # mlp is served by the worker image (devmesh/toy_models.py); smollm2 is the LLM.
     assert mesh_state.scale_queue_key("mlp") in lists
     assert {mesh_state.scale_queue_key("smollm2"), mesh_state.scale_kv_key("smollm2")} <= lists
     redis = find(docs, "Service", "redis")

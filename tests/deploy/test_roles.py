@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from deploy.processes import Process, free_port, wait_serving
-from tests.integration.mesh import Mesh, call_many
+from devmesh.processes import Process, free_port, wait_serving
+from devmesh.testing import Mesh, call_many
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.mesh import Mesh
+from devmesh.testing import Mesh
 
 
 @pytest.fixture

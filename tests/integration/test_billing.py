@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 
-from deploy import toy_models
+from devmesh import toy_models
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository, mlp_request
 from ledger.store import Store
 from protos import grpc_service_pb2_grpc as pb_grpc
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD, from mlp_config
 

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common import dtypes
-from deploy import toy_models
+from devmesh import toy_models
+from devmesh.testing import Mesh
 from protos import grpc_service_pb2 as pb
-from tests.integration.mesh import Mesh
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"}
 METHOD = "/inference.GRPCInferenceService/ModelInfer"

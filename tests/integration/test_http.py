@@ -24,8 +24,8 @@ from tokenizers import Tokenizer
 from benchmarks import llm_genai_perf
 from common.net import free_port
 from common.tenancy import TenantPolicy
-from deploy import toy_models
-from deploy.processes import ROOT
+from devmesh import toy_models
+from devmesh.processes import ROOT
 from ledger.store import Store
 from quantize import llm, pipeline
 from router.keys import TenantAdmin

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.net import free_port
-from deploy import toy_models
+from devmesh import toy_models
 from tests.integration.mesh import Mesh
 
 FUZZ = settings(

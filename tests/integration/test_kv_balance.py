@@ -19,9 +19,9 @@ import tritonclient.grpc as triton
 
 from common import mesh_state
 from common.net import free_port
-from deploy.processes import ROOT
+from devmesh.processes import ROOT
+from devmesh.testing import Mesh, worker_successes
 from quantize import llm
-from tests.integration.mesh import Mesh, worker_successes
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -8,9 +8,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.processes import Process, free_port
+from devmesh.processes import Process, free_port
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
 from ledger.store import Store
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
 
 PRICE = 250  # micro-USD, from mlp_config
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from common import mesh_state
+from devmesh.testing import Mesh
 from ledger.store import Store
-from tests.integration.mesh import Mesh
 
 PRICE = 250
 

@@ -17,9 +17,9 @@ import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.net import free_port
-from deploy.processes import ROOT
+from devmesh.processes import ROOT
+from devmesh.testing import Mesh
 from quantize import llm
-from tests.integration.mesh import Mesh
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -9,8 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.processes import free_port
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
+from devmesh.processes import free_port
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
 
 NO_POLL = ("--poll-seconds", "60")
 

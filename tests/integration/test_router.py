@@ -15,14 +15,14 @@ from tritonclient.utils import InferenceServerException
 
 from common import mesh_state
 from common.mesh_state import WorkerInfo
-from router.accounting import read_usage
-from tests.integration.mesh import (
+from devmesh.testing import (
     Mesh,
     call_many,
     mlp_config,
     mlp_repository,
     worker_successes,
 )
+from router.accounting import read_usage
 
 
 def repo(tmp_path: Path, name: str, **config: int) -> Path:
@@ -211,7 +211,7 @@ def test_router_sees_workers_join_and_leave(mesh: Mesh, tmp_path: Path) -> None:
 def test_prometheus_metrics(mesh: Mesh, tmp_path: Path) -> None:
     import urllib.request
 
-    from deploy.processes import free_port
+    from devmesh.processes import free_port
 
     mesh.add_worker(repo(tmp_path, "r"))
     mesh.wait_registered(1)

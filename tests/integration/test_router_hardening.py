@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from common import mesh_state
-from deploy.processes import free_port
+from devmesh.processes import free_port
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository, mlp_request
 from protos import grpc_service_pb2_grpc as pb_grpc
 from router.accounting import read_usage
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD, from mlp_config
 INFER = "/inference.GRPCInferenceService/ModelInfer"

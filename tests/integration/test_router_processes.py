@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 
 from common import mesh_state
-from deploy.processes import free_port
+from devmesh.processes import free_port
+from devmesh.testing import Mesh, mlp_config, mlp_repository, mlp_request
 from ledger.store import Store
-from tests.integration.mesh import Mesh, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD, from mlp_config
 CONNECTIONS = 16  # all on one of 2 processes by chance: 2 / 2**16
@@ -142,7 +142,7 @@ def test_a_taken_port_stops_the_router(mesh: Mesh) -> None:
         holder.bind(("127.0.0.1", port))
         holder.listen()
         mesh.router = None
-        from deploy.processes import router_process
+        from devmesh.processes import router_process
 
         process = router_process(port, mesh.redis_url, mesh.log_dir, "--processes", "2").start()
         assert process.popen is not None

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common import mesh_state
-from tests.integration.mesh import Mesh, call_many, mlp_config, mlp_repository
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
 
 
 def test_queue_length_follows_the_workers_depth(mesh: Mesh, tmp_path: Path) -> None:

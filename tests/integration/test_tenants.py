@@ -18,8 +18,9 @@ import tritonclient.grpc as triton
 from common import mesh_state
 from common.errors import ResourceExhausted
 from common.tenancy import PRICE_PER_CALL, TenantPolicy
-from deploy.certs import make_certs
-from deploy.redis_acl import make_users
+from devmesh.certs import make_certs
+from devmesh.redis_acl import make_users
+from devmesh.testing import Mesh, mlp_config, mlp_repository, mlp_request
 from ledger.config import LedgerConfig
 from ledger.consumer import Consumer
 from ledger.store import Store
@@ -28,7 +29,6 @@ from protos import grpc_service_pb2_grpc as pb_grpc
 from router import keys as keys_cli
 from router.keys import TenantAdmin
 from router.limits import LEASE_TTL_S, Limiter
-from tests.integration.mesh import Mesh, mlp_config, mlp_repository, mlp_request
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 
@@ -52,7 +52,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 def admin(mesh: Mesh) -> TenantAdmin:
-    return TenantAdmin(mesh.redis_client("admin"))
+    return mesh.tenant_admin()
 
 
 def key_for(mesh: Mesh, tenant: str, policy: TenantPolicy) -> tuple[str, str]:
@@ -249,6 +249,7 @@ def test_keys_cli_and_revocation(secure: Mesh, capsys: pytest.CaptureFixture) ->
     assert users is not None
     url = f"redis://admin@127.0.0.1:{secure.redis_port}/0"
     common = ["--redis-url", url, "--redis-password-file", str(users.password_file("admin"))]
+    common += ["--db", secure.ledger_db]
     assert keys_cli.main(["tenants", "set", "--tenant", "cli-co", "--models", "mlp", *common]) == 0
     assert keys_cli.main(["keys", "create", "--tenant", "cli-co", *common]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]

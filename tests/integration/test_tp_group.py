@@ -22,17 +22,17 @@ from tritonclient.utils import InferenceServerException
 
 from common import health, mesh_state
 from common.mesh_state import WorkerInfo
-from deploy.processes import Process, free_port, wait_serving
+from devmesh.processes import Process, free_port, wait_serving
+from devmesh.testing import Mesh
 from quantize import llm_graph, llm_shard, shard, weights
 from quantize.models import BertEncoder, EncoderConfig
-from tests.integration.mesh import Mesh
 from tests.integration.test_llm import inputs, text_of
-from tests.llm.test_tp_engine import tp_decoder
+from tests.worker.llm.test_tp_engine import tp_decoder
 from worker import config as cfg
 from worker.llm.engine import EngineConfig
 from worker.llm.model import StepModel
 from worker.runtime import RuntimeOptions
-from worker.tp_local import run_engine
+from worker.tp.local import run_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"

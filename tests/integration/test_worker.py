@@ -484,7 +484,7 @@ def test_token_ids_outside_the_vocabulary(worker) -> None:  # type: ignore[no-un
 
 
 def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from deploy import toy_models
+    from devmesh import toy_models
 
     toy_models.write_text_embedder(tmp_path / "repo" / "words")
     w = worker_factory(repository=tmp_path / "repo")

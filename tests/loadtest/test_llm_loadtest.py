@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.processes import free_port
+from devmesh.processes import free_port
 from loadtest.llm import prompts
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.runner import LLMLoad, closed_loop, open_loop

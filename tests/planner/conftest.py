@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import helper
 
-from deploy import toy_models
+from devmesh import toy_models
 from quantize import llm_graph
 from quantize.models import DecoderConfig, LlamaDecoder
 from quantize.recipes import RECIPES

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import toy_models
+from devmesh import toy_models
 from planner import profiles
 from planner.__main__ import main
 from planner.plan import Prices, Workload, plan

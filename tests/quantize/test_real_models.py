@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.processes import ROOT
+from devmesh.processes import ROOT
 from quantize import __main__ as cli
 from quantize import weights
 from quantize.models import greedy

@@ -12,7 +12,7 @@ import torch
 
 from quantize import llm_shard, shard
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder
-from worker.tp_runtime import CapacityError, ShardSet, ShardSetError, check_budget
+from worker.tp.runtime import CapacityError, ShardSet, ShardSetError, check_budget
 
 
 def test_refuses_a_tp_size_that_does_not_divide_the_heads() -> None:

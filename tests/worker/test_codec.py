@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import dtypes
+from common import bytes_codec, dtypes
 from common.errors import InvalidArgument
 from protos import grpc_service_pb2 as pb
 from worker import codec
@@ -30,7 +30,7 @@ def make_spec(
 def raw_request(array: np.ndarray, datatype: str, name: str = "x") -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name="m", id="r1")
     request.inputs.add(name=name, datatype=datatype, shape=array.shape)
-    raw = codec.serialize_bytes(array) if datatype == "BYTES" else array.tobytes()
+    raw = bytes_codec.serialize_bytes(array) if datatype == "BYTES" else array.tobytes()
     request.raw_input_contents.append(raw)
     return request
 
@@ -48,7 +48,7 @@ def test_bytes_roundtrip() -> None:
     array = np.array([[b"a", b"", b"hello", "\u00e9".encode()]], dtype=object)
     inputs, _ = codec.decode_request(raw_request(array, "BYTES"), make_spec("BYTES"))
     assert inputs["x"].tolist() == array.tolist()
-    again = codec.deserialize_bytes(codec.serialize_bytes(array), 4, "x")
+    again = bytes_codec.deserialize_bytes(bytes_codec.serialize_bytes(array), 4, "x")
     assert again.tolist() == array.reshape(-1).tolist()
 
 
@@ -125,7 +125,7 @@ def test_fp16_needs_raw() -> None:
 
 def test_truncated_bytes() -> None:
     with pytest.raises(InvalidArgument, match="claims 10 bytes"):
-        codec.deserialize_bytes(b"\x0a\0\0\0abc", 1, "x")
+        bytes_codec.deserialize_bytes(b"\x0a\0\0\0abc", 1, "x")
 
 
 @pytest.mark.parametrize(
@@ -161,7 +161,10 @@ def test_bytes_element_limit() -> None:
 )
 def test_bytes_parse_paths_agree(items: list[bytes]) -> None:
     array = np.array(items, dtype=object)
-    assert codec.deserialize_bytes(codec.serialize_bytes(array), len(items), "x").tolist() == items
+    assert (
+        bytes_codec.deserialize_bytes(bytes_codec.serialize_bytes(array), len(items), "x").tolist()
+        == items
+    )
 
 
 @pytest.mark.parametrize(
@@ -176,7 +179,7 @@ def test_bytes_parse_paths_agree(items: list[bytes]) -> None:
 )
 def test_malformed_bytes(raw: bytes, count: int, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        codec.deserialize_bytes(raw, count, "x")
+        bytes_codec.deserialize_bytes(raw, count, "x")
 
 
 def test_typed_contents_out_of_range() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import toy_models
+from devmesh import toy_models
 from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.runtime import CPU, OnnxSession, RuntimeOptions

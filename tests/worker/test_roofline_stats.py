@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from deploy import toy_models
+from devmesh import toy_models
 from planner.analysis import analyse_file
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc

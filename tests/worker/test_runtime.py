@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from common.errors import Internal, InvalidArgument, ResourceExhausted
-from deploy import toy_models
+from devmesh import toy_models
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, run_error, strings_reader
 
 ANY_BYTES = [b"\xff\xfe\x80", b"\xc3\x28", b"", b"\x00nul\x00", bytes(range(256)), "é".encode()]

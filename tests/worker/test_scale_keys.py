@@ -12,7 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from common import mesh_state
-from deploy.processes import free_port, redis_process, wait_redis
+from devmesh.processes import free_port, redis_process, wait_redis
 from worker.scaling import ModelLoad, ScaleKeys, model_loads
 
 

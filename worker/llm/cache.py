@@ -117,3 +117,11 @@ class KVCache:
             gc.collect()
             with contextlib.suppress(BufferError):  # then the last view's owner frees it
                 self._map.close()
+
+
+def page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
+    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
+    unit = 1
+    while (unit * row_floats * 4) % page:
+        unit += 1
+    return -(-max_len // unit) * unit

@@ -52,7 +52,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import CacheShape, KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
 from worker.llm.model import Model, VerifyingModel
 from worker.llm.sampling import Sampler, SamplingParams
@@ -176,7 +176,7 @@ class Engine:
                 facts.kv_heads,
                 facts.head_dim,
                 config.max_num_seqs,
-                _page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+                page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
             ),
             budget,
         )
@@ -480,11 +480,3 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.release(seq.slot)
             seq.slot = -1
-
-
-def _page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
-    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
-    unit = 1
-    while (unit * row_floats * 4) % page:
-        unit += 1
-    return -(-max_len // unit) * unit

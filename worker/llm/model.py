@@ -17,12 +17,18 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
+from common.step_graph import (
+    IDS,
+    LOGITS,
+    META,
+    NUM_LOGITS,
+    SEQLENS,
+    TOTAL,
+    past_names,
+    present_names,
+)
 from worker.llm.cache import KVCache
 from worker.runtime import OnnxSession, RuntimeOptions
-
-META = "meshserve.llm."
-IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
-NUM_LOGITS = "num_logits"
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class GraphFacts:
 
 
 class Model(Protocol):
-    """What the engine runs: StepModel here, or worker/llm/tp.py's TPStepModel (a shard
+    """What the engine runs: StepModel here, or worker/tp/llm_step.py's TPStepModel (a shard
     group, whose `facts` are one rank's share of the heads)."""
 
     facts: GraphFacts
@@ -73,8 +79,8 @@ class StepModel:
             ) from e
         self.position_logits = meta.get(META + "num_logits_input") == "1"
         f = self.facts
-        self._past = [(f"past_key.{i}", f"past_value.{i}") for i in range(f.layers)]
-        self._present = [(f"present_key.{i}", f"present_value.{i}") for i in range(f.layers)]
+        self._past = [past_names(i) for i in range(f.layers)]
+        self._present = [present_names(i) for i in range(f.layers)]
 
     @classmethod
     def load(cls, path: Path, options: RuntimeOptions, providers: list[str]) -> StepModel:

@@ -21,9 +21,10 @@ import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
+from common import llm_protocol, model_keys
 from common.errors import InvalidArgument
-from worker import metrics
-from worker.config import LLM_MESSAGES, ConfigError, ModelSpec
+from worker import token_metrics
+from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
 from worker.llm.cache import CacheShape
 from worker.llm.chat import ChatTemplate
@@ -34,24 +35,24 @@ from worker.llm.speculative import DraftConfig
 log = structlog.get_logger()
 
 TEXT_INPUT, STREAM, SAMPLING, EXCLUDE_INPUT = (
-    "text_input",
-    "stream",
-    "sampling_parameters",
-    "exclude_input_in_output",
+    llm_protocol.TEXT_INPUT,
+    llm_protocol.STREAM,
+    llm_protocol.SAMPLING_PARAMETERS,
+    llm_protocol.EXCLUDE_INPUT_IN_OUTPUT,
 )
-TEXT_OUTPUT = "text_output"
+TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
 # meshserve parameters of an LLM model's config.pbtxt
-ENGINE = "meshserve.engine"  # "llm"
-TOKENIZER = "meshserve.tokenizer"
-MAX_MODEL_LEN = "meshserve.max_model_len"
-MAX_NUM_SEQS = "meshserve.max_num_seqs"
-KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
-MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+ENGINE = model_keys.ENGINE  # "llm"
+TOKENIZER = model_keys.TOKENIZER
+MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
+MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
+KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
+PREFILL_CHUNK = model_keys.PREFILL_CHUNK
+MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
-DRAFT_MODEL = "meshserve.draft_model"
-NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+DRAFT_MODEL = model_keys.DRAFT_MODEL
+NUM_SPECULATIVE_TOKENS = model_keys.NUM_SPECULATIVE_TOKENS
 DEFAULT_SPECULATIVE_TOKENS = 4
 INT_PARAMETERS = (
     MAX_MODEL_LEN,
@@ -140,7 +141,7 @@ class LLMServing:
         self.completion_tokens = 0  # generated and handed out
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
-        text = self._chat(inputs) if LLM_MESSAGES in inputs else _text(inputs[TEXT_INPUT])
+        text = self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
         values = {k: v for k, v in parameters.items() if k in sampling.KEYS}
         if SAMPLING in inputs:
             values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
@@ -151,28 +152,28 @@ class LLMServing:
             prompt=prompt,
             params=params,
             stream=_flag(inputs, STREAM),
-            exclude_input=_flag(inputs, EXCLUDE_INPUT) or LLM_MESSAGES in inputs,
+            exclude_input=_flag(inputs, EXCLUDE_INPUT) or llm_protocol.MESSAGES in inputs,
         )
 
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
         """The prompt of a chat: its messages through the model's own template."""
         if TEXT_INPUT in inputs:
-            raise InvalidArgument(f"send {TEXT_INPUT!r} or {LLM_MESSAGES!r}, not both")
+            raise InvalidArgument(f"send {TEXT_INPUT!r} or {llm_protocol.MESSAGES!r}, not both")
         if self.chat is None:
             raise InvalidArgument(
                 f"model {self.spec.name!r} has no chat template (no chat_template in its "
                 "tokenizer_config.json): send text_input instead of messages"
             )
         try:
-            messages = json.loads(_text(inputs[LLM_MESSAGES], LLM_MESSAGES))
+            messages = json.loads(_text(inputs[llm_protocol.MESSAGES], llm_protocol.MESSAGES))
         except ValueError as e:
-            raise InvalidArgument(f"input {LLM_MESSAGES!r} is not JSON: {e}") from None
+            raise InvalidArgument(f"input {llm_protocol.MESSAGES!r} is not JSON: {e}") from None
         return self.chat.render(messages)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         seq = self.engine.add(request.prompt, request.params)
         self.prompt_tokens += len(request.prompt)
-        clock = metrics.TokenClock(self.spec.name)
+        clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
             self.completion_tokens += clock.observe(out.completion_tokens)
             yield out

@@ -1,0 +1,310 @@
+"""Fault figures of the router and the ledger: what clients saw next to what the ledger counted.
+
+    .venv/bin/python -m benchmarks.router_faults [--out FILE.json]
+
+Starts a private redis-server, two CPU workers (mlp, 2 ms simulated compute), a router and
+a ledger (SQLite) on 127.0.0.1, runs each case bounded in count and time, and prints one
+JSON object per case: what the clients saw next to what the ledger counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common import mesh_state
+from devmesh.testing import Mesh, mlp_config, mlp_repository, mlp_request
+from ledger.store import Store
+from protos import grpc_service_pb2_grpc as pb_grpc
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def used_memory(r: Any) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def ledger_success(store: Store) -> tuple[int, int]:
+    u = store.usage()
+    return (
+        sum(v["success"] for v in u.values()),
+        sum(v["revenue_micro_usd"] for v in u.values()),
+    )
+
+
+def settled(store: Store, wait_s: float = 3.0) -> tuple[int, int]:
+    """The ledger's totals once they stop moving."""
+    last, stable_since = ledger_success(store), time.monotonic()
+    deadline = time.monotonic() + wait_s * 4
+    while time.monotonic() < deadline and time.monotonic() - stable_since < wait_s:
+        time.sleep(0.2)
+        now = ledger_success(store)
+        if now != last:
+            last, stable_since = now, time.monotonic()
+    return last
+
+
+async def deadlines(address: str, n: int, timeout: float, concurrency: int = 16) -> Counter:
+    codes: Counter[str] = Counter()
+    it = iter(range(n))
+    stop_at = time.monotonic() + 30
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def caller() -> None:
+            for i in it:
+                if time.monotonic() > stop_at:
+                    return
+                try:
+                    await stub.ModelInfer(mlp_request(i), timeout=timeout)
+                    codes["OK"] += 1
+                except grpc.aio.AioRpcError as e:
+                    codes[e.code().name] += 1
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return codes
+
+
+async def cancels(address: str, n: int, after_s: float, concurrency: int = 8) -> Counter:
+    codes: Counter[str] = Counter()
+    it = iter(range(n))
+    stop_at = time.monotonic() + 30
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def caller() -> None:
+            for i in it:
+                if time.monotonic() > stop_at:
+                    return
+                call = stub.ModelInfer(mlp_request(i), timeout=10)
+                await asyncio.sleep(after_s)
+                call.cancel()
+                try:
+                    await call
+                    codes["OK"] += 1
+                except asyncio.CancelledError:
+                    codes["CANCELLED"] += 1
+                except grpc.aio.AioRpcError as e:
+                    codes[e.code().name] += 1
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return codes
+
+
+async def odd_names(address: str, n: int, version: str, model: str = "mlp") -> Counter:
+    codes: Counter[str] = Counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for i in range(n):
+            request = mlp_request(i)
+            request.model_name = model
+            request.model_version = f"{version}{i}" if len(version) > 100 else version
+            try:
+                await stub.ModelInfer(request, timeout=5)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as e:
+                codes[e.code().name] += 1
+    return codes
+
+
+async def mutated(address: str, n: int, seed: int = 12) -> Counter:
+    rng = random.Random(seed)
+    base = mlp_request(1).SerializeToString()
+    codes: Counter[str] = Counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(INFER)
+        for _ in range(n):
+            raw = bytearray(base)
+            for _ in range(rng.randint(1, 8)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            try:
+                await call(bytes(raw), timeout=5)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as e:
+                codes[e.code().name] += 1
+    return codes
+
+
+def case(name: str, **figures: Any) -> dict:
+    row = {"case": name, **figures}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run(root: Path) -> list[dict]:
+    rows = []
+    mesh = Mesh(root / "logs")
+    mesh.start_redis()
+    try:
+        repo = mlp_repository(root / "repo", mlp_config(simulated_us=2000, queue=4096))
+        workers = [mesh.add_worker(repo, "--registry-ttl-seconds", "1") for _ in range(2)]
+        mesh.wait_registered(2)
+        router = mesh.start_router(
+            "--router-id", "figures", "--registry-ttl-seconds", "1", "--metrics-port", "0"
+        )
+        store = Store(f"sqlite:///{root / 'ledger.db'}")
+        mesh.start_ledger(store.url, "--interval-seconds", "0.1")
+        r = mesh.redis_client()
+
+        # 1. deadlines of 3 ms
+        before = settled(store, 1.0)
+        codes = asyncio.run(deadlines(router, 1000, 0.003))
+        after = settled(store)
+        rows.append(
+            case(
+                "deadline_3ms",
+                client=dict(codes),
+                ledger_success=after[0] - before[0],
+                ledger_revenue=after[1] - before[1],
+            )
+        )
+        # 2. client cancel after 2 ms
+        before = after
+        codes = asyncio.run(cancels(router, 300, 0.002))
+        after = settled(store)
+        rows.append(
+            case(
+                "cancel_2ms",
+                client=dict(codes),
+                ledger_success=after[0] - before[0],
+                ledger_revenue=after[1] - before[1],
+            )
+        )
+        # 3. a router restarted with the same id
+        before = after
+        ok = asyncio.run(deadlines(router, 300, 5.0, concurrency=4))["OK"]
+        assert mesh.router is not None
+        mesh.router.stop()
+        router = mesh.start_router("--router-id", "figures", "--registry-ttl-seconds", "1")
+        ok += asyncio.run(deadlines(router, 300, 5.0, concurrency=4))["OK"]
+        after = settled(store)
+        rows.append(
+            case(
+                "router_restart_same_id",
+                client_ok=ok,
+                ledger_success=after[0] - before[0],
+            )
+        )
+        # 4. 1 KB client-chosen versions, and `1|success`
+        mem0 = used_memory(r)
+        rows0 = len(store.usage())
+        codes = asyncio.run(odd_names(router, 300, "v" * 1024))
+        codes_pipe = asyncio.run(odd_names(router, 20, "1|success"))
+        time.sleep(1.0)
+        rows.append(
+            case(
+                "long_versions",
+                client=dict(codes),
+                pipe_version=dict(codes_pipe),
+                redis_used_memory_growth_bytes=used_memory(r) - mem0,
+                ledger_rows_added=len(store.usage()) - rows0,
+                ledger_keys=sorted(f"{m}|{v[:12]}" for m, v in store.usage())[:5],
+            )
+        )
+        # 5. a 10 KB model name
+        rows.append(
+            case(
+                "model_name_10kb", client=dict(asyncio.run(odd_names(router, 3, "", "m" * 10_240)))
+            )
+        )
+        # 6. byte-mutated requests
+        assert mesh.router is not None
+        log = mesh.router.log
+        tracebacks0 = log.read_text().count("Traceback")
+        codes = asyncio.run(mutated(router, 300))
+        rows.append(
+            case(
+                "mutated_requests_300",
+                client=dict(codes),
+                router_tracebacks=log.read_text().count("Traceback") - tracebacks0,
+            )
+        )
+        # 7. open burst of 400 concurrent calls against a slow mesh: admission
+        codes = asyncio.run(deadlines(router, 400, 20.0, concurrency=400))
+        rows.append(case("burst_400_concurrent", client=dict(codes)))
+        # 8. a worker SIGSTOPped with calls in flight
+        victim = mesh.workers[workers[0]]
+        loop_codes: Counter[str] = Counter()
+
+        async def stopped() -> float:
+            async with grpc.aio.insecure_channel(router) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                calls = [stub.ModelInfer(mlp_request(i), timeout=20) for i in range(16)]
+                await asyncio.sleep(0.001)
+                victim.signal(signal.SIGSTOP)
+                t0 = time.monotonic()
+                for c in calls:
+                    try:
+                        await c
+                        loop_codes["OK"] += 1
+                    except grpc.aio.AioRpcError as e:
+                        loop_codes[e.code().name] += 1
+                return time.monotonic() - t0
+
+        before = settled(store, 1.0)
+        waited = asyncio.run(stopped())
+        victim.signal(signal.SIGCONT)
+        after = settled(store)
+        rows.append(
+            case(
+                "worker_sigstop_inflight",
+                client=dict(loop_codes),
+                seconds_to_last_status=round(waited, 2),
+                ledger_success=after[0] - before[0],
+            )
+        )
+        # 9. Redis back empty after an outage longer than the registry TTL (1 s)
+        time.sleep(1.5)
+        mesh.restart_redis(2.0)
+        codes = asyncio.run(deadlines(router, 200, 5.0, concurrency=4))
+        rows.append(case("redis_empty_after_ttl_outage", client=dict(codes)))
+        # 10. a malformed batch in a router's stream
+        r = mesh.redis_client()
+        r.sadd(mesh_state.ROUTERS, "forged")
+        r.xadd(mesh_state.calls_stream("forged"), {"usage": "{not json", "at_ms": "1"}, id="1-1")
+        ledger = mesh.others[-1]
+        time.sleep(2.0)
+        rows.append(case("malformed_batch", ledger_alive=ledger.alive))
+        if not ledger.alive:  # clear the way for the next case
+            r.srem(mesh_state.ROUTERS, "forged")
+            r.delete(mesh_state.calls_stream("forged"))
+            mesh.start_ledger(store.url, "--interval-seconds", "0.1")
+        # 11. a forged batch: N +7 with no call made
+        before = settled(store, 0.5)
+        r.sadd(mesh_state.ROUTERS, "forged2")
+        r.xadd(
+            mesh_state.calls_stream("forged2"),
+            {"usage": '{"mlp|1": [7, 7, 0, 1750, 0]}', "at_ms": "1"},
+            id="1-1",
+        )
+        after = settled(store, 1.0)
+        rows.append(case("forged_batch", ledger_success_added=after[0] - before[0]))
+    finally:
+        mesh.stop(kill=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run(Path(tmp))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

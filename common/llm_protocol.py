@@ -1,0 +1,45 @@
+"""The LLM request/response contract: Triton's vLLM-backend tensors and meshserve's usage
+parameters, spelled once. The worker serves them (worker/llm/serving.py, worker/codec.py),
+the router bills from them (router/billing.py), and the clients, the load tool and the
+benchmarks send and read them.
+
+Request: `text_input` BYTES [1]; optional `stream` BOOL [1], `sampling_parameters` BYTES [1]
+(JSON: max_tokens, temperature, top_p, top_k, seed, stop, ...), `exclude_input_in_output`
+BOOL [1], `return_num_input_tokens` / `return_num_output_tokens` BOOL [1].
+Responses: `text_output` BYTES, one per piece of text when streaming; the last one carries
+the bool parameter `triton_final_response` and the usage parameters below.
+"""
+
+from __future__ import annotations
+
+TEXT_INPUT = "text_input"
+STREAM = "stream"
+SAMPLING_PARAMETERS = "sampling_parameters"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+# A chat instead of text_input: BYTES [1], a JSON list of {role, content} messages, rendered
+# by the model's own chat template on the worker (worker/llm/chat.py).
+MESSAGES = "messages"
+TEXT_OUTPUT = "text_output"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+
+# Parameters of a response (InferParameter), set by the worker on each piece of a stream.
+FINAL_RESPONSE = "triton_final_response"  # bool: the last response of a request
+PROMPT_TOKENS = "prompt_tokens"  # int64
+COMPLETION_TOKENS = "completion_tokens"  # int64, running: tokens generated up to this piece
+FINISH_REASON = "finish_reason"  # string: stop | length | cancelled
+# int64: prompt tokens served from the KV cache, once the engine reports them (the router's
+# HTTP front door passes it on as OpenAI's usage.prompt_tokens_details.cached_tokens)
+CACHED_TOKENS = "cached_tokens"
+# A request parameter: the client wants an empty final response after the last text piece
+# (Triton's decoupled models may send one; genai-perf and our load tool read it).
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+
+# Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
+# worker's and the router's, so the two compare bucket for bucket.
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+# A text model (worker/text.py, an embedder): its BYTES input [batch, 1], one string a row.
+TEXT = "TEXT"

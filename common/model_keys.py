@@ -1,0 +1,57 @@
+"""meshserve's keys in a model's config.pbtxt `parameters` (Triton ignores unknown ones, so a
+meshserve repository stays a valid Triton repository), spelled once: the worker reads them,
+quantize/ and devmesh/ write them, the planner and the router read some of them.
+
+    parameters { key: "meshserve.price_per_call_micro_usd" value { string_value: "100" } }
+"""
+
+from __future__ import annotations
+
+# ---- economics: the mesh's business, hidden from clients that are not admins ----------
+PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
+# An LLM's prices per 1,000 tokens: prompt (input) and completion (output) tokens.
+PRICE_PER_1K_INPUT = "meshserve.price_per_1k_input_tokens_micro_usd"
+PRICE_PER_1K_OUTPUT = "meshserve.price_per_1k_output_tokens_micro_usd"
+TRAINING_COST = "meshserve.training_cost_micro_usd"
+PRIVATE = frozenset({PRICE_PER_CALL, PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, TRAINING_COST})
+
+# ---- serving ---------------------------------------------------------------------------
+# Set by the worker on the config it serves: the execution provider it actually runs on.
+EXECUTION_PROVIDER = "meshserve.execution_provider"
+# Adds this many microseconds of waiting to every execution while holding the model
+# instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
+# machine whose few cores cannot also host real compute for several replicas.
+SIMULATED_COMPUTE_US = "meshserve.simulated_compute_us"
+# "true": a batch waits out max_queue_delay_microseconds for more requests even when nothing
+# else of the model runs (Triton's rule). "false", the default: the delay applies only while
+# a batch runs (worker/batcher.py).
+DELAY_WHEN_IDLE = "meshserve.batch_delay_when_idle"
+# Text serving (worker/text.py): a tokenizer.json in the model folder and what to do with
+# the tokens (embed).
+TOKENIZER = "meshserve.tokenizer"
+TEXT_TASK = "meshserve.text_task"
+# meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
+# an embedding). Found in the graph where an input indexes a constant table; may be set.
+VOCAB_SIZE = "meshserve.vocab_size."
+# meshserve.version.<v>: the recipe a version was built with (quantize/), for the planner.
+VERSION_LABEL = "meshserve.version."
+
+# ---- the LLM engine (worker/llm/) ------------------------------------------------------
+ENGINE = "meshserve.engine"  # "llm": served by the generation engine
+LLM_ENGINE = "llm"
+MAX_MODEL_LEN = "meshserve.max_model_len"
+MAX_NUM_SEQS = "meshserve.max_num_seqs"
+KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
+PREFILL_CHUNK = "meshserve.prefill_chunk"
+MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+# speculative decoding: a draft step graph (a path in the model's folder), and k
+DRAFT_MODEL = "meshserve.draft_model"
+NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+
+# ---- a shard group (worker/tp/) ----------------------------------------------------------
+TP = "meshserve.tp"
+TP_BACKEND = "meshserve.tp.backend"
+
+# ---- prefixes of figures a worker reports in ModelStatistics.memory_usage -----------------
+ROOFLINE = "meshserve.roofline."
+SPECULATIVE = "meshserve.speculative."

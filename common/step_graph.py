@@ -1,0 +1,22 @@
+"""The LLM engine's step graph, as a contract: quantize/llm_graph.py (and llm_shard.py, per
+rank) writes it, worker/llm/model.py and worker/tp/llm_step.py run it, planner/analysis.py
+reads it. One graph serves prefill and decode: `input_ids` [rows, new] are the new tokens of
+some rows, `seqlens_k` [rows] each row's length after them minus one, and
+`total_sequence_length` the cache's max_len. Every layer's cache is an input (past) and an
+output (present) of the same buffer, bound in place. `logits` [rows, vocab] is the last new
+position's; a graph with `num_logits` returns that many last positions (speculative verify).
+"""
+
+from __future__ import annotations
+
+META = "meshserve.llm."  # metadata_props prefix: layers, heads, kv_heads, head_dim, ...
+IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
+NUM_LOGITS = "num_logits"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key.{layer}", f"past_value.{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present_key.{layer}", f"present_value.{layer}"

@@ -1,0 +1,77 @@
+"""ModelStreamInfer on the worker (the router forwards streams as bytes: router/streams.py):
+every request on a stream runs concurrently, and the replies go back in the order they come
+(as Triton does). A request may have many replies (a decoupled model streams one per piece
+of text). A request that fails gets a reply with its
+error message on the stream, which stays open for the next request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import structlog
+
+from common.errors import MeshError
+from protos import grpc_service_pb2 as pb
+
+log = structlog.get_logger()
+
+Handle = Callable[[pb.ModelInferRequest], AsyncIterator[pb.ModelInferResponse]]
+
+
+def unary(
+    infer: Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+) -> Handle:
+    """A one-reply-per-request `infer` as a stream handler."""
+
+    async def handle(request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
+        yield await infer(request)
+
+    return handle
+
+
+async def serve(
+    requests: AsyncIterator[pb.ModelInferRequest],
+    handle: Handle | Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+    streams: bool = False,
+) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """Yield every reply of every request as it comes. `handle` returns an async iterator
+    of replies when `streams`, else one awaitable reply."""
+    each: Handle = handle if streams else unary(handle)  # type: ignore[assignment,arg-type]
+    out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+    tasks: set[asyncio.Task] = set()
+
+    async def one(request: pb.ModelInferRequest) -> None:
+        try:
+            async for response in each(request):
+                await out.put(pb.ModelStreamInferResponse(infer_response=response))
+        except MeshError as e:
+            await out.put(_error(request, e.message))
+        except Exception as e:  # a bug: the request still gets an answer, the stream lives
+            log.exception("internal_error", rpc="ModelStreamInfer")
+            await out.put(_error(request, f"internal error: {type(e).__name__}: {e}"))
+
+    async def read() -> None:
+        async for request in requests:
+            task = asyncio.create_task(one(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:
+            await asyncio.gather(*list(tasks), return_exceptions=True)
+        await out.put(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await out.get()) is not None:
+            yield item
+    finally:
+        reader.cancel()
+        for task in list(tasks):
+            task.cancel()
+
+
+def _error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(id=request.id, model_name=request.model_name),
+    )
