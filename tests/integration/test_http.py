@@ -26,10 +26,10 @@ from common.net import free_port
 from common.tenancy import TenantPolicy
 from devmesh import toy_models
 from devmesh.processes import ROOT
+from devmesh.testing import Mesh, mlp_config
 from ledger.store import Store
 from quantize import llm, pipeline
 from router.keys import TenantAdmin
-from tests.integration.mesh import Mesh, mlp_config
 
 pytestmark = pytest.mark.slow
 CACHE = ROOT / "build" / "quantize"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from common.net import free_port
 from devmesh import toy_models
-from tests.integration.mesh import Mesh
+from devmesh.testing import Mesh
 
 FUZZ = settings(
     max_examples=150,
