@@ -603,7 +603,7 @@ def main() -> None:
         profile = probe.probe(2.0)
         overhead = probe.mesh_overhead(tmp / "probe", 6.0)
         profile = Profile(**{**profile.as_dict(), **overhead})
-        profiles.save(profile, RESULTS.parent.parent / profiles.DEFAULT_PROBED)
+        profiles.save(profile, profiles.default_probed())
         analyses: dict[str, ModelAnalysis] = {}
         calibrations = calibrations_for(configs, profile, args.cache, analyses)
         servings = servings_for(configs, args.cache, min(args.seconds, 3.0))

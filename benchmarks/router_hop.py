@@ -108,7 +108,11 @@ async def stream_burst(address: str, raw: bytes, n: int) -> dict:
 
 
 def find_perf_analyzer(given: str | None) -> Path | None:
-    for candidate in (given, shutil.which("perf_analyzer"), ROOT / "build/genai-perf/bin/perf_analyzer"):
+    for candidate in (
+        given,
+        shutil.which("perf_analyzer"),
+        ROOT / "build/genai-perf/bin/perf_analyzer",
+    ):
         if candidate and Path(candidate).exists():
             return Path(candidate)
     return None
@@ -200,15 +204,15 @@ def verdicts(m: dict) -> dict:
             "stream_one_at_a_time_added_ms": round(
                 r["stream_one_at_a_time.p50_ms"] - direct["stream_one_at_a_time.p50_ms"], 3
             ),
-            "c32_over_before": round(
-                r["c32.throughput_rps"] / before["c32.throughput_rps"], 3
-            ),
+            "c32_over_before": round(r["c32.throughput_rps"] / before["c32.throughput_rps"], 3),
         }
         v = out[label]
         v["meets_c1"] = v["c1_p50_added_ms"] <= TARGET_C1_ADDED_MS
         v["meets_piece"] = v["stream_piece_added_ms"] <= TARGET_PIECE_ADDED_MS
         v["meets_c32"] = v["c32_over_before"] >= TARGET_C32_RATIO
-    out["default_meets_all"] = all(out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32"))
+    out["default_meets_all"] = all(
+        out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32")
+    )
     del after
     return out
 
