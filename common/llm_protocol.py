@@ -34,9 +34,6 @@ COMPLETION_TOKENS = "completion_tokens"  # int64, running: tokens generated up t
 # usage.prompt_tokens_details.cached_tokens.
 CACHED_TOKENS = "cached_tokens"
 FINISH_REASON = "finish_reason"  # string: stop | length | cancelled
-# int64: prompt tokens served from the KV cache, once the engine reports them (the router's
-# HTTP front door passes it on as OpenAI's usage.prompt_tokens_details.cached_tokens)
-CACHED_TOKENS = "cached_tokens"
 # A request parameter: the client wants an empty final response after the last text piece
 # (Triton's decoupled models may send one; genai-perf and our load tool read it).
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
