@@ -847,6 +847,42 @@ def tenants_section(r: dict) -> str:
     )
 
 
+def http_stack_section(r: dict) -> str:
+    rows = [
+        [stack, f"{v['p50_ms_1_caller']:.3f}", f"{v['rps_32_callers']:.0f}", v["installed_mb"]]
+        for stack, v in r["results"].items()
+    ]
+    return "\n\n".join(
+        [
+            "## http_stack\n\nThe router's HTTP server, chosen by measurement (one JSON echo "
+            "endpoint per stack, its own process, alternating rounds, medians).",
+            table(["stack", "p50 ms, 1 connection", "req/s, 32 connections", "MB installed"], rows),
+            f"Chosen: {r['verdict']}.",
+        ]
+    )
+
+
+def http_edge_section(r: dict) -> str:
+    m = r["medians"]
+    rows = [[path, f"{v['p50_ms_c1']:.3f}", f"{v['rps_c32']:.0f}"] for path, v in m.items()]
+    parts = [
+        "## http_edge\n\nThe HTTP front door against the gRPC port of the same router, on "
+        "`mlp` (medians of the rounds).",
+        table(["path", "p50 ms, 1 caller", "req/s, 32 callers"], rows),
+        r["verdict"]["summary"] + ".",
+    ]
+    stream = r.get("stream", {})
+    if "sse_cost_per_token_ms" in stream:
+        parts.append(
+            f"SmolLM2, {stream['tokens']} tokens streamed: gRPC {stream['grpc_stream_s']:.3f} s, "
+            f"server-sent events {stream['sse_stream_s']:.3f} s: "
+            f"{stream['sse_cost_per_token_ms']:+.3f} ms per token over the gRPC stream."
+        )
+    elif stream:
+        parts.append(f"Streams not measured: {stream.get('error')}.")
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "worker": worker_section,
     "router": router_section,
@@ -865,6 +901,8 @@ SECTIONS = {
     "router_scale": router_scale_section,
     "idle": idle_section,
     "distill": distill_section,
+    "http_stack": http_stack_section,
+    "http_edge": http_edge_section,
 }
 
 

@@ -29,7 +29,6 @@ from devmesh.processes import ROOT
 from devmesh.testing import Mesh, mlp_config
 from ledger.store import Store
 from quantize import llm, pipeline
-from router.keys import TenantAdmin
 
 pytestmark = pytest.mark.slow
 CACHE = ROOT / "build" / "quantize"
@@ -70,7 +69,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str
 
 
 def key_for(mesh: Mesh, tenant: str, **policy: object) -> str:
-    admin = TenantAdmin(mesh.redis_client("admin"))
+    admin = mesh.tenant_admin()
     admin.set_tenant(tenant, TenantPolicy(**policy))  # type: ignore[arg-type]
     return admin.create_key(tenant)[1]
 
