@@ -52,7 +52,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from worker.llm.cache import CacheShape, KVCache, page_aligned
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
 from worker.llm.model import Model, VerifyingModel
 from worker.llm.sampling import Sampler, SamplingParams
@@ -170,13 +170,12 @@ class Engine:
         self.config = config
         self.eos = {i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
         budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
+        row = facts.kv_heads * facts.head_dim
+        itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         self.cache = KVCache(
-            CacheShape(
-                facts.layers,
-                facts.kv_heads,
-                facts.head_dim,
+            facts.cache_shape(
                 config.max_num_seqs,
-                page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+                page_aligned(config.max_model_len, row, itemsize=itemsize),
             ),
             budget,
         )
