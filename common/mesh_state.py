@@ -37,25 +37,35 @@ Every key, its type, its writer -> its readers, and what it holds:
   calls) (success and revenue negative for a refund;
   the token fields negative for a streamed piece whose delivery failed after it was
   recorded), field "at_ms" when the batch closed. A batch of a router that predates token
-  pricing has the first five fields only. The ledger applies
+  pricing has the first five fields only, one that predates cached tokens the first eleven
+  (CALL_FIELDS + TOKEN_FIELDS). The ledger applies
   entries in id order, exactly once, and quarantines what fails its checks.
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
 
-Tenants (router/auth.py, router/limits.py; written by `python -m router keys|tenants`, the
-admin role):
+Tenants (router/auth.py, router/limits.py). Their source of truth is the ledger's database
+(common/tenant_directory.py); these keys are its serving copy, written by `python -m router
+keys|tenants` (the admin role) after the database, and refilled by the ledger
+(ledger/refill.py) when Redis lost them:
 
-- meshserve:tenants (SET, admin -> router, ledger): every tenant name.
-- meshserve:tenant:{tenant} (STRING, admin -> router): TenantPolicy as JSON: the models it
-  may call, its rate limits and monthly spend cap, whether it is an admin.
-- meshserve:apikey:{sha256 hex} (STRING, admin -> router): {"tenant", "key_id",
-  "created_ms"} for one API key, found by the key's SHA-256 (the key itself is never stored).
-- meshserve:apikeys:{tenant} (HASH, admin -> admin): key id -> the key's SHA-256, to list
-  and revoke a tenant's keys.
+- meshserve:tenants (SET, admin, ledger -> router, ledger): every tenant name.
+- meshserve:tenant:{tenant} (STRING, admin, ledger -> router): TenantPolicy as JSON: the
+  models it may call, its rate limits and monthly spend cap, whether it is an admin.
+- meshserve:apikey:{sha256 hex} (STRING, admin, ledger -> router): {"tenant", "key_id",
+  "created_ms"} for one live API key, found by the key's SHA-256 (the key itself is never
+  stored). A revoked key has none.
+- meshserve:tenants:version (STRING, admin, ledger -> router, ledger): the directory version
+  (a count raised by every change in the database) that Redis holds all of; written last.
+  Missing, or below one a router saw before: Redis is not (yet) filled, and a router does
+  not call a key unknown that it cannot find (UNAVAILABLE, or its cached verdict).
+- meshserve:apikeys:{tenant} (HASH, admin -> admin): key id -> "sha256:created_ms", where
+  meshserve kept a tenant's keys before the database did; read only by `python -m router
+  tenants import`.
 - meshserve:limit:{tenant}:rps, meshserve:limit:{tenant}:tpm (HASH, router <-> router):
   token buckets {"level", "at_us"}, read and written only by router/limits.py's scripts.
-- meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router): micro-USD the tenant was
-  billed this UTC month, for its spend cap.
+- meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router; ledger raises it): micro-USD
+  the tenant was billed this UTC month, for its spend cap; a refill raises it to what the
+  ledger counted (never lowers it).
 
 Everything read from Redis is checked before use (`WorkerInfo.from_json`,
 `DepthSample.decode`, `TenantPolicy.from_json`, the ledger's `parse_entry`); with the ACL
@@ -89,7 +99,10 @@ TOKEN_FIELDS = (
     "finished_length",
     "finished_other",
 )
-USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS
+# Prompt tokens served from the workers' prefix caches (billed at the cached-input price),
+# and what that price took off the token revenue (at the input price for every token).
+CACHE_FIELDS = ("cached_tokens", "cached_discount_micro_usd")
+USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS + CACHE_FIELDS
 
 
 def now_ms() -> int:
@@ -143,6 +156,9 @@ def api_key_key(key_sha256: str) -> str:
     return f"{PREFIX}:apikey:{key_sha256}"
 
 
+TENANTS_VERSION = f"{PREFIX}:tenants:version"
+
+
 def tenant_keys_key(tenant: str) -> str:
     return f"{PREFIX}:apikeys:{tenant}"
 
@@ -172,6 +188,9 @@ def parse_usage_field(key: str) -> tuple[str, str, str]:
     return model, version, name
 
 
+CACHED_PRICE = "price_per_1k_cached_input_tokens_micro_usd"
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     versions: list[str]
@@ -181,6 +200,14 @@ class ModelEntry:
     # LLM models: micro-USD per 1,000 prompt (input) and completion (output) tokens.
     price_per_1k_input_tokens_micro_usd: int = 0
     price_per_1k_output_tokens_micro_usd: int = 0
+    # prompt tokens served from the worker's prefix cache; None (unset): the input price
+    price_per_1k_cached_input_tokens_micro_usd: int | None = None
+
+    @property
+    def cached_input_price(self) -> int:
+        """micro-USD per 1,000 cached prompt tokens: the input price unless set."""
+        p = self.price_per_1k_cached_input_tokens_micro_usd
+        return self.price_per_1k_input_tokens_micro_usd if p is None else p
 
     @property
     def prices(self) -> tuple[int, int, int]:
@@ -238,6 +265,9 @@ class WorkerInfo:
                 ),
                 price_per_1k_output_tokens_micro_usd=_count(
                     m, "price_per_1k_output_tokens_micro_usd", name, 0
+                ),
+                price_per_1k_cached_input_tokens_micro_usd=(
+                    _count(m, CACHED_PRICE, name) if m.get(CACHED_PRICE) is not None else None
                 ),
             )
         address = raw.get("address")

@@ -21,8 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import mesh_state, redis_conn, tls
 from common.net import free_port as free_port  # re-exported
+from common.tenant_directory import TenantDirectory
 from devmesh.certs import MeshCerts
 from devmesh.redis_acl import RedisUsers, user_url
+from ledger.store import Store
+from router.keys import TenantAdmin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,27 +91,37 @@ class Process:
             self.popen.wait(5)
 
 
-def redis_process(port: int, log_dir: Path, users: RedisUsers | None = None) -> Process:
-    """A private redis-server on 127.0.0.1 that keeps nothing on disk; with `users`, its ACL
-    users per role (the default user off) and protected mode, from a config file (no
-    password on the command line)."""
+FSYNC = ("everysec", "always", "no")  # redis.conf appendfsync
+
+
+def redis_process(
+    port: int,
+    log_dir: Path,
+    users: RedisUsers | None = None,
+    data_dir: Path | None = None,
+    fsync: str = "everysec",
+    extra: tuple[str, ...] = (),
+) -> Process:
+    """A private redis-server on 127.0.0.1 with an append-only file in `data_dir` (default
+    log_dir/redis-{port}), fsync'd as `fsync` says (docs/state.md: what each can lose); no
+    RDB snapshots. With `users`, its ACL users per role (the default user off) and protected
+    mode, from a config file (no password on the command line)."""
+    if fsync not in FSYNC:
+        raise ValueError(f"fsync must be one of {FSYNC}, not {fsync!r}")
     if users is None:
         flags = ["--protected-mode", "no"]
     else:
         flags = ["--protected-mode", "yes", "--aclfile", str(users.acl_file)]
+    data_dir = data_dir or log_dir / f"redis-{port}"
+    data_dir.mkdir(parents=True, exist_ok=True)
     return Process(
         "redis",
         [
             redis_server_binary(),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
+            *("--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir)),
+            *("--save", "", "--appendonly", "yes", "--appendfsync", fsync),
             *flags,
+            *extra,
         ],
         log_dir / f"redis-{port}.log",
     )
@@ -215,23 +228,43 @@ class LocalMesh:
     auth: bool = False  # the router asks for API keys; off (--no-auth) for tests and make run
     certs: MeshCerts | None = None  # TLS to the router, mutual TLS router -> workers
     users: RedisUsers | None = None  # Redis ACL users per role, passwords in files
+    redis_data: Path | None = None  # the private Redis's AOF directory (default: in log_dir)
+    redis_fsync: str = "everysec"
+    ledger_db: str = ""  # the ledger's database, which holds the tenants (default: log_dir)
 
     @property
     def redis_url(self) -> str:
         return self.external_redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
 
+    def __post_init__(self) -> None:
+        self.ledger_db = self.ledger_db or f"sqlite:///{self.log_dir / 'ledger.db'}"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.redis_data or self.log_dir / f"redis-{self.redis_port}"
+
     def start_redis(self) -> None:
-        """Start (or, after a kill, restart on the same port) the private redis-server."""
+        """Start (or, after a kill, restart on the same port) the private redis-server; it
+        reads back its append-only file."""
         self.redis_port = self.redis_port or free_port()
-        self.redis_server = redis_process(self.redis_port, self.log_dir, self.users).start()
+        self.redis_server = redis_process(
+            self.redis_port, self.log_dir, self.users, self.redis_dir, self.redis_fsync
+        ).start()
         wait_redis(self.redis_port, users=self.users)
 
-    def restart_redis(self, down_s: float) -> None:
-        """kill -9 the private Redis (it keeps nothing on disk), wait, start it empty."""
+    def restart_redis(self, down_s: float, keep_data: bool = False) -> None:
+        """kill -9 the private Redis, wait, start it again: empty (its AOF removed), or with
+        `keep_data` from its AOF."""
         assert self.redis_server is not None
         self.redis_server.kill()
+        if not keep_data:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
         time.sleep(down_s)
         self.start_redis()
+
+    def tenant_admin(self) -> TenantAdmin:
+        """What `python -m router tenants|keys` does, on this mesh's ledger database."""
+        return TenantAdmin(self.redis_client("admin"), TenantDirectory(Store(self.ledger_db)))
 
     def redis_client(self, user: str = "admin") -> redis.Redis:
         """A client as `user` (admin: everything) when the Redis has ACL users."""
@@ -291,9 +324,10 @@ class LocalMesh:
         self.router_address, self.router = self.spawn_router(*extra, port=port)
         return self.router_address
 
-    def start_ledger(self, db: str, *extra: str) -> Process:
+    def start_ledger(self, db: str = "", *extra: str) -> Process:
+        """The ledger on `db` (default: the mesh's, which holds its tenants)."""
         url, flags = self._redis_as("ledger")
-        ledger = ledger_process(url, db, self.log_dir, *flags, *extra).start()
+        ledger = ledger_process(url, db or self.ledger_db, self.log_dir, *flags, *extra).start()
         self.others.append(ledger)
         return ledger
 

@@ -3,8 +3,8 @@
 - worker: its registry entry and depth sample (meshserve:workers, :worker:*, :depth:*);
 - router: reads the registry, tenants and keys, the ledger's acks; writes its accounting
   streams, the live totals and the tenants' rate-limit buckets and spend counters;
-- ledger: reads the registry, the streams and the tenants; writes its acks and trims the
-  streams it committed;
+- ledger: reads the registry and the streams; writes its acks, trims the streams it
+  committed, and refills the tenant records and spend counters from its database;
 - admin: everything (tenants and API keys: `python -m router keys|tenants`).
 
 The default user is off. Passwords are random, stored in the ACL file only as SHA-256
@@ -24,7 +24,12 @@ from pathlib import Path
 REGISTRY = ("meshserve:workers", "meshserve:worker:*", "meshserve:depth:*")
 SCALE = ("meshserve:scale:*",)  # per-model queue and KV lists for KEDA (worker/scaling.py)
 EVENTS = "meshserve:registry:events"  # the registry's pub/sub channel (common/mesh_state.py)
-TENANT_RECORDS = ("meshserve:tenants", "meshserve:tenant:*", "meshserve:apikey:*")
+TENANT_RECORDS = (
+    "meshserve:tenants",
+    "meshserve:tenant:*",
+    "meshserve:apikey:*",
+    "meshserve:tenants:version",
+)
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,19 @@ ROLES = {
         channels=(EVENTS,),
     ),
     "ledger": Role(
-        reads=(*REGISTRY, "meshserve:routers", "meshserve:tenants"),
-        writes=("meshserve:calls:*", "meshserve:ledger:ack:*"),
-        commands=("zrangebyscore", "mget", "smembers", "xrange", "xtrim", "set"),
+        reads=(*REGISTRY, "meshserve:routers"),
+        # the tenant records and spend counters: refilled from its database (ledger/refill.py)
+        writes=(
+            "meshserve:calls:*",
+            "meshserve:ledger:ack:*",
+            *TENANT_RECORDS,
+            "meshserve:spend:*",
+        ),
+        commands=(
+            *("zrangebyscore", "mget", "smembers", "xrange", "xtrim", "set", "get"),
+            *("sadd", "srem", "del", "exists", "scan", "evalsha", "eval", "script|load"),
+            "info",  # the server's run id and persistence: a Redis restart in the report
+        ),
     ),
 }
 COMMON = ("ping", "auth", "hello", "select", "client|setname", "client|setinfo", "readonly")

@@ -70,10 +70,17 @@ def mlp_request(i: int = 0) -> pb.ModelInferRequest:
 
 
 async def call_many(
-    address: str, n: int, concurrency: int, max_seconds: float = 60.0, timeout: float = 10.0
+    address: str,
+    n: int,
+    concurrency: int,
+    max_seconds: float = 60.0,
+    timeout: float = 10.0,
+    key: str | None = None,
 ) -> Counter[str]:
-    """n ModelInfer calls, `concurrency` at a time; status code name -> count. Bounded in
-    count and in time (calls not started by max_seconds are not made)."""
+    """n ModelInfer calls, `concurrency` at a time (with the API key `key`, if given); status
+    code name -> count. Bounded in count and in time (calls not started by max_seconds are
+    not made)."""
+    metadata = (("authorization", f"Bearer {key}"),) if key else None
     codes: Counter[str] = Counter()
     next_i = 0
     stop_at = time.monotonic() + max_seconds
@@ -86,7 +93,7 @@ async def call_many(
                 i = next_i
                 next_i += 1
                 try:
-                    await stub.ModelInfer(mlp_request(i), timeout=timeout)
+                    await stub.ModelInfer(mlp_request(i), timeout=timeout, metadata=metadata)
                     codes["OK"] += 1
                 except grpc.aio.AioRpcError as e:
                     codes[e.code().name] += 1

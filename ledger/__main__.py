@@ -109,7 +109,9 @@ def run(settings: LedgerSettings) -> int:
     config = ledger_config.load(settings.config)
     store = Store(settings.db)
     password = read_password(settings.redis_password, settings.redis_password_file)
-    consumer = Consumer(settings.redis_url, store, config, password)
+    consumer = Consumer(
+        settings.redis_url, store, config, password, settings.tenants_reconcile_seconds
+    )
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     stop = threading.Event()
@@ -164,6 +166,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--redis-password-file", type=Path, help="else MESHSERVE_LEDGER_REDIS_PASSWORD"
     )
     p_run.add_argument("--interval-seconds", type=float)
+    p_run.add_argument("--tenants-reconcile-seconds", type=float)
     p_run.add_argument("--metrics-port", type=int)
     p_run.add_argument("--log-level")
     p_report = sub.add_parser("report", help="economics per model")

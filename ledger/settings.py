@@ -17,6 +17,9 @@ class LedgerSettings(BaseSettings):
     db: str = "sqlite:///build/ledger.db"  # or postgresql://user@host:5432/db
     config: Path | None = None  # TOML: machine prices, per-model p and T
     interval_seconds: float = 1.0
+    # a full comparison of Redis's tenant records with the database's, this often (and at
+    # once whenever Redis's tenants version differs from the database's)
+    tenants_reconcile_seconds: float = 60.0
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"

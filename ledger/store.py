@@ -14,14 +14,12 @@ leaves neither the counts nor the cursor moved.
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from common.mesh_state import CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
+from common.mesh_state import CACHE_FIELDS, CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
+from common.sqldb import Cursor, Database
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS cursors (
@@ -67,11 +65,30 @@ SCHEMA = [
         revenue_micro_usd BIGINT NOT NULL, upstream_ns BIGINT NOT NULL,
         prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
         token_revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (tenant, model, version))""",
+    # Prompt tokens served from the workers' prefix caches and the discount their price
+    # gave, per model version and per tenant (tables of their own, as token_usage).
+    """CREATE TABLE IF NOT EXISTS cache_usage (
+        model TEXT NOT NULL, version TEXT NOT NULL, cached_tokens BIGINT NOT NULL,
+        cached_discount_micro_usd BIGINT NOT NULL, PRIMARY KEY (model, version))""",
+    """CREATE TABLE IF NOT EXISTS tenant_cache_usage (
+        tenant TEXT NOT NULL, model TEXT NOT NULL, version TEXT NOT NULL,
+        cached_tokens BIGINT NOT NULL, cached_discount_micro_usd BIGINT NOT NULL,
+        PRIMARY KEY (tenant, model, version))""",
+    # What each tenant was billed per UTC month (YYYYMM of the batch): the spend a Redis
+    # that lost its counters is refilled with (ledger/refill.py).
+    """CREATE TABLE IF NOT EXISTS tenant_spend (
+        tenant TEXT NOT NULL, month TEXT NOT NULL, micro_usd BIGINT NOT NULL,
+        PRIMARY KEY (tenant, month))""",
 ]
 TENANT_FIELDS = (*CALL_FIELDS, "prompt_tokens", "completion_tokens", "token_revenue_micro_usd")
 
 FIELDS = CALL_FIELDS  # the usage table's count columns; TOKEN_FIELDS are token_usage's
 BUCKET_MS = 10_000  # time series resolution for rates and plots
+
+
+def utc_month(at_ms: int) -> str:
+    """YYYYMM (UTC) of a unix ms: the month of a tenant's spend (router/limits.py's too)."""
+    return dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC).strftime("%Y%m")
 
 
 @dataclass(frozen=True)
@@ -109,48 +126,11 @@ class WorkerSpan:
     last_seen_ms: int
 
 
-class Store:
+class Store(Database):
+    """The ledger's tables on the mesh's database (common/sqldb.py)."""
+
     def __init__(self, url: str) -> None:
-        self.url = url
-        if url.startswith(("postgresql://", "postgres://")):
-            import psycopg
-
-            self.postgres = True
-            self.conn: Any = psycopg.connect(url, autocommit=False)
-        else:
-            path = url.removeprefix("sqlite:///") if url.startswith("sqlite:") else url
-            if path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.postgres = False
-            self.conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-        with self.transaction() as cur:
-            for statement in SCHEMA:
-                cur.execute(statement)
-
-    @contextmanager
-    def transaction(self) -> Iterator[Any]:
-        cur = self.conn.cursor()
-        if not self.postgres:
-            cur.execute("BEGIN IMMEDIATE")
-        try:
-            yield _Cursor(cur, self.postgres)
-        except BaseException:
-            self.conn.rollback()
-            raise
-        self.conn.commit()
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def reconnect(self) -> None:
-        """After a database error: a fresh connection (a broken one stays broken)."""
-        import contextlib
-
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        self.__init__(self.url)  # type: ignore[misc]
+        super().__init__(url, SCHEMA)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -158,7 +138,7 @@ class Store:
         with self.transaction() as cur:
             return self._cursor(cur, router_id, lock=False)
 
-    def _cursor(self, cur: _Cursor, router_id: str, lock: bool) -> tuple[int, int]:
+    def _cursor(self, cur: Cursor, router_id: str, lock: bool) -> tuple[int, int]:
         for_update = " FOR UPDATE" if lock and self.postgres else ""
         row = cur.execute(
             f"SELECT epoch, seq FROM stream_cursors WHERE router_id = ?{for_update}", (router_id,)
@@ -201,6 +181,7 @@ class Store:
                         self._add_usage(cur, model, version, counts, entry.at_ms)
                         if tenant:
                             self._add_tenant_usage(cur, tenant[0], model, version, counts)
+                            self._add_spend(cur, tenant[0], counts, entry.at_ms)
                 cursor = entry.id
             if cursor != start:
                 cur.execute(
@@ -211,8 +192,17 @@ class Store:
         return cursor
 
     @staticmethod
-    def _add_usage(cur: _Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
-        calls, tokens = counts[: len(FIELDS)], counts[len(FIELDS) :]
+    def _add_usage(cur: Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
+        calls = counts[: len(FIELDS)]
+        tokens = counts[len(FIELDS) : len(FIELDS) + len(TOKEN_FIELDS)]
+        cached = counts[len(FIELDS) + len(TOKEN_FIELDS) :]
+        if any(cached):
+            sets = ", ".join(f"{f} = cache_usage.{f} + excluded.{f}" for f in CACHE_FIELDS)
+            cur.execute(
+                f"INSERT INTO cache_usage VALUES (?, ?, ?, ?) "
+                f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
+                (model, version, *cached),
+            )
         sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
         cur.execute(
             f"INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -236,9 +226,17 @@ class Store:
 
     @staticmethod
     def _add_tenant_usage(
-        cur: _Cursor, tenant: str, model: str, version: str, counts: list[int]
+        cur: Cursor, tenant: str, model: str, version: str, counts: list[int]
     ) -> None:
         by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
+        cached = [by_name.get(f, 0) for f in CACHE_FIELDS]
+        if any(cached):
+            sets = ", ".join(f"{f} = tenant_cache_usage.{f} + excluded.{f}" for f in CACHE_FIELDS)
+            cur.execute(
+                "INSERT INTO tenant_cache_usage VALUES (?, ?, ?, ?, ?) "
+                f"ON CONFLICT (tenant, model, version) DO UPDATE SET {sets}",
+                (tenant, model, version, *cached),
+            )
         values = [by_name.get(f, 0) for f in TENANT_FIELDS]
         sets = ", ".join(f"{f} = tenant_usage.{f} + excluded.{f}" for f in TENANT_FIELDS)
         marks = ", ".join("?" for _ in range(3 + len(TENANT_FIELDS)))
@@ -247,6 +245,17 @@ class Store:
             f"ON CONFLICT (tenant, model, version) DO UPDATE SET {sets}",
             (tenant, model, version, *values),
         )
+
+    @staticmethod
+    def _add_spend(cur: Cursor, tenant: str, counts: list[int], at_ms: int) -> None:
+        by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
+        spend = by_name["revenue_micro_usd"] + by_name.get("token_revenue_micro_usd", 0)
+        if spend:
+            cur.execute(
+                "INSERT INTO tenant_spend VALUES (?, ?, ?) ON CONFLICT (tenant, month) "
+                "DO UPDATE SET micro_usd = tenant_spend.micro_usd + excluded.micro_usd",
+                (tenant, utc_month(at_ms), spend),
+            )
 
     def record_workers(self, spans: Sequence[WorkerSpan]) -> None:
         with self.transaction() as cur:
@@ -290,24 +299,49 @@ class Store:
             token_rows = cur.execute(
                 f"SELECT model, version, {', '.join(TOKEN_FIELDS)} FROM token_usage"
             ).all()
+            cache_rows = cur.execute(
+                f"SELECT model, version, {', '.join(CACHE_FIELDS)} FROM cache_usage"
+            ).all()
         usage = {
-            (r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True))
-            | dict.fromkeys(TOKEN_FIELDS, 0)
+            (r[0], r[1]): dict.fromkeys(USAGE_FIELDS, 0)
+            | dict(zip(FIELDS, map(int, r[2:]), strict=True))
             for r in rows
         }
-        for r in token_rows:
-            counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
-            counts.update(zip(TOKEN_FIELDS, map(int, r[2:]), strict=True))
+        for fields, table in ((TOKEN_FIELDS, token_rows), (CACHE_FIELDS, cache_rows)):
+            for r in table:
+                counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
+                counts.update(zip(fields, map(int, r[2:]), strict=True))
         return usage
 
     def tenant_usage(self) -> dict[tuple[str, str], dict[str, int]]:
-        """(tenant, model) -> TENANT_FIELDS summed over the model's versions."""
+        """(tenant, model) -> TENANT_FIELDS and CACHE_FIELDS summed over the model's
+        versions."""
         sums = ", ".join(f"SUM({f})" for f in TENANT_FIELDS)
         with self.transaction() as cur:
             rows = cur.execute(
                 f"SELECT tenant, model, {sums} FROM tenant_usage GROUP BY tenant, model"
             ).all()
-        return {(r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+            cache_sums = ", ".join(f"SUM({f})" for f in CACHE_FIELDS)
+            cache_rows = cur.execute(
+                f"SELECT tenant, model, {cache_sums} FROM tenant_cache_usage GROUP BY tenant, model"
+            ).all()
+        usage = {
+            (r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True))
+            | dict.fromkeys(CACHE_FIELDS, 0)
+            for r in rows
+        }
+        for r in cache_rows:
+            if (r[0], r[1]) in usage:
+                usage[(r[0], r[1])].update(zip(CACHE_FIELDS, map(int, r[2:]), strict=True))
+        return usage
+
+    def tenant_spend(self, month: str) -> dict[str, int]:
+        """tenant -> micro-USD billed in the UTC month YYYYMM."""
+        with self.transaction() as cur:
+            rows = cur.execute(
+                "SELECT tenant, micro_usd FROM tenant_spend WHERE month = ?", (month,)
+            ).all()
+        return {r[0]: int(r[1]) for r in rows}
 
     def tenants(self) -> list[str]:
         with self.transaction() as cur:
@@ -354,21 +388,3 @@ class Store:
         with self.transaction() as cur:
             rows = cur.execute("SELECT router_id, after_seq, next_seq FROM gaps").all()
         return [(r[0], int(r[1]), int(r[2])) for r in rows]
-
-
-class _Cursor:
-    """One SQL dialect for both backends: write `?` placeholders, PostgreSQL gets `%s`."""
-
-    def __init__(self, cur: Any, postgres: bool) -> None:
-        self.cur = cur
-        self.postgres = postgres
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> _Cursor:
-        self.cur.execute(sql.replace("?", "%s") if self.postgres else sql, params)
-        return self
-
-    def one(self) -> Any:
-        return self.cur.fetchone()
-
-    def all(self) -> list[Any]:
-        return list(self.cur.fetchall())

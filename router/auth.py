@@ -9,7 +9,9 @@ nothing of models it may not use); over a limit -> RESOURCE_EXHAUSTED (router/li
 A looked-up key is cached for `cache_s` (1 s): a revoked key stops working within that,
 and the hot path needs no Redis read for the key. A key record or policy in Redis that
 does not parse is refused (logged once per text) and never trusted. While Redis is down,
-keys seen before go on working from the cache; others are UNAVAILABLE.
+keys seen before go on working from the cache; others are UNAVAILABLE. So while Redis holds
+no tenant directory, or an older one than this router saw (`meshserve:tenants:version`,
+until the ledger refills it from its database): a key Redis lacks is then not called unknown.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ MAX_CACHED = 10_000
 BEARER = "bearer "
 
 
+class NotFilled(Exception):
+    """Redis answered, but without the tenant directory (restarted empty, an old AOF): a
+    key it lacks is not known to be unknown."""
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -56,6 +63,7 @@ class Auth:
         self._cache: dict[str, _Cached] = {}
         self._policies: dict[str, TenantPolicy] = {}  # tenant -> policy last seen
         self._refused: set[str] = set()  # texts logged as refused (once each)
+        self._version_seen = 0  # the highest tenants version Redis showed (mesh_state)
 
     # -- who -------------------------------------------------------------------------------
 
@@ -68,9 +76,11 @@ class Auth:
             return _known(cached)
         try:
             entry = await self._lookup(key, digest)
-        except (RedisError, OSError) as e:
+        except (RedisError, OSError, NotFilled) as e:
             if cached is not None and cached.tenant is not None:  # Redis down: last known
                 return cached.tenant
+            if isinstance(e, NotFilled):
+                raise Unavailable(f"cannot check the API key now: {e}") from e
             raise Unavailable(f"cannot check the API key now (Redis: {clip(str(e), 80)})") from e
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
@@ -79,7 +89,11 @@ class Auth:
 
     async def _lookup(self, key: str, digest: str) -> _Cached:
         until = time.monotonic() + self.cache_s
-        record_text = await self.redis.get(mesh_state.api_key_key(digest))
+        record_text, version = await self.redis.mget(
+            [mesh_state.api_key_key(digest), mesh_state.TENANTS_VERSION]
+        )
+        if not self._filled(version):  # neither its record nor its absence is to be trusted
+            raise NotFilled("Redis does not hold the tenant records yet (being refilled)")
         if record_text is None:
             log.info("api_key_refused", key_id=key_id_of(key), reason="unknown or revoked")
             return _Cached(until, None, "unknown or revoked API key")
@@ -94,6 +108,16 @@ class Auth:
             return _Cached(until, None, "the API key's record in the mesh is not valid")
         self._policies[record.tenant] = policy
         return _Cached(until, Tenant(record.tenant, policy, record.key_id))
+
+    def _filled(self, version: str | None) -> bool:
+        """Whether Redis holds the whole tenant directory: its version is there, and not
+        below one seen before (an old AOF, a replica that lagged)."""
+        if version is None or not version.isdigit():
+            return False
+        if int(version) < self._version_seen:
+            return False
+        self._version_seen = int(version)
+        return True
 
     def _log_refused(self, text: str, reason: str) -> None:
         if text not in self._refused and len(self._refused) < MAX_CACHED:

@@ -36,3 +36,35 @@ def test_validation_catches_a_bad_file(docker_compose: None, tmp_path) -> None: 
         timeout=120,
     )
     assert result.returncode != 0 and "profile" in result.stderr
+
+
+def _services() -> dict:
+    import yaml
+
+    return yaml.safe_load((compose_check.DEPLOY / "compose.yaml").read_text())
+
+
+def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
+    """A restarted Redis container comes back with what it held (docs/state.md)."""
+    spec = _services()
+    redis = spec["services"]["redis"]
+    command = redis["command"]
+    flags = dict(zip(command[1::2], command[2::2], strict=False))
+    assert flags["--appendonly"] == "yes"
+    assert flags["--appendfsync"] in ("everysec", "always")
+    data = flags["--dir"]
+    volumes = [v.split(":") for v in redis["volumes"]]
+    assert [name for name, path in volumes if path == data] == ["redis-data"]
+    assert "redis-data" in spec["volumes"]  # a named volume, not the container's layer
+
+
+def test_compose_runs_the_ledger_that_refills_redis() -> None:
+    """The ledger holds the tenants' database on a volume and can write Redis's tenant keys."""
+    spec = _services()
+    ledger = spec["services"]["ledger"]
+    assert "ledger-data" in spec["volumes"]
+    (mount,) = [v.split(":")[1] for v in ledger["volumes"] if v.startswith("ledger-data:")]
+    db = ledger["command"][ledger["command"].index("--db") + 1]
+    assert db.startswith(f"sqlite:///{mount}/")
+    assert ledger["environment"]["MESHSERVE_ADMIN_DB"] == db  # the admin CLI's, beside it
+    assert "redis_ledger_password" in ledger["secrets"]

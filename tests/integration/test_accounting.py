@@ -52,3 +52,28 @@ def test_a_restarted_router_starts_above_what_redis_holds(mesh: Mesh) -> None:
     assert asyncio.run(run())
     ((last_id, _),) = r.xrevrange(mesh_state.calls_stream("r1"), count=1)
     assert last_id == f"{future + 1}-1"
+
+
+def test_batches_a_lagging_replica_lost_are_sent_again(mesh: Mesh) -> None:
+    """Redis took over from a primary without the router's last batches (the stream is
+    there, only shorter): the router appends them again before the new one."""
+    r = mesh.redis_client()
+    stream = mesh_state.calls_stream("r1")
+
+    async def run() -> list[str]:
+        accounting = Accounting(mesh.redis_url, "r1")
+        for _ in range(3):
+            accounting.record("mlp", "1", True, 250)
+            assert await accounting.flush()
+        (first_id, first), *rest = r.xrange(stream)
+        lost = [entry_id for entry_id, _ in rest]
+        r.delete(stream)  # the replica had only the first batch when it took over
+        r.xadd(stream, first, id=first_id)
+        accounting.record("mlp", "1", True, 250)
+        assert await accounting.flush()
+        await accounting.redis.aclose()
+        return lost
+
+    lost = asyncio.run(run())
+    ids = [entry_id for entry_id, _ in r.xrange(stream)]
+    assert len(ids) == 4 and ids[1:3] == lost  # every batch once, in order

@@ -28,7 +28,6 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm
 from router.accounting import token_revenue
-from router.keys import TenantAdmin
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -383,7 +382,7 @@ def test_tokens_per_minute_end_to_end(llm_repository: Path, tmp_path: Path) -> N
     another tenant is served; the ledger bills each tenant exactly what it was served."""
     tpm, max_tokens = 20, 24  # a call spends 5 prompt + 24 completion tokens: more than tpm
     with running_mesh("sqlite", llm_repository, tmp_path, auth=True) as (mesh, router, store):
-        admin = TenantAdmin(mesh.redis_client("admin"))
+        admin = mesh.tenant_admin()
         admin.set_tenant("small", TenantPolicy(tokens_per_minute=tpm))
         admin.set_tenant("large", TenantPolicy(tokens_per_minute=10**6))
         small, large = admin.create_key("small")[1], admin.create_key("large")[1]

@@ -52,7 +52,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 def admin(mesh: Mesh) -> TenantAdmin:
-    return TenantAdmin(mesh.redis_client("admin"))
+    return mesh.tenant_admin()
 
 
 def key_for(mesh: Mesh, tenant: str, policy: TenantPolicy) -> tuple[str, str]:
@@ -249,6 +249,7 @@ def test_keys_cli_and_revocation(secure: Mesh, capsys: pytest.CaptureFixture) ->
     assert users is not None
     url = f"redis://admin@127.0.0.1:{secure.redis_port}/0"
     common = ["--redis-url", url, "--redis-password-file", str(users.password_file("admin"))]
+    common += ["--db", secure.ledger_db]
     assert keys_cli.main(["tenants", "set", "--tenant", "cli-co", "--models", "mlp", *common]) == 0
     assert keys_cli.main(["keys", "create", "--tenant", "cli-co", *common]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]

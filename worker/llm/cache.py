@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from worker.llm.kv_budget import KVBudget
+
 KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
@@ -53,10 +55,11 @@ class CacheShape:
 
 
 class KVCache:
+    """The memory, and the room in it (a KVBudget: slots and reserved tokens)."""
+
     def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
         self.shape = shape
-        self.budget_tokens = budget_tokens
-        self.reserved_tokens = 0
+        self.room = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
@@ -65,34 +68,38 @@ class KVCache:
         self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
         self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
-        self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
 
     @property
+    def budget_tokens(self) -> int:
+        return self.room.budget_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.room.reserved_tokens
+
+    @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.room.free_slots
 
     @property
     def free_tokens(self) -> int:
-        return self.budget_tokens - self.reserved_tokens
+        return self.room.free_tokens
 
     def fits(self, tokens: int) -> bool:
-        return bool(self._free) and tokens <= self.free_tokens
+        return self.room.fits(tokens)
 
     def allocate(self, tokens: int) -> int:
         """A slot for a sequence that may grow to `tokens`; the caller checked `fits`."""
-        self._free.sort(reverse=True)
-        self.reserved_tokens += tokens
-        return self._free.pop()
+        return self.room.allocate(tokens)
 
     def release(self, slot: int, tokens: int) -> None:
         """Give the slot back and its written pages to the OS."""
-        self.reserved_tokens -= tokens
+        self.room.release(slot, tokens)
         self.discard(slot)
-        self._free.append(slot)
         if self.on_release is not None:
             self.on_release(slot)
 

@@ -48,6 +48,7 @@ MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
 KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
 PREFILL_CHUNK = model_keys.PREFILL_CHUNK
+MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
 MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = model_keys.DRAFT_MODEL
@@ -58,6 +59,7 @@ INT_PARAMETERS = (
     MAX_NUM_SEQS,
     KV_CACHE_BYTES,
     PREFILL_CHUNK,
+    MAX_STEP_TOKENS,
     MAX_TOKENS_LIMIT,
     NUM_SPECULATIVE_TOKENS,
 )
@@ -92,6 +94,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
         max_num_seqs=seqs,
         kv_cache_tokens=budget,
         prefill_chunk=int(p.get(PREFILL_CHUNK, default.prefill_chunk)),
+        max_step_tokens=int(p.get(MAX_STEP_TOKENS, default.max_step_tokens)),
         max_waiting=spec.max_queue_size or default.max_waiting,
     )
 
