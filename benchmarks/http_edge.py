@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from benchmarks.common import ROOT, machine, write_result
+from benchmarks.readings import table
 from common import llm_protocol as llm
 from common.net import free_port
 from devmesh import toy_models
@@ -275,6 +276,28 @@ def main(argv: list[str] | None = None) -> int:
     print(result["verdict"]["summary"])
     print(f"wrote {written}")
     return 0
+
+
+def section(r: dict) -> str:
+    """This benchmark's part of benchmarks/README.md."""
+    m = r["medians"]
+    rows = [[path, f"{v['p50_ms_c1']:.3f}", f"{v['rps_c32']:.0f}"] for path, v in m.items()]
+    parts = [
+        "## http_edge\n\nThe HTTP front door against the gRPC port of the same router, on "
+        "`mlp` (medians of the rounds).",
+        table(["path", "p50 ms, 1 caller", "req/s, 32 callers"], rows),
+        r["verdict"]["summary"] + ".",
+    ]
+    stream = r.get("stream", {})
+    if "sse_cost_per_token_ms" in stream:
+        parts.append(
+            f"SmolLM2, {stream['tokens']} tokens streamed: gRPC {stream['grpc_stream_s']:.3f} s, "
+            f"server-sent events {stream['sse_stream_s']:.3f} s: "
+            f"{stream['sse_cost_per_token_ms']:+.3f} ms per token over the gRPC stream."
+        )
+    elif stream:
+        parts.append(f"Streams not measured: {stream.get('error')}.")
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":
