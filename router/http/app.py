@@ -56,6 +56,7 @@ class Out:
     send: Send
     transport: Any
     started: bool = False
+    finished: bool = False  # the last byte of the answer was handed to the transport
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
@@ -85,6 +86,7 @@ class Out:
                 ],
             }
         )
+        self.finished = True
         await self.send({"type": "http.response.body", "body": body})
 
     async def start_events(self) -> None:
@@ -109,7 +111,8 @@ class Out:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_events(self) -> None:
-        if not self.closed:
+        if not self.closed and not self.finished:
+            self.finished = True
             await self.send({"type": "http.response.body", "body": b""})
 
 
@@ -134,7 +137,7 @@ class App:
             handler = self.route(request)
             if handler is None:
                 raise HttpError(404, f"no endpoint {request.method} {request.path[:200]}")
-            await self._watched(handler(request, out), receive)
+            await self._watched(handler(request, out), receive, out)
         except HttpError as e:
             await self._error(out, request, e)
         except MeshError as e:
@@ -168,20 +171,29 @@ class App:
         except TimeoutError:
             raise HttpError(408, f"the body did not arrive within {self.body_timeout_s}s") from None
 
-    async def _watched(self, work: Awaitable[None], receive: Receive) -> None:
-        """Run `work`; cancel it when the client disconnects."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(_disconnect(receive))
+    async def _watched(self, work: Awaitable[None], receive: Receive, out: Out) -> None:
+        """Run `work` in this task; a watcher cancels it when the client disconnects before
+        the answer is complete (one task more per request, not two)."""
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _disconnect(receive)
+            if not out.finished:
+                gone = True
+                me.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await work
+        except asyncio.CancelledError:
+            if gone:
+                raise ConnectionResetError("the client went away") from None
+            raise
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise ConnectionResetError("the client went away")
-            watch.cancel()
-        task.result()
+            watcher.cancel()
 
     @staticmethod
     async def _error(out: Out, request: Request, error: HttpError) -> None:

@@ -100,6 +100,7 @@ class HttpServer:
             access_log=False,
             log_config=None,
             server_header=False,
+            proxy_headers=False,  # no X-Forwarded-* is trusted (and one middleware less)
             date_header=False,
             timeout_keep_alive=int(keep_alive_s),
             ssl_certfile=str(tls_cert) if tls_cert else None,
