@@ -42,8 +42,8 @@ import numpy as np
 
 from benchmarks.common import ROOT, closed_loop, free_port, infer_request, machine, write_result
 from benchmarks.idle import export
-from deploy import toy_models
-from deploy.processes import LocalMesh, Process, router_process, wait_serving
+from devmesh import toy_models
+from devmesh.processes import LocalMesh, Process, router_process, wait_serving
 from protos import grpc_service_pb2 as pb
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
@@ -108,7 +108,11 @@ async def stream_burst(address: str, raw: bytes, n: int) -> dict:
 
 
 def find_perf_analyzer(given: str | None) -> Path | None:
-    for candidate in (given, shutil.which("perf_analyzer"), ROOT / "build/genai-perf/bin/perf_analyzer"):
+    for candidate in (
+        given,
+        shutil.which("perf_analyzer"),
+        ROOT / "build/genai-perf/bin/perf_analyzer",
+    ):
         if candidate and Path(candidate).exists():
             return Path(candidate)
     return None
@@ -186,8 +190,8 @@ def medians(rounds: list[dict], paths: list[str]) -> dict:
 
 
 def verdicts(m: dict) -> dict:
-    direct, after, before = m["direct"], m["after"], m["before"]
-    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in after else "c1.p50_ms"
+    direct, before = m["direct"], m["before"]
+    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in m["after"] else "c1.p50_ms"
     out: dict = {"c1_measured_with": c1.split(".")[0]}
     for label in ("before", *[k for k in ROUTERS if k != "before"]):
         r = m[label]
@@ -200,16 +204,15 @@ def verdicts(m: dict) -> dict:
             "stream_one_at_a_time_added_ms": round(
                 r["stream_one_at_a_time.p50_ms"] - direct["stream_one_at_a_time.p50_ms"], 3
             ),
-            "c32_over_before": round(
-                r["c32.throughput_rps"] / before["c32.throughput_rps"], 3
-            ),
+            "c32_over_before": round(r["c32.throughput_rps"] / before["c32.throughput_rps"], 3),
         }
         v = out[label]
         v["meets_c1"] = v["c1_p50_added_ms"] <= TARGET_C1_ADDED_MS
         v["meets_piece"] = v["stream_piece_added_ms"] <= TARGET_PIECE_ADDED_MS
         v["meets_c32"] = v["c32_over_before"] >= TARGET_C32_RATIO
-    out["default_meets_all"] = all(out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32"))
-    del after
+    out["default_meets_all"] = all(
+        out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32")
+    )
     return out
 
 
@@ -282,7 +285,7 @@ def main() -> None:
         finally:
             mesh.stop()
     m = medians(rounds, paths)
-    result = {
+    out: dict = {
         "benchmark": "router_hop",
         "machine": machine(),
         "shared_machine": args.shared_machine,
@@ -300,9 +303,9 @@ def main() -> None:
         "medians": m,
         "verdicts": verdicts(m),
     }
-    path = write_result("router_hop", result)
-    print(section(result))
-    print(f"wrote {path}")
+    written = write_result("router_hop", out)
+    print(section(out))
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,20 @@ NUM_OUTPUT_TOKENS = "num_output_tokens"
 FINAL_RESPONSE = "triton_final_response"  # bool: the last response of a request
 PROMPT_TOKENS = "prompt_tokens"  # int64
 COMPLETION_TOKENS = "completion_tokens"  # int64, running: tokens generated up to this piece
+# int64: the prompt tokens served from the worker's prefix cache (not prefilled); on every
+# piece that carries prompt_tokens, <= prompt_tokens. OpenAI's
+# usage.prompt_tokens_details.cached_tokens.
+CACHED_TOKENS = "cached_tokens"
 FINISH_REASON = "finish_reason"  # string: stop | length | cancelled
 # A request parameter: the client wants an empty final response after the last text piece
 # (Triton's decoupled models may send one; genai-perf and our load tool read it).
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+# A request parameter (string, at most MAX_CACHE_SALT characters): requests share cached
+# prompt blocks only when they carry the same salt (none: the model's shared cache). A
+# tenant that sets its own salt cannot time another's prompts by their cache hits
+# (docs/llm.md); off by default, as in vLLM.
+CACHE_SALT = "cache_salt"
+MAX_CACHE_SALT = 256
 
 # Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
 # worker's and the router's, so the two compare bucket for bucket.

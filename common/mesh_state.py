@@ -37,7 +37,8 @@ Every key, its type, its writer -> its readers, and what it holds:
   calls) (success and revenue negative for a refund;
   the token fields negative for a streamed piece whose delivery failed after it was
   recorded), field "at_ms" when the batch closed. A batch of a router that predates token
-  pricing has the first five fields only. The ledger applies
+  pricing has the first five fields only, one that predates cached tokens the first eleven
+  (CALL_FIELDS + TOKEN_FIELDS). The ledger applies
   entries in id order, exactly once, and quarantines what fails its checks.
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
@@ -98,7 +99,10 @@ TOKEN_FIELDS = (
     "finished_length",
     "finished_other",
 )
-USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS
+# Prompt tokens served from the workers' prefix caches (billed at the cached-input price),
+# and what that price took off the token revenue (at the input price for every token).
+CACHE_FIELDS = ("cached_tokens", "cached_discount_micro_usd")
+USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS + CACHE_FIELDS
 
 
 def now_ms() -> int:
@@ -184,6 +188,9 @@ def parse_usage_field(key: str) -> tuple[str, str, str]:
     return model, version, name
 
 
+CACHED_PRICE = "price_per_1k_cached_input_tokens_micro_usd"
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     versions: list[str]
@@ -193,6 +200,14 @@ class ModelEntry:
     # LLM models: micro-USD per 1,000 prompt (input) and completion (output) tokens.
     price_per_1k_input_tokens_micro_usd: int = 0
     price_per_1k_output_tokens_micro_usd: int = 0
+    # prompt tokens served from the worker's prefix cache; None (unset): the input price
+    price_per_1k_cached_input_tokens_micro_usd: int | None = None
+
+    @property
+    def cached_input_price(self) -> int:
+        """micro-USD per 1,000 cached prompt tokens: the input price unless set."""
+        p = self.price_per_1k_cached_input_tokens_micro_usd
+        return self.price_per_1k_input_tokens_micro_usd if p is None else p
 
     @property
     def prices(self) -> tuple[int, int, int]:
@@ -250,6 +265,9 @@ class WorkerInfo:
                 ),
                 price_per_1k_output_tokens_micro_usd=_count(
                     m, "price_per_1k_output_tokens_micro_usd", name, 0
+                ),
+                price_per_1k_cached_input_tokens_micro_usd=(
+                    _count(m, CACHED_PRICE, name) if m.get(CACHED_PRICE) is not None else None
                 ),
             )
         address = raw.get("address")

@@ -12,8 +12,18 @@ PRICE_PER_CALL = "meshserve.price_per_call_micro_usd"
 # An LLM's prices per 1,000 tokens: prompt (input) and completion (output) tokens.
 PRICE_PER_1K_INPUT = "meshserve.price_per_1k_input_tokens_micro_usd"
 PRICE_PER_1K_OUTPUT = "meshserve.price_per_1k_output_tokens_micro_usd"
+# Prompt tokens served from the prefix cache, per 1,000; unset: the input price (no discount).
+PRICE_PER_1K_CACHED_INPUT = "meshserve.price_per_1k_cached_input_tokens_micro_usd"
 TRAINING_COST = "meshserve.training_cost_micro_usd"
-PRIVATE = frozenset({PRICE_PER_CALL, PRICE_PER_1K_INPUT, PRICE_PER_1K_OUTPUT, TRAINING_COST})
+PRIVATE = frozenset(
+    {
+        PRICE_PER_CALL,
+        PRICE_PER_1K_INPUT,
+        PRICE_PER_1K_OUTPUT,
+        PRICE_PER_1K_CACHED_INPUT,
+        TRAINING_COST,
+    }
+)
 
 # ---- serving ---------------------------------------------------------------------------
 # Set by the worker on the config it serves: the execution provider it actually runs on.
@@ -42,8 +52,12 @@ LLM_ENGINE = "llm"
 MAX_MODEL_LEN = "meshserve.max_model_len"
 MAX_NUM_SEQS = "meshserve.max_num_seqs"
 KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
+PREFILL_CHUNK = "meshserve.prefill_chunk"  # prompt tokens of one sequence per step, at most
+# decode rows + prefill tokens per step while streams decode (bounds their inter-token tail)
+MAX_STEP_TOKENS = "meshserve.max_step_tokens"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+# "false": no prefix cache (every prompt prefilled from nothing); default "true"
+PREFIX_CACHING = "meshserve.prefix_caching"
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = "meshserve.draft_model"
 NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"

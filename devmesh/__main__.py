@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from common import paths
 from devmesh.certs import DEFAULT_HOSTS, make_certs
 from devmesh.redis_acl import make_users
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     certs = sub.add_parser("certs", help="a dev CA, the router's and workers' certificates")
-    certs.add_argument("--out", type=Path, default=Path("build/certs"))
+    certs.add_argument("--out", type=Path, default=paths.build("certs"))
     certs.add_argument(
         "--host",
         action="append",
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     certs.add_argument("--days", type=int, default=365)
     users = sub.add_parser("redis-users", help="Redis ACL users per role, password files")
-    users.add_argument("--out", type=Path, default=Path("build/secrets"))
+    users.add_argument("--out", type=Path, default=paths.build("secrets"))
     users.add_argument("--split", action="store_true", help="Redis 7: %%R~ read-only keys")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "redis-users":

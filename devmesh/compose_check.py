@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import paths
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-VENV = ROOT / "build" / "compose-venv"
+VENV = paths.build("compose-venv")
 INSTALL_STEPS = [
     ["cython==0.29.37", "wheel==0.48.0"],
     ["--no-build-isolation", "pyyaml==5.4.1"],

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import mesh_state
+from common import mesh_state, paths
 from common.mesh_state import WorkerInfo
 from devmesh import models, processes
 from devmesh.certs import MeshCerts, make_certs
@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--worker-ports", type=int, nargs="*", help="default: free ports")
     parser.add_argument("--redis-url", help="default: a private redis-server on a free port")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "build" / "models")
+    parser.add_argument("--model-repository", type=Path, default=paths.build("models"))
     parser.add_argument("--policy", default="p2c")
     parser.add_argument("--providers", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument(
@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Prometheus: the router on this port, worker i on the ports after it (0: off)",
     )
     parser.add_argument("--ledger-db", help="default: sqlite:///build/ledger.db")
-    parser.add_argument("--log-dir", type=Path, default=ROOT / "build" / "logs")
+    parser.add_argument("--log-dir", type=Path, default=paths.build("logs"))
     parser.add_argument(
         "--tp-group",
         action="append",
@@ -63,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also start a tensor-parallel shard group serving MODEL (minilm, smollm2) over N "
         "ranks, as one replica; its shard set is built into build/tp/ on first use",
     )
-    parser.add_argument("--tp-repository", type=Path, default=ROOT / "build" / "tp")
+    parser.add_argument("--tp-repository", type=Path, default=paths.build("tp"))
     parser.add_argument(
         "--auth",
         action="store_true",
@@ -89,13 +89,13 @@ class Launcher:
             auth=args.auth,
             # the private Redis's append-only file: tenants, keys and unread batches outlive
             # a restart of Redis or of make run
-            redis_data=ROOT / "build" / "redis",
+            redis_data=paths.build("redis"),
             ledger_db=args.ledger_db or f"sqlite:///{args.log_dir.parent / 'ledger.db'}",
         )
         if not args.redis_url:  # the private Redis: ACL users per role, protected mode
-            self.mesh.users = make_users(ROOT / "build" / "secrets")
+            self.mesh.users = make_users(paths.build("secrets"))
         if args.tls:
-            certs = MeshCerts(ROOT / "build" / "certs")
+            certs = MeshCerts(paths.build("certs"))
             self.mesh.certs = certs if certs.complete() else make_certs(certs.root)
         self.ledger_db = self.mesh.ledger_db  # also the tenants' and keys' database
         self.stopping = False

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from common import paths
+
 OPSET = 17
 IR_VERSION = 9
 
@@ -210,5 +212,5 @@ def build(root: Path) -> Path:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "build/models")
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else paths.build("models"))
     print(build(target))

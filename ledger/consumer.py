@@ -9,7 +9,8 @@ model's price and training cost as the workers publish them.
 Nothing read from Redis is trusted as it stands. A stream entry is counted only if it has
 exactly the router's fields, a usage object keyed "model|version" for a model the ledger
 knows (from a registration, its store or its config), and integer counts (the five call
-counts of a router that predates token pricing, or all of USAGE_FIELDS) whose call counts
+counts of a router that predates token pricing, the eleven of one before cached tokens, or
+all of USAGE_FIELDS) whose call counts
 add up (success + errors = calls; calls, errors and upstream time >= 0; revenue of the sign
 of success: a negative success is a refund). The token counts may be negative in a batch (a
 streamed piece recorded, then refunded when it could not be delivered). Anything else is
@@ -46,6 +47,12 @@ def worker_kind(provider: str) -> str:
 
 
 MAX_COUNT = 2**53  # any count beyond this is not a batch of one router's flush interval
+# the counts a batch may carry: a router before token pricing, before cached tokens, now
+LENGTHS = (
+    len(mesh_state.CALL_FIELDS),
+    len(mesh_state.CALL_FIELDS) + len(mesh_state.TOKEN_FIELDS),
+    len(mesh_state.USAGE_FIELDS),
+)
 
 
 def parse_entry(
@@ -74,15 +81,14 @@ def parse_entry(
             raise ValueError(f"model {parts[0][:64]!r} is not one the mesh serves")
         if len(parts) == 3 and parts[2] not in tenants:
             raise ValueError(f"tenant {parts[2][:64]!r} is not one the mesh knows")
-        lengths = (len(mesh_state.CALL_FIELDS), len(mesh_state.USAGE_FIELDS))
         if (
             not isinstance(counts, list)
-            or len(counts) not in lengths
+            or len(counts) not in LENGTHS
             or not all(type(c) is int and abs(c) < MAX_COUNT for c in counts)
         ):
-            raise ValueError(f"{key[:64]!r}: counts must be {lengths[0]} or {lengths[1]} ints")
-        counts = counts + [0] * (lengths[1] - len(counts))
-        calls, success, errors, revenue, upstream_ns = counts[: lengths[0]]
+            raise ValueError(f"{key[:64]!r}: counts must be {' or '.join(map(str, LENGTHS))} ints")
+        counts = counts + [0] * (LENGTHS[-1] - len(counts))
+        calls, success, errors, revenue, upstream_ns = counts[: LENGTHS[0]]
         if calls < 0 or errors < 0 or upstream_ns < 0 or success + errors != calls:
             raise ValueError(f"{key[:64]!r}: counts do not add up: {counts}")
         if revenue * success < 0 or (success == 0 and revenue != 0):

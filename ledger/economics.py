@@ -135,6 +135,58 @@ class TokenEconomics:
     projected_break_even: str | None  # ISO date at the current token rate
     finished: dict[str, int]  # successful calls by finish reason: stop, length, other
     statement: str
+    cache: CacheEconomics | None = None  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class CacheEconomics:
+    """The prefix cache in the bill: cached prompt tokens (billed at the cached-input
+    price), the hit rate (cached / prompt tokens), what the lower price cost (the revenue at
+    the input price for every prompt token, minus the revenue billed), and the break-even
+    with that discount (the one TokenEconomics reports, from the revenue billed) against the
+    break-even had every prompt token been billed at the input price."""
+
+    cached_tokens: int
+    hit_rate: float
+    discount_micro_usd: int
+    break_even_output_tokens: int | None  # with the discount; None: never or unknown
+    break_even_without_discount: int | None
+    statement: str
+
+
+def cache_economics(
+    prompt_tokens: int,
+    cached_tokens: int,
+    discount: int,
+    revenue: int,
+    training_cost: int,
+    serving: int,
+    completion_tokens: int,
+) -> CacheEconomics:
+    n = completion_tokens
+
+    def break_even(r: int) -> int | None:
+        return -(-training_cost * n // (r - serving)) if n > 0 and r > serving else None
+
+    with_discount, without = break_even(revenue), break_even(revenue + discount)
+    rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    if discount == 0:
+        statement = f"hit rate {rate:.1%}; no discount (cached tokens billed at the input price)"
+    elif with_discount is None:
+        statement = (
+            f"hit rate {rate:.1%}; the discount ({discount:,} micro-USD) leaves revenue at or "
+            "below serving cost: never breaks even with it"
+            + ("" if without is None else f" (without it: {without:,} output tokens)")
+        )
+    else:
+        extra = with_discount - (without or with_discount)
+        statement = (
+            f"hit rate {rate:.1%}; the discount cost {discount:,} micro-USD and moves "
+            f"break-even by {extra:,} output tokens"
+        )
+    return CacheEconomics(
+        cached_tokens, round(rate, 4), discount, with_discount, without, statement
+    )
 
 
 def token_economics(

@@ -9,8 +9,10 @@ from pathlib import Path
 from ledger.config import LedgerConfig
 from ledger.economics import (
     MS_PER_DAY,
+    CacheEconomics,
     Economics,
     TokenEconomics,
+    cache_economics,
     economics,
     serving_cost,
     token_economics,
@@ -79,6 +81,17 @@ def build(store: Store, config: LedgerConfig, model: str | None = None) -> list[
                 {k.removeprefix("finished_"): u[k] for k in u if k.startswith("finished_")},
                 now,
             )
+            if u["cached_tokens"] or u["cached_discount_micro_usd"]:
+                cache = cache_economics(
+                    u["prompt_tokens"],
+                    u["cached_tokens"],
+                    u["cached_discount_micro_usd"],
+                    u["revenue_micro_usd"] + u["token_revenue_micro_usd"],
+                    training,
+                    cost,
+                    u["completion_tokens"],
+                )
+                tokens = dataclasses.replace(tokens, cache=cache)
             row = dataclasses.replace(row, tokens=tokens)
         out.append(row)
     return out
@@ -151,6 +164,23 @@ def _token_lines(t: TokenEconomics) -> list[str]:
         + (f", around {t.projected_break_even}" if t.projected_break_even else ""),
         f"  output tokens per day {t.output_tokens_per_day:,.0f}",
         f"  => {t.statement}",
+        *_cache_lines(t.cache),
+    ]
+
+
+def _cache_lines(c: CacheEconomics | None) -> list[str]:
+    if c is None:
+        return []
+
+    def be(n: int | None) -> str:
+        return "never" if n is None else f"{n:,} output tokens"
+
+    return [
+        f"  cached tokens in      {c.cached_tokens:,} (hit rate {c.hit_rate:.1%})",
+        f"  cache discount        {usd(c.discount_micro_usd)}",
+        f"  break-even N* (out)   {be(c.break_even_output_tokens)} with the discount, "
+        f"{be(c.break_even_without_discount)} without",
+        f"  => {c.statement}",
     ]
 
 
@@ -166,9 +196,15 @@ class TenantUsage:
     completion_tokens: int
     revenue_micro_usd: int  # per call + per token
     serving_cost_micro_usd: int  # machine time, by the share of upstream time its calls took
+    cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
+    cached_discount_micro_usd: int = 0  # what their lower price took off the revenue
 
-    def as_dict(self) -> dict[str, int | str]:
-        return dataclasses.asdict(self)
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, int | str | float]:
+        return {**dataclasses.asdict(self), "hit_rate": round(self.hit_rate, 4)}
 
 
 def by_tenant(store: Store, config: LedgerConfig) -> list[TenantUsage]:
@@ -185,6 +221,8 @@ def by_tenant(store: Store, config: LedgerConfig) -> list[TenantUsage]:
             u["completion_tokens"],
             u["revenue_micro_usd"] + u["token_revenue_micro_usd"],
             total_cost * u["upstream_ns"] // upstream_total,
+            u["cached_tokens"],
+            u["cached_discount_micro_usd"],
         )
         for (tenant, model), u in sorted(usage.items())
     ]
@@ -195,13 +233,15 @@ def tenant_text(rows: list[TenantUsage]) -> str:
         return "no tenant calls recorded yet (auth off, or no calls)"
     lines = [
         f"{'tenant':20s} {'model':16s} {'calls':>10s} {'errors':>8s} {'tokens in/out':>17s} "
-        f"{'revenue':>14s} {'serving cost':>14s}"
+        f"{'revenue':>14s} {'serving cost':>14s} {'cached in':>11s} {'hit':>6s} "
+        f"{'discount':>12s}"
     ]
     for r in rows:
         tokens = f"{r.prompt_tokens:,}/{r.completion_tokens:,}"
         lines.append(
             f"{r.tenant:20s} {r.model:16s} {r.calls:>10,} {r.errors:>8,} {tokens:>17s} "
-            f"{usd(r.revenue_micro_usd):>14s} {usd(r.serving_cost_micro_usd):>14s}"
+            f"{usd(r.revenue_micro_usd):>14s} {usd(r.serving_cost_micro_usd):>14s} "
+            f"{r.cached_tokens:>11,} {r.hit_rate:>6.1%} {usd(r.cached_discount_micro_usd):>12s}"
         )
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.mesh_state import CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
+from common.mesh_state import CACHE_FIELDS, CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
 from common.sqldb import Cursor, Database
 
 SCHEMA = [
@@ -65,6 +65,15 @@ SCHEMA = [
         revenue_micro_usd BIGINT NOT NULL, upstream_ns BIGINT NOT NULL,
         prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
         token_revenue_micro_usd BIGINT NOT NULL, PRIMARY KEY (tenant, model, version))""",
+    # Prompt tokens served from the workers' prefix caches and the discount their price
+    # gave, per model version and per tenant (tables of their own, as token_usage).
+    """CREATE TABLE IF NOT EXISTS cache_usage (
+        model TEXT NOT NULL, version TEXT NOT NULL, cached_tokens BIGINT NOT NULL,
+        cached_discount_micro_usd BIGINT NOT NULL, PRIMARY KEY (model, version))""",
+    """CREATE TABLE IF NOT EXISTS tenant_cache_usage (
+        tenant TEXT NOT NULL, model TEXT NOT NULL, version TEXT NOT NULL,
+        cached_tokens BIGINT NOT NULL, cached_discount_micro_usd BIGINT NOT NULL,
+        PRIMARY KEY (tenant, model, version))""",
     # What each tenant was billed per UTC month (YYYYMM of the batch): the spend a Redis
     # that lost its counters is refilled with (ledger/refill.py).
     """CREATE TABLE IF NOT EXISTS tenant_spend (
@@ -184,7 +193,16 @@ class Store(Database):
 
     @staticmethod
     def _add_usage(cur: Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
-        calls, tokens = counts[: len(FIELDS)], counts[len(FIELDS) :]
+        calls = counts[: len(FIELDS)]
+        tokens = counts[len(FIELDS) : len(FIELDS) + len(TOKEN_FIELDS)]
+        cached = counts[len(FIELDS) + len(TOKEN_FIELDS) :]
+        if any(cached):
+            sets = ", ".join(f"{f} = cache_usage.{f} + excluded.{f}" for f in CACHE_FIELDS)
+            cur.execute(
+                f"INSERT INTO cache_usage VALUES (?, ?, ?, ?) "
+                f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
+                (model, version, *cached),
+            )
         sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
         cur.execute(
             f"INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -211,6 +229,14 @@ class Store(Database):
         cur: Cursor, tenant: str, model: str, version: str, counts: list[int]
     ) -> None:
         by_name = dict(zip(USAGE_FIELDS, counts, strict=False))
+        cached = [by_name.get(f, 0) for f in CACHE_FIELDS]
+        if any(cached):
+            sets = ", ".join(f"{f} = tenant_cache_usage.{f} + excluded.{f}" for f in CACHE_FIELDS)
+            cur.execute(
+                "INSERT INTO tenant_cache_usage VALUES (?, ?, ?, ?, ?) "
+                f"ON CONFLICT (tenant, model, version) DO UPDATE SET {sets}",
+                (tenant, model, version, *cached),
+            )
         values = [by_name.get(f, 0) for f in TENANT_FIELDS]
         sets = ", ".join(f"{f} = tenant_usage.{f} + excluded.{f}" for f in TENANT_FIELDS)
         marks = ", ".join("?" for _ in range(3 + len(TENANT_FIELDS)))
@@ -273,24 +299,41 @@ class Store(Database):
             token_rows = cur.execute(
                 f"SELECT model, version, {', '.join(TOKEN_FIELDS)} FROM token_usage"
             ).all()
+            cache_rows = cur.execute(
+                f"SELECT model, version, {', '.join(CACHE_FIELDS)} FROM cache_usage"
+            ).all()
         usage = {
-            (r[0], r[1]): dict(zip(FIELDS, map(int, r[2:]), strict=True))
-            | dict.fromkeys(TOKEN_FIELDS, 0)
+            (r[0], r[1]): dict.fromkeys(USAGE_FIELDS, 0)
+            | dict(zip(FIELDS, map(int, r[2:]), strict=True))
             for r in rows
         }
-        for r in token_rows:
-            counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
-            counts.update(zip(TOKEN_FIELDS, map(int, r[2:]), strict=True))
+        for fields, table in ((TOKEN_FIELDS, token_rows), (CACHE_FIELDS, cache_rows)):
+            for r in table:
+                counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
+                counts.update(zip(fields, map(int, r[2:]), strict=True))
         return usage
 
     def tenant_usage(self) -> dict[tuple[str, str], dict[str, int]]:
-        """(tenant, model) -> TENANT_FIELDS summed over the model's versions."""
+        """(tenant, model) -> TENANT_FIELDS and CACHE_FIELDS summed over the model's
+        versions."""
         sums = ", ".join(f"SUM({f})" for f in TENANT_FIELDS)
         with self.transaction() as cur:
             rows = cur.execute(
                 f"SELECT tenant, model, {sums} FROM tenant_usage GROUP BY tenant, model"
             ).all()
-        return {(r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True)) for r in rows}
+            cache_sums = ", ".join(f"SUM({f})" for f in CACHE_FIELDS)
+            cache_rows = cur.execute(
+                f"SELECT tenant, model, {cache_sums} FROM tenant_cache_usage GROUP BY tenant, model"
+            ).all()
+        usage = {
+            (r[0], r[1]): dict(zip(TENANT_FIELDS, map(int, r[2:]), strict=True))
+            | dict.fromkeys(CACHE_FIELDS, 0)
+            for r in rows
+        }
+        for r in cache_rows:
+            if (r[0], r[1]) in usage:
+                usage[(r[0], r[1])].update(zip(CACHE_FIELDS, map(int, r[2:]), strict=True))
+        return usage
 
     def tenant_spend(self, month: str) -> dict[str, int]:
         """tenant -> micro-USD billed in the UTC month YYYYMM."""

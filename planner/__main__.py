@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common import logging
+from common import logging, paths
 from planner import probe as probing
 from planner import profiles
 from planner.analysis import DECODER, AnalysisError, analyse_repository
@@ -64,7 +64,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     tokens = m.default_tokens
     served = calibrate_serving(path, args.model, (1, top), tokens, args.seconds)
     profile = served_profile(base, served, m, top, tokens)
-    out = Path(args.output or f"build/planner/{args.model}-v{version}-served.json")
+    out = Path(args.output or paths.build("planner", f"{args.model}-v{version}-served.json"))
     profiles.save(profile, out)
     print(json.dumps(served.as_dict(), indent=2))
     print(f"wrote {out}: plan with --profile {out} --recipe {m.recipe}", file=sys.stderr)
@@ -190,12 +190,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m planner", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     pr = sub.add_parser("probe", help="measure this machine into a profile file")
-    pr.add_argument("--output", default=str(profiles.DEFAULT_PROBED))
+    pr.add_argument("--output", default=str(profiles.default_probed()))
     pr.add_argument("--seconds", type=_positive(float), default=3.0, help="budget per measure")
     pr.add_argument("--mesh", action="store_true", help="also measure the mesh's cost per call")
     c = sub.add_parser("calibrate", help="fit the local profile to one model as served")
     c.add_argument("--model", required=True)
-    c.add_argument("--model-repository", default="build/models")
+    c.add_argument("--model-repository", default=str(paths.build("models")))
     c.add_argument("--version", help="default: the newest")
     c.add_argument("--max-batch", type=_positive(int), help="default: the model's own")
     c.add_argument("--profile", default="local")
@@ -211,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     pl = sub.add_parser("plan", help="the cheapest configuration for an SLO")
     pl.add_argument("--model", required=True)
-    pl.add_argument("--model-repository", default="build/models")
+    pl.add_argument("--model-repository", default=str(paths.build("models")))
     pl.add_argument("--qps", type=_positive(float), required=True)
     pl.add_argument("--p99-ms", type=_positive(float), required=True)
     pl.add_argument("--context", type=int, default=0, help="prompt tokens (LLM) / item tokens")

@@ -21,6 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common import paths
+
 TERA = 1e12
 GIGA = 1e9
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -198,7 +200,10 @@ NAMED: dict[str, Profile] = {
     )
 }
 
-DEFAULT_PROBED = Path("build/planner/profile.json")
+
+def default_probed() -> Path:
+    """Where `python -m planner probe` writes this machine's profile by default."""
+    return paths.build("planner", "profile.json")
 
 
 def save(profile: Profile, path: Path) -> Path:
@@ -213,7 +218,7 @@ def load(name_or_path: str) -> Profile:
     by_upper = {k.upper(): v for k, v in NAMED.items()}
     if name_or_path.upper() in by_upper:
         return by_upper[name_or_path.upper()]
-    path = DEFAULT_PROBED if name_or_path == "local" else Path(name_or_path)
+    path = default_probed() if name_or_path == "local" else Path(name_or_path)
     if not path.is_file():
         hint = "run `python -m planner probe` first" if name_or_path == "local" else ""
         raise ProfileError(

@@ -33,10 +33,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from common import paths
 from quantize import pipeline
 from quantize.recipes import RECIPES, distill_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 console = Console(stderr=True)
 
 
@@ -46,8 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--cache", type=Path, default=ROOT / "build" / "quantize")
-    parser.add_argument("--reports", type=Path, default=ROOT / "build" / "quantize" / "reports")
+    parser.add_argument("--cache", type=Path, default=paths.build("quantize"))
+    parser.add_argument("--reports", type=Path, default=paths.build("quantize", "reports"))
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export")
     p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
@@ -59,13 +59,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = sub.add_parser("shard", help="tensor-parallel shard sets (quantize/shard.py)")
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, nargs="+", required=True)
-    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--output", type=Path, default=paths.build("repository"))
     p.add_argument("--layers", type=int, help="keep only the first N layers (quick checks)")
     p.add_argument("--name", help="the served model name (default: --model)")
     p = sub.add_parser(
         "build-llm", help="SmolLM2 as the LLM engine's step graph, gated, into a repository"
     )
-    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--output", type=Path, default=paths.build("repository"))
     p.add_argument("--recipe", default="decoder-int8-weight-only", help="a decoder recipe or fp32")
     p.add_argument("--name", default="smollm2", help="the served model name")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -78,9 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="training sentences SmolLM2 writes per topic (default 8; 0: reference text only)",
     )
-    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--output", type=Path, default=paths.build("repository"))
     p = sub.add_parser("build-repository")
-    p.add_argument("--output", type=Path, default=ROOT / "build" / "repository")
+    p.add_argument("--output", type=Path, default=paths.build("repository"))
     p.add_argument("--model", nargs="+", default=list(pipeline.SOURCES))
     p.add_argument("--recipe", nargs="+", help="default: each model's recipes")
     return parser.parse_args(argv)

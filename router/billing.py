@@ -31,6 +31,7 @@ class Piece:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 def priced_per_token(entry: ModelEntry) -> bool:
@@ -56,6 +57,7 @@ def _piece(header: ResponseHeader, error: str = "") -> Piece:
         prompt_tokens=count(llm_protocol.PROMPT_TOKENS),
         completion_tokens=count(llm_protocol.COMPLETION_TOKENS),
         finish_reason=reason.string_param if reason is not None else None,
+        cached_tokens=count(llm_protocol.CACHED_TOKENS),
     )
 
 
@@ -82,27 +84,48 @@ def stream_piece(raw: bytes) -> Piece:
 class TokenMeter:
     """A call's tokens billed so far. Counts only grow; each step bills the difference, and
     the revenue billed is always ceil(total / 1000) of the call's tokens so far, so the
-    pieces of a stream add up to exactly the price of the whole call."""
+    pieces of a stream add up to exactly the price of the whole call.
+
+    Cached prompt tokens (the worker's `cached_tokens`, at most the prompt) are billed at
+    `per_1k_cached`, once: like the other counts the cached count only grows, and each piece
+    bills the difference. The discount is the revenue at the input price for every prompt
+    token minus the revenue billed, both rounded once per call, so it too adds up exactly."""
 
     per_1k_in: int
     per_1k_out: int
+    per_1k_cached: int | None = None  # None: the input price
     prompt: int = 0
     completion: int = 0
     revenue: int = 0
+    cached: int = 0
+    discount: int = 0
 
     @classmethod
     def of(cls, entry: ModelEntry) -> TokenMeter:
         return cls(
-            entry.price_per_1k_input_tokens_micro_usd, entry.price_per_1k_output_tokens_micro_usd
+            entry.price_per_1k_input_tokens_micro_usd,
+            entry.price_per_1k_output_tokens_micro_usd,
+            entry.cached_input_price,
         )
 
     def advance(self, piece: Piece) -> Tokens:
         """The tokens a piece adds (none when it carries no counts)."""
         prompt = max(self.prompt, piece.prompt_tokens or 0)
         completion = max(self.completion, piece.completion_tokens or 0)
-        revenue = token_revenue(prompt, completion, self.per_1k_in, self.per_1k_out)
-        delta = Tokens(prompt - self.prompt, completion - self.completion, revenue - self.revenue)
+        cached = min(max(self.cached, piece.cached_tokens or 0), prompt)
+        revenue = token_revenue(
+            prompt, completion, self.per_1k_in, self.per_1k_out, cached, self.per_1k_cached
+        )
+        full = token_revenue(prompt, completion, self.per_1k_in, self.per_1k_out)
+        delta = Tokens(
+            prompt - self.prompt,
+            completion - self.completion,
+            revenue - self.revenue,
+            cached - self.cached,
+            full - revenue - self.discount,
+        )
         self.prompt, self.completion, self.revenue = prompt, completion, revenue
+        self.cached, self.discount = cached, full - revenue
         return delta
 
     def take_back(self, delta: Tokens) -> None:
@@ -110,3 +133,5 @@ class TokenMeter:
         self.prompt -= delta.prompt
         self.completion -= delta.completion
         self.revenue -= delta.revenue_micro_usd
+        self.cached -= delta.cached
+        self.discount -= delta.discount_micro_usd

@@ -287,11 +287,12 @@ class Registry:
             for other in self.replicas.values():
                 theirs = other.info.models.get(name)
                 if other.id != info.id and theirs is not None:
-                    if theirs.prices != entry.prices:
+                    mine = (*entry.prices, entry.cached_input_price)
+                    if (*theirs.prices, theirs.cached_input_price) != mine:
                         raise ValueError(
-                            f"prices model {name!r} at {entry.prices} micro-USD (per call, "
-                            f"per 1k input and output tokens); replica {other.id!r} serves "
-                            f"it at {theirs.prices}"
+                            f"prices model {name!r} at {mine} micro-USD (per call, per 1k "
+                            f"input, output and cached input tokens); replica {other.id!r} "
+                            f"serves it at {(*theirs.prices, theirs.cached_input_price)}"
                         )
                     break
 

@@ -1,4 +1,5 @@
-"""Router settings: CLI flags over MESHSERVE_ROUTER_* environment variables over defaults."""
+"""Router settings, declared once: CLI flags (derived by common/cli.py) over
+MESHSERVE_ROUTER_* environment variables over defaults."""
 
 from __future__ import annotations
 
@@ -18,12 +19,28 @@ class RouterSettings(BaseSettings):
     port: int = 8001
     redis_url: str = "redis://127.0.0.1:6379/0"  # the user in it: redis://router@host/0
     redis_password: SecretStr | None = None  # environment only, never a flag
-    redis_password_file: Path | None = None
-    processes: int = Field(1, ge=1)  # router processes sharing the port (SO_REUSEPORT)
-    shared_port: bool = False  # bind with SO_REUSEPORT: set by --processes for its processes
+    redis_password_file: Path | None = Field(
+        None, description="else MESHSERVE_ROUTER_REDIS_PASSWORD, else none"
+    )
+    processes: int = Field(
+        1,
+        ge=1,
+        description="router processes sharing the port (SO_REUSEPORT), each with its own router id "
+        "(<router-id>-<i>) and metrics port (<metrics-port>+i); 1 = this process serves",
+    )
+    shared_port: bool = Field(
+        False, description="bind with SO_REUSEPORT (set by --processes for its processes)"
+    )
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
-    policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = "p2c"
-    max_sessions: int = Field(100_000, ge=0)  # session affinity LRU size; 0 = no affinity
+    policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
+        "p2c",
+        description="p2c is KV-aware for replicas that report KV occupancy; p2c_depth ignores it",
+    )
+    max_sessions: int = Field(
+        100_000,
+        ge=0,
+        description="sessions (request parameter session_id) remembered for affinity; 0 = off",
+    )
     poll_seconds: float = 1.0  # full registry read: the safety net under pushed events
     registry_ttl_seconds: float = 5.0
     sample_max_age_ms: int = 1000  # an older depth sample counts as unknown
@@ -32,29 +49,62 @@ class RouterSettings(BaseSettings):
     eject_max_seconds: float = 30.0
     # a replica with calls in flight and no depth sample for this long gets a health probe
     # with this timeout; no answer: ejected, its calls retried elsewhere
-    stall_seconds: float = Field(1.0, gt=0)
-    accounting: bool = True  # off only to measure what accounting costs
+    stall_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="a replica with calls in flight and no fresh depth sample for this long gets a "
+        "health probe with this timeout; no answer ejects it and retries its calls "
+        "elsewhere",
+    )
+    accounting: bool = Field(
+        True, description="count calls (--no-accounting only to measure what accounting costs)"
+    )
     accounting_wait_seconds: float = 0.25  # longest a reply waits for its record to be in Redis
     # ...and then: "answer" (the record stays in memory until Redis is back) or "unavailable"
     # (the call is answered UNAVAILABLE and not billed)
-    accounting_when_slow: Literal["answer", "unavailable"] = "answer"
-    max_inflight: int = Field(1024, ge=1)  # calls in the router at once; beyond: RESOURCE_EXHAUSTED
+    accounting_when_slow: Literal["answer", "unavailable"] = Field(
+        "answer",
+        description="when a success's record is not in Redis after --accounting-wait-seconds: "
+        "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
+    )
+    accounting_commit: Literal["before-reply", "after-reply"] = Field(
+        "before-reply",
+        description="before-reply: a success is answered once its record is in Redis (a kill "
+        "-9 loses no count); after-reply: answered at once, its record in the next group "
+        "commit (a kill -9 loses at most --accounting-max-unwritten records); docs/router.md",
+    )
+    accounting_max_unwritten: int = Field(
+        1000, ge=0, description="after-reply: records not yet in Redis beyond which replies wait"
+    )
+    max_inflight: int = Field(
+        1024, ge=1, description="calls in the router at once; beyond: RESOURCE_EXHAUSTED"
+    )
     max_inflight_per_model: int = Field(512, ge=1)
-    answer_margin_ms: float = Field(2.0, ge=0)  # a reply needs this much deadline left to be sent
+    answer_margin_ms: float = Field(
+        2.0, ge=0, description="deadline left below which no OK is sent"
+    )
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
     # Tenants (router/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
-    auth: bool = True
+    auth: bool = Field(
+        True, description="API keys (--no-auth: refused unless --host is 127.0.0.1, as make run)"
+    )
     auth_cache_seconds: float = Field(1.0, ge=0)  # a revoked key works at most this long
     # TLS to clients when both are given; mutual TLS to the workers with the mesh CA and
     # the router's client certificate.
-    tls_cert: Path | None = None
+    tls_cert: Path | None = Field(None, description="serve TLS with this certificate (PEM)")
     tls_key: Path | None = None
-    mesh_ca: Path | None = None
-    mesh_cert: Path | None = None
+    mesh_ca: Path | None = Field(
+        None, description="CA of the workers' certificates: mutual TLS to them"
+    )
+    mesh_cert: Path | None = Field(
+        None, description="the router's client certificate for the workers"
+    )
     mesh_key: Path | None = None
-    reflection: bool | None = None  # default: on only when bound to 127.0.0.1
-    metrics_host: str = "127.0.0.1"
+    reflection: bool | None = Field(
+        None, description="gRPC server reflection; default: on only when bound to 127.0.0.1"
+    )
+    metrics_host: str = Field("127.0.0.1", description="default 127.0.0.1")
     grace_seconds: float = 10.0
     log_level: str = "info"
     log_json: bool | None = None

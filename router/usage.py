@@ -13,10 +13,22 @@ import redis.asyncio as aioredis
 from common import mesh_state
 
 
-def token_revenue(prompt: int, completion: int, per_1k_in: int, per_1k_out: int) -> int:
-    """micro-USD for one call's tokens: ceil((prompt x p_in + completion x p_out) / 1000),
-    rounded up once per call (never more than 1 micro-USD above the exact price)."""
-    return -(-(prompt * per_1k_in + completion * per_1k_out) // 1000)
+def token_revenue(
+    prompt: int,
+    completion: int,
+    per_1k_in: int,
+    per_1k_out: int,
+    cached: int = 0,
+    per_1k_cached: int | None = None,
+) -> int:
+    """micro-USD for one call's tokens: ceil(((prompt - cached) x p_in + cached x p_cached +
+    completion x p_out) / 1000), rounded up once per call (never more than 1 micro-USD above
+    the exact price). `cached` of the prompt tokens came from the worker's prefix cache;
+    p_cached defaults to p_in."""
+    cached = min(cached, prompt)
+    p_cached = per_1k_in if per_1k_cached is None else per_1k_cached
+    exact = (prompt - cached) * per_1k_in + cached * p_cached + completion * per_1k_out
+    return -(-exact // 1000)
 
 
 @dataclass(frozen=True)
@@ -26,6 +38,8 @@ class Tokens:
     prompt: int = 0
     completion: int = 0
     revenue_micro_usd: int = 0
+    cached: int = 0  # of `prompt`, served from the prefix cache
+    discount_micro_usd: int = 0  # what the cached tokens' lower price took off the revenue
 
 
 NO_TOKENS = Tokens()
@@ -45,6 +59,8 @@ class Usage:
     finished_stop: int = 0
     finished_length: int = 0
     finished_other: int = 0
+    cached_tokens: int = 0
+    cached_discount_micro_usd: int = 0
 
     def add(
         self,
@@ -67,6 +83,8 @@ class Usage:
         self.prompt_tokens += sign * tokens.prompt
         self.completion_tokens += sign * tokens.completion
         self.token_revenue_micro_usd += sign * tokens.revenue_micro_usd
+        self.cached_tokens += sign * tokens.cached
+        self.cached_discount_micro_usd += sign * tokens.discount_micro_usd
 
     def _finish(self, reason: str, n: int) -> None:
         name = FINISHED.get(reason, "finished_other")

@@ -270,12 +270,14 @@ def encode_text_piece(
     spec: ModelSpec,
     text: str | None,
     final: bool,
-    usage: tuple[int, int, str] | None = None,
+    usage: tuple[int, int, str] | tuple[int, int, str, int] | None = None,
 ) -> pb.ModelInferResponse:
     """One response of a decoupled text model: `text_output` (none for an empty final
     response), the `triton_final_response` flag, and the usage so far: prompt_tokens and
     the running completion_tokens (the tokens generated up to this piece: what a stream
-    cut after it has sent, the router bills that), plus finish_reason on the final one."""
+    cut after it has sent, the router bills that), cached_tokens (the prompt tokens the
+    prefix cache served, when the usage has a fourth count), plus finish_reason on the
+    final one."""
     response = pb.ModelInferResponse(
         model_name=spec.name, model_version=spec.version, id=request.id
     )
@@ -285,9 +287,11 @@ def encode_text_piece(
         response.raw_output_contents.append(struct.pack("<I", len(data)) + data)
     response.parameters[llm_protocol.FINAL_RESPONSE].bool_param = final
     if usage is not None:
-        prompt_tokens, completion_tokens, finish_reason = usage
+        prompt_tokens, completion_tokens, finish_reason = usage[:3]
         response.parameters[llm_protocol.PROMPT_TOKENS].int64_param = prompt_tokens
         response.parameters[llm_protocol.COMPLETION_TOKENS].int64_param = completion_tokens
+        if len(usage) == 4:
+            response.parameters[llm_protocol.CACHED_TOKENS].int64_param = usage[3]
         if final:
             response.parameters[llm_protocol.FINISH_REASON].string_param = finish_reason
     return response

@@ -188,6 +188,7 @@ def _check_parameters(config: mc.ModelConfig) -> None:
         PRICE_PER_CALL,
         PRICE_PER_1K_INPUT,
         PRICE_PER_1K_OUTPUT,
+        model_keys.PRICE_PER_1K_CACHED_INPUT,
         TRAINING_COST,
         SIMULATED_COMPUTE_US,
         *vocab,

@@ -80,7 +80,7 @@ class Roofs:
         if name is not None:
             return cls(profiles.load(name), threads or None)  # a bad name stops the worker
         try:
-            probed = profiles.load("local") if profiles.DEFAULT_PROBED.exists() else None
+            probed = profiles.load("local") if profiles.default_probed().exists() else None
         except profiles.ProfileError as e:
             log.warning("roofline_profile_unreadable", error=str(e))
             probed = None

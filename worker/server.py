@@ -16,6 +16,7 @@ import structlog
 
 from common import rpc, tls
 from common.mesh_state import ModelEntry, WorkerInfo, now_ms
+from common.model_keys import PRICE_PER_1K_CACHED_INPUT as PRICE_CACHED
 from common.redis_auth import read_password
 from worker import metrics
 from worker.codec import Limits
@@ -196,6 +197,9 @@ def worker_info(settings: WorkerSettings, repository: Repository, port: int) -> 
             ),
             price_per_1k_output_tokens_micro_usd=int(
                 latest.spec.parameters.get(PRICE_PER_1K_OUTPUT, "0")
+            ),
+            price_per_1k_cached_input_tokens_micro_usd=(
+                int(cached) if (cached := latest.spec.parameters.get(PRICE_CACHED)) else None
             ),
             training_cost_micro_usd=int(latest.spec.parameters.get(TRAINING_COST, "0")),
         )

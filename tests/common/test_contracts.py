@@ -43,3 +43,16 @@ def test_shard_checksum_is_the_files_sha256(tmp_path: Path) -> None:
 
     assert shard_format.sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
     assert shard_format.shard_dir(tmp_path, "2", 4) == tmp_path / "2" / "tp4"
+
+
+def test_default_paths_follow_the_checkout_or_an_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from common import paths
+
+    root = paths.source_root()
+    assert root is not None and (root / "pyproject.toml").exists()  # tests run from a checkout
+    monkeypatch.delenv("MESHSERVE_BUILD_DIR", raising=False)
+    assert paths.build("models") == root / "build" / "models"
+    monkeypatch.setenv("MESHSERVE_BUILD_DIR", str(tmp_path))
+    assert paths.build("quantize", "reports") == tmp_path / "quantize" / "reports"

@@ -149,3 +149,35 @@ def test_tenant_usage_and_gauges(tmp_path) -> None:  # type: ignore[no-untyped-d
     text = generate_latest().decode()
     assert 'meshserve_ledger_tenant_revenue_micro_usd{model="mlp",tenant="acme"} 500.0' in text
     store.close()
+
+
+def test_cached_tokens_are_stored_and_reported_per_model_and_tenant(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A batch with the cache counts (13 fields): cached tokens and the discount per model
+    version and per tenant, once however often the batch is applied; the report shows the
+    hit rate, the discount and break-even with and without it."""
+    from ledger.config import LedgerConfig
+    from ledger.report import build, by_tenant, tenant_text, text
+
+    store = Store(f"sqlite:///{tmp_path / 'l.db'}")
+    counts = [2, 2, 0, 0, 9_000, 1000, 200, 80, 2, 0, 0, 600, 20]
+    entry = BatchEntry(1, {("smollm2", "1", "acme"): counts}, 60_000)  # totals count it too
+    for _ in range(2):
+        store.apply("r1", [entry], 0)
+    u = store.usage()[("smollm2", "1")]
+    assert (u["cached_tokens"], u["cached_discount_micro_usd"], u["prompt_tokens"]) == (
+        600,
+        20,
+        1000,
+    )
+    store.record_model("smollm2", 0, 1_000_000, 50, 200)
+    rows = build(store, LedgerConfig())
+    cache = rows[0].tokens.cache  # type: ignore[union-attr]
+    assert cache is not None and cache.hit_rate == 0.6 and cache.discount_micro_usd == 20
+    assert cache.break_even_output_tokens == -(-1_000_000 * 200 // 80)
+    assert cache.break_even_without_discount == -(-1_000_000 * 200 // 100)
+    report = text(rows)
+    assert "cached tokens in      600 (hit rate 60.0%)" in report
+    tenants = by_tenant(store, LedgerConfig())
+    assert (tenants[0].cached_tokens, tenants[0].hit_rate) == (600, 0.6)
+    assert "60.0%" in tenant_text(tenants)
+    store.close()

@@ -57,3 +57,44 @@ def test_a_refunded_piece_and_a_refunded_call() -> None:
     assert (u.prompt_tokens, u.completion_tokens, u.token_revenue_micro_usd) == (7, 6, 2)
     u.refund(Receipt("m", "1", 0, Tokens(0, 1, 1), call=False))  # one piece only
     assert (u.calls, u.errors, u.completion_tokens) == (1, 1, 5)
+
+
+def test_cached_prompt_tokens_are_billed_once_at_their_price() -> None:
+    """30 prompt tokens of which 20 came from the prefix cache, at 10 instead of 50 per 1k:
+    the pieces of the stream add up to the price of the whole call, and the discount to the
+    difference from the input price; a piece taken back takes back its share."""
+    entry = ModelEntry(["1"], 8, 0, 0, 50, 200, 10)
+    assert (
+        entry.cached_input_price == 10
+        and ModelEntry(["1"], 8, 0, 0, 50, 200).cached_input_price == 50
+    )
+    meter = TokenMeter.of(entry)
+    deltas = [meter.advance(Piece(False, "", 30, c, None, 20)) for c in (1, 4)]
+    deltas.append(meter.advance(Piece(True, "", 30, 9, "stop", 20)))
+    exact = token_revenue(30, 9, 50, 200, 20, 10)
+    assert exact == -(-(10 * 50 + 20 * 10 + 9 * 200) // 1000) == 3
+    assert sum(d.revenue_micro_usd for d in deltas) == exact
+    assert sum(d.cached for d in deltas) == 20  # billed once, on the first piece
+    full = token_revenue(30, 9, 50, 200)
+    assert sum(d.discount_micro_usd for d in deltas) == full - exact
+    meter.take_back(deltas[0])
+    assert (meter.cached, meter.prompt, meter.revenue) == (
+        0,
+        0,
+        exact - deltas[0].revenue_micro_usd,
+    )
+    # a worker claiming more cached tokens than the prompt is capped at the prompt
+    capped = TokenMeter.of(entry).advance(Piece(True, "", 5, 1, "stop", 99))
+    assert capped.cached == 5
+    u = Usage()
+    u.add(True, 0, 1, Tokens(30, 9, 3, 20, 1), "stop")
+    assert (u.cached_tokens, u.cached_discount_micro_usd) == (20, 1)
+    u.refund(Receipt("m", "1", 0, Tokens(30, 9, 3, 20, 1), "stop"))
+    assert (u.cached_tokens, u.cached_discount_micro_usd) == (0, 0)
+
+
+def test_cached_tokens_parse_from_a_piece() -> None:
+    raw = pb.ModelStreamInferResponse.FromString(piece(True, 5, 9, "stop"))
+    raw.infer_response.parameters["cached_tokens"].int64_param = 4
+    assert stream_piece(raw.SerializeToString()).cached_tokens == 4
+    assert stream_piece(piece(True, 5, 9, "stop")).cached_tokens is None

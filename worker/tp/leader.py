@@ -1,6 +1,6 @@
 """A shard group's processes: rank 0 (the leader, inside the gRPC worker) and ranks 1..N-1.
 
-The leader spawns the other ranks (`python -m worker.tp.rank`, killed by the kernel if the
+The leader spawns the other ranks (`python -m worker --tp-rank R`, killed by the kernel if the
 leader dies: PR_SET_PDEATHSIG), and for each request broadcasts (op, model, arg) and the
 input arrays; every rank then runs the same segments, joined by all-reduce. For an LLM one
 call is one engine step (worker/tp/llm_step.py): the lock is held per step, never per
@@ -31,6 +31,7 @@ import structlog
 from common.errors import Unavailable
 from common.shard_format import OP_NOOP, OP_STOP
 from worker.runtime import run_error
+from worker.settings import WorkerSettings
 from worker.tp.parallel import CollectiveError, TpGroup, destroy_tp_group
 from worker.tp.runtime import execute
 
@@ -45,30 +46,30 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def rank_args(settings: WorkerSettings, repository: Path, rank: int, master_port: int) -> list[str]:
+    """`python -m worker` flags for rank `rank` of rank 0's group, started beside it: the
+    group's settings from rank 0's, no health server (--port 0)."""
+    s = settings
+    return [
+        *("--model-repository", str(repository), "--tp", str(s.tp)),
+        *("--tp-rank", str(rank), "--tp-master-addr", s.tp_master_addr),
+        *("--tp-master-port", str(master_port), "--tp-backend", s.tp_backend),
+        *("--tp-timeout-seconds", str(s.tp_timeout_seconds), "--providers", s.providers),
+        *("--intra-op-threads", str(s.intra_op_threads), "--log-level", s.log_level),
+        *("--port", "0"),
+    ]
+
+
 def spawn_ranks(
-    world: int, repository: Path, master_addr: str, master_port: int, args: list[str]
+    settings: WorkerSettings, repository: Path, master_port: int
 ) -> list[subprocess.Popen]:
+    """Ranks 1..N-1 of rank 0's group, as `python -m worker --tp-rank R` beside it."""
     return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "worker.tp.rank",
-                "--model-repository",
-                str(repository),
-                "--tp",
-                str(world),
-                "--rank",
-                str(rank),
-                "--master-addr",
-                master_addr,
-                "--master-port",
-                str(master_port),
-                *args,
-            ],
+            [sys.executable, "-m", "worker", *rank_args(settings, repository, rank, master_port)],
             preexec_fn=die_with_parent,
         )
-        for rank in range(1, world)
+        for rank in range(1, settings.tp)
     ]
 
 

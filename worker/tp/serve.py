@@ -36,7 +36,6 @@ from worker.tp.leader import Leader, spawn_ranks
 from worker.tp.llm_step import RankSteps, TPStepModel
 from worker.tp.load import load_rank
 from worker.tp.parallel import init_tp_group
-from worker.tp.rank import group_args
 from worker.tp.runtime import (
     RankModel,
     ShardSet,
@@ -73,11 +72,7 @@ class TpRepository(Repository):
             check_budget(shards, s.memory_budget_bytes)
         # With a fixed master port the other ranks run on their own hosts (one pod each).
         port = s.tp_master_port or free_port()
-        children = (
-            []
-            if s.tp_master_port
-            else spawn_ranks(s.tp, self.root, s.tp_master_addr, port, group_args(s))
-        )
+        children = [] if s.tp_master_port else spawn_ranks(s, self.root, port)
         joined = threading.Event()
         threading.Thread(target=_exit_if_a_rank_dies, args=(children, joined), daemon=True).start()
         try:
