@@ -78,7 +78,7 @@ class SentinelGroup:
         while time.monotonic() < deadline:
             try:
                 views = [
-                    self.sentinel(i).info("sentinel")["master0"] for i in range(self.sentinels)
+                    _info(self.sentinel(i), "sentinel")["master0"] for i in range(self.sentinels)
                 ]
                 ready = all(
                     v["status"] == "ok"
@@ -87,7 +87,9 @@ class SentinelGroup:
                     for v in views
                 )
                 linked = all(
-                    redis.Redis(port=p, socket_timeout=2).info("replication")["master_link_status"]
+                    _info(redis.Redis(port=p, socket_timeout=2), "replication")[
+                        "master_link_status"
+                    ]
                     == "up"
                     for p in self.servers
                     if p != self.first_primary
@@ -113,7 +115,7 @@ class SentinelGroup:
                 port = self.primary_port()
                 if port != old_port:
                     client = redis_conn.connect(f"redis://127.0.0.1:{port}/0", timeout_s=1)
-                    if client.info("replication")["role"] == "master":
+                    if _info(client, "replication")["role"] == "master":
                         return port
             except (redis.RedisError, OSError):
                 pass
@@ -123,3 +125,8 @@ class SentinelGroup:
     def stop(self) -> None:
         for process in [*self.sentinel_processes, *self.servers.values()]:
             process.kill()
+
+
+def _info(client: redis.Redis, section: str) -> dict:
+    info: dict = client.info(section)  # type: ignore[assignment]
+    return info
