@@ -52,7 +52,9 @@ LLM_ENGINE = "llm"
 MAX_MODEL_LEN = "meshserve.max_model_len"
 MAX_NUM_SEQS = "meshserve.max_num_seqs"
 KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
-PREFILL_CHUNK = "meshserve.prefill_chunk"
+PREFILL_CHUNK = "meshserve.prefill_chunk"  # prompt tokens of one sequence per step, at most
+# decode rows + prefill tokens per step while streams decode (bounds their inter-token tail)
+MAX_STEP_TOKENS = "meshserve.max_step_tokens"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
 # "false": no prefix cache (every prompt prefilled from nothing); default "true"
 PREFIX_CACHING = "meshserve.prefix_caching"

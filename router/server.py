@@ -52,6 +52,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         settings.accounting_when_slow,
         inflight=lambda: sum(len(r.inflight) for r in registry.replicas.values()),
         password=password,
+        commit=settings.accounting_commit,
+        max_unwritten=settings.accounting_max_unwritten,
     )
     auth = None
     if settings.auth:

@@ -78,6 +78,15 @@ class RouterSettings(BaseSettings):
         description="when a success's record is not in Redis after --accounting-wait-seconds: "
         "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
     )
+    accounting_commit: Literal["before-reply", "after-reply"] = Field(
+        "before-reply",
+        description="before-reply: a success is answered once its record is in Redis (a kill "
+        "-9 loses no count); after-reply: answered at once, its record in the next group "
+        "commit (a kill -9 loses at most --accounting-max-unwritten records); docs/router.md",
+    )
+    accounting_max_unwritten: int = Field(
+        1000, ge=0, description="after-reply: records not yet in Redis beyond which replies wait"
+    )
     max_inflight: int = Field(
         1024, ge=1, description="calls in the router at once; beyond: RESOURCE_EXHAUSTED"
     )

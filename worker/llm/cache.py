@@ -1,10 +1,13 @@
 """The KV cache: allocated once, written in place by the step graph, freed per sequence.
 
 One anonymous mapping holds keys and values for every layer as [2, layers, slots, kv_heads,
-max_len, head_dim] float32. A sequence owns one slot for its lifetime; the attention op
-writes each new token's keys at the sequence's own length, so nothing is ever copied or
-concatenated between steps. Slot rows are contiguous per layer, so the rows of a decode
-batch (slots lo..hi) bind to onnxruntime as views of this memory, without a copy.
+max_len, head_dim]. That layout is fixed; only the element type is a parameter,
+`CacheShape.dtype`: "float32" or "float16" (llama.cpp's default), whichever the step graph
+was built for (its metadata `meshserve.llm.kv_dtype`; older graphs are float32). A sequence
+owns one slot for its lifetime; the attention op writes each new token's keys at the
+sequence's own length, so nothing is ever copied or concatenated between steps. Slot rows
+are contiguous per layer, so the rows of a decode batch (slots lo..hi) bind to onnxruntime
+as views of this memory, without a copy.
 
 Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
 when written, and a freed slot's pages are returned to the OS (madvise DONTNEED), so the
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-FLOAT_BYTES = 4
+from worker.llm.kv_budget import KVBudget
+
+KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
 DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
@@ -35,26 +40,35 @@ class CacheShape:
     head_dim: int
     slots: int
     max_len: int
+    dtype: str = "float32"  # one of KV_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {self.dtype!r}: expected one of {KV_DTYPES}")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * FLOAT_BYTES
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
 class KVCache:
+    """The memory, and the room in it (a KVBudget: slots and reserved tokens)."""
+
     def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
         self.shape = shape
-        self.budget_tokens = budget_tokens
-        self.reserved_tokens = 0
+        self.room = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
         # No swap reserved for slots x max_len: only the budget's pages are ever resident.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=flags)
-        self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
-        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
-        self._free = list(range(s.slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
+        self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
+        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
@@ -63,27 +77,32 @@ class KVCache:
         self.on_change: Callable[[tuple[int, int, int, int, int]], None] | None = None
 
     @property
+    def budget_tokens(self) -> int:
+        return self.room.budget_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.room.reserved_tokens
+
+    @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.room.free_slots
 
     @property
     def free_tokens(self) -> int:
-        return self.budget_tokens - self.reserved_tokens
+        return self.room.free_tokens
 
     def fits(self, tokens: int) -> bool:
-        return bool(self._free) and tokens <= self.free_tokens
+        return self.room.fits(tokens)
 
     def allocate(self, tokens: int) -> int:
         """A slot for a sequence that may grow to `tokens`; the caller checked `fits`."""
-        self._free.sort(reverse=True)
-        self.reserved_tokens += tokens
-        return self._free.pop()
+        return self.room.allocate(tokens)
 
     def release(self, slot: int, tokens: int) -> None:
         """Give the slot back and its written pages to the OS."""
-        self.reserved_tokens -= tokens
+        self.room.release(slot, tokens)
         self.discard(slot)
-        self._free.append(slot)
         if self.on_release is not None:
             self.on_release(slot)
 
@@ -93,7 +112,7 @@ class KVCache:
         for kv in range(2):
             for layer in range(self.shape.layers):
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
-                # page-aligned by construction when max_len * head_dim * 4 is a page multiple
+                # page-aligned when max_len * head_dim * itemsize is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
 
     def discard_from(self, slot: int, start: int) -> None:
@@ -165,9 +184,10 @@ class KVCache:
                 self._map.close()
 
 
-def page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
-    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
+def page_aligned(max_len: int, row_floats: int, page: int = 4096, itemsize: int = 4) -> int:
+    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise);
+    row_floats elements of itemsize bytes per position."""
     unit = 1
-    while (unit * row_floats * 4) % page:
+    while (unit * row_floats * itemsize) % page:
         unit += 1
     return -(-max_len // unit) * unit

@@ -1,18 +1,16 @@
 """The generation engine: iteration-level scheduling over a server-owned KV cache.
 
-One loop owns the model, the cache and every sequence. Each iteration:
+One loop owns the model, the cache and every sequence. Each iteration decides, then does:
 
-1. drops cancelled sequences (their slot and pages are freed before anything runs);
-2. admits waiting requests in arrival order while a slot is free and the KV budget holds
-   their prompt + max_tokens (so a running sequence never runs out of cache and nothing
-   needs preempting; a request that cannot fit even an empty cache is refused up front);
-3. runs one prefill chunk of the oldest sequence still reading its prompt (at most
-   `prefill_chunk` tokens, so a long prompt delays running streams by one chunk per step,
-   never by the whole prompt);
-4. runs one decode step for every sequence that is generating, the newly prefilled one
-   included: rows of different lengths share one run, each attending to its own cache;
-5. samples, detokenizes and hands each sequence its new text; a finished sequence leaves at
-   once and frees its cache.
+1. `schedule()` returns a StepPlan (worker/llm/scheduler.py): who was cancelled or
+   admitted, which prompts prefill how many tokens, which sequences decode, all within the
+   step's token budget;
+2. the plan runs: one prefill run per chunk (onnxruntime's GroupQueryAttention on CPU
+   takes several new tokens for one row only), then one decode run for every decoding row:
+   rows of different lengths share one run, each attending to its own cache;
+3. the results are accepted: each sequence samples, detokenizes and gets its new text; a
+   chunk that ends its prompt gives the first token; a finished sequence leaves at once and
+   frees its cache.
 
 Model runs go to one thread (onnxruntime releases the GIL), so gRPC keeps being served while
 a step computes; sampling and detokenizing run on the event loop between steps.
@@ -41,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,7 +50,8 @@ import structlog
 from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from worker.llm.cache import CacheShape, KVCache, page_aligned
+from worker.llm import scheduler
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
 from worker.llm.model import Model, VerifyingModel
 from worker.llm.sampling import Sampler, SamplingParams
@@ -69,7 +68,8 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     max_num_seqs: int = 16  # sequences generating at once (cache slots)
     kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
-    prefill_chunk: int = 512  # prompt tokens per step
+    prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
+    max_step_tokens: int = 128  # decode rows + prefill tokens per step while streams decode
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
 
 
@@ -83,36 +83,15 @@ class Output:
     error: str | None = None  # the run failed: the sequence ends without more text
 
 
-@dataclass(eq=False)
-class Sequence:
-    id: int
-    prompt: list[int]
+@dataclass(eq=False, kw_only=True)
+class Sequence(scheduler.Sequence):
+    """A scheduled sequence with what generating needs: its sampler, its detokenizer and
+    the queue its outputs go to."""
+
     params: SamplingParams
     sampler: Sampler
     detok: Detokenizer
-    reserve: int  # tokens of KV budget held while running
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
-    tokens: list[int] = field(default_factory=list)
-    slot: int = -1
-    computed: int = 0  # tokens whose keys and values are in the cache
-    drafted: int = 0  # tokens whose keys and values are in the draft model's cache
-    finish_reason: str | None = None
-    cancelled: bool = False
-    arrived_ns: int = field(default_factory=time.perf_counter_ns)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    def since(self, position: int) -> list[int]:
-        """The prompt and generated tokens from `position` on."""
-        if position >= len(self.prompt):
-            return self.tokens[position - len(self.prompt) :]
-        return [*self.prompt[position:], *self.tokens]
 
 
 @dataclass
@@ -170,13 +149,12 @@ class Engine:
         self.config = config
         self.eos = {i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
         budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
+        row = facts.kv_heads * facts.head_dim
+        itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         self.cache = KVCache(
-            CacheShape(
-                facts.layers,
-                facts.kv_heads,
-                facts.head_dim,
+            facts.cache_shape(
                 config.max_num_seqs,
-                page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+                page_aligned(config.max_model_len, row, itemsize=itemsize),
             ),
             budget,
         )
@@ -184,12 +162,19 @@ class Engine:
         if draft is not None:
             shape = self.cache.shape
             self.drafter = Drafter(draft, shape.slots, shape.max_len, budget)
-        # positions a run may write to (a draft writes up to k past a sequence's length)
-        self._position_limit = min(self.cache.shape.max_len, *positions)
+        self.scheduler: scheduler.Scheduler[Sequence] = scheduler.Scheduler(
+            self.cache.room,
+            scheduler.SchedulerConfig(
+                max_step_tokens=config.max_step_tokens,
+                prefill_chunk=config.prefill_chunk,
+                max_waiting=config.max_waiting,
+                num_speculative_tokens=draft.num_tokens if draft is not None else 0,
+                # positions a run may write to (a draft writes up to k past a length)
+                position_limit=min(self.cache.shape.max_len, *positions),
+            ),
+        )
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
@@ -229,12 +214,6 @@ class Engine:
                 f"{len(prompt) + params.max_tokens} exceeds the KV cache budget of "
                 f"{self.cache.budget_tokens} tokens; lower max_tokens"
             )
-        if len(self.waiting) >= self.config.max_waiting:
-            self.stats.rejected += 1
-            raise ResourceExhausted(
-                f"{len(self.waiting)} requests are already waiting for KV cache "
-                f"(max {self.config.max_waiting}); retry later"
-            )
         seq = Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -243,7 +222,11 @@ class Engine:
             detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
             reserve=reserve,
         )
-        self.waiting.append(seq)
+        try:
+            self.scheduler.add(seq)
+        except ResourceExhausted:
+            self.stats.rejected += 1
+            raise
         self._wake.set()
         return seq
 
@@ -264,12 +247,24 @@ class Engine:
         self._wake.set()
 
     @property
+    def waiting(self) -> list[Sequence]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
     def depth(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     @property
     def kv_used_tokens(self) -> int:
         return self.cache.reserved_tokens
+
+    def schedule(self) -> scheduler.StepPlan[Sequence]:
+        """The next step, decided (worker/llm/scheduler.py); nothing has run yet."""
+        return self.scheduler.schedule()
 
     async def close(self) -> None:
         self._closed = True
@@ -288,65 +283,65 @@ class Engine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closed:
-            self._drop_cancelled()
-            self._admit()
-            if not self.running:
+            plan = self.schedule()
+            self._cancelled(plan)
+            if plan.idle:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                await self._step(loop)
+                await self._step(loop, plan)
             except Exception as e:  # a failed run fails the sequences in it, not the worker
                 log.exception("llm_step_failed")
                 for seq in list(self.running):
                     self._fail(seq, e)
         log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
 
-    def _drop_cancelled(self) -> None:
-        for seq in [s for s in self.waiting if s.cancelled]:
-            self.waiting.remove(seq)
-            self._finish(seq, CANCELLED)
-        for seq in [s for s in self.running if s.cancelled]:
+    def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
+        for slot in plan.freed:
+            if self.drafter is not None:
+                self.drafter.release(slot)
+        for seq in plan.cancelled:
             self._finish(seq, CANCELLED)
 
-    def _admit(self) -> None:
-        while self.waiting and self.cache.fits(self.waiting[0].reserve):
-            seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate(seq.reserve)
-            self.running.append(seq)
-
-    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _step(
+        self, loop: asyncio.AbstractEventLoop, plan: scheduler.StepPlan[Sequence]
+    ) -> None:
+        """Run the plan: its prefill chunks, then its decode rows; accept each result."""
         self.stats.steps += 1
-        decoding = [s for s in self.running if not s.prefilling]
-        prefill = next((s for s in self.running if s.prefilling), None)
-        if prefill is not None:
-            n = min(self.config.prefill_chunk, len(prefill.prompt) - prefill.computed)
-            ids = np.asarray([prefill.prompt[prefill.computed : prefill.computed + n]])
-            lengths = np.asarray([prefill.computed + n])
-            start = time.perf_counter_ns()
-            logits = await loop.run_in_executor(
-                self._pool, self.model.run, self.cache, ids, lengths, prefill.slot, prefill.slot + 1
-            )
-            self._executed("prefill", 1, n, time.perf_counter_ns() - start)
-            prefill.computed += n
-            self.stats.prefill_runs += 1
-            self.stats.prefill_tokens += n
-            if not prefill.prefilling:
-                if decoding:
-                    self.stats.joined_running += 1
-                self._accept(prefill, logits[0])
-        decoding = [s for s in self.running if not s.prefilling and s.finish_reason is None]
+        for chunk in plan.prefill:
+            await self._prefill(loop, chunk, joining=bool(plan.decode))
+        decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
         if not decoding:
             return
+        if plan.drafts:
+            await self._speculate(loop, decoding[0], plan.drafts)
+            return
+        await self._decode(loop, decoding)
+
+    async def _prefill(
+        self, loop: asyncio.AbstractEventLoop, chunk: scheduler.Chunk[Sequence], joining: bool
+    ) -> None:
+        seq, n = chunk.seq, chunk.tokens
+        ids = np.asarray([seq.prompt[chunk.start : chunk.start + n]])
+        lengths = np.asarray([chunk.start + n])
+        start = time.perf_counter_ns()
+        logits = await loop.run_in_executor(
+            self._pool, self.model.run, self.cache, ids, lengths, seq.slot, seq.slot + 1
+        )
+        self._executed("prefill", 1, n, time.perf_counter_ns() - start)
+        seq.computed = chunk.start + n
+        self.stats.prefill_runs += 1
+        self.stats.prefill_tokens += n
+        if chunk.completes and not seq.cancelled:
+            if joining:
+                self.stats.joined_running += 1
+            self._accept(seq, logits[0])
+
+    async def _decode(self, loop: asyncio.AbstractEventLoop, decoding: list[Sequence]) -> None:
+        """One token for every decoding row, in one run over the slots they span."""
         lo = min(s.slot for s in decoding)
         hi = max(s.slot for s in decoding) + 1
-        if self.drafter is not None and len(decoding) == 1:
-            # the verify run writes k + 1 tokens from the last one on, within the cache and
-            # the RoPE tables
-            k = min(self.drafter.num_tokens, self._position_limit - decoding[0].length)
-            if k > 0:
-                await self._speculate(loop, decoding[0], k)
-                return
         ids = np.zeros((hi - lo, 1), np.int64)
         lengths = np.ones(hi - lo, np.int64)
         # Rows between the decoding ones (free slots, prompts mid-prefill) run a dummy token
@@ -470,9 +465,6 @@ class Engine:
 
     def _leave(self, seq: Sequence) -> None:
         """A running sequence that ended gives back its slot and its KV budget."""
-        if seq in self.running:
-            self.running.remove(seq)
-            self.cache.release(seq.slot, seq.reserve)
-            if self.drafter is not None:
-                self.drafter.release(seq.slot)
-            seq.slot = -1
+        slot = self.scheduler.finish(seq)
+        if slot >= 0 and self.drafter is not None:
+            self.drafter.release(slot)

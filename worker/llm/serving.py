@@ -26,7 +26,6 @@ from common.errors import InvalidArgument
 from worker import token_metrics
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
-from worker.llm.cache import CacheShape
 from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
@@ -49,6 +48,7 @@ MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
 KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
 PREFILL_CHUNK = model_keys.PREFILL_CHUNK
+MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
 MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = model_keys.DRAFT_MODEL
@@ -59,6 +59,7 @@ INT_PARAMETERS = (
     MAX_NUM_SEQS,
     KV_CACHE_BYTES,
     PREFILL_CHUNK,
+    MAX_STEP_TOKENS,
     MAX_TOKENS_LIMIT,
     NUM_SPECULATIVE_TOKENS,
 )
@@ -84,7 +85,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
     max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
     seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
     f = model.facts
-    per_token = CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 1).bytes_per_token
+    per_token = f.cache_shape(1, 1).bytes_per_token
     budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
     if budget < 2:
         raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
@@ -93,6 +94,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
         max_num_seqs=seqs,
         kv_cache_tokens=budget,
         prefill_chunk=int(p.get(PREFILL_CHUNK, default.prefill_chunk)),
+        max_step_tokens=int(p.get(MAX_STEP_TOKENS, default.max_step_tokens)),
         max_waiting=spec.max_queue_size or default.max_waiting,
     )
 

@@ -1,0 +1,188 @@
+"""The scheduler on its own: plans decided over the real KV budget, with no model and no
+onnxruntime (as vLLM tests its scheduler, tests/v1/core/test_scheduler.py). A test plays
+the engine's part: it advances the sequences as a run would."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from common.errors import ResourceExhausted
+from worker.llm.kv_budget import KVBudget
+from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+
+_ids = itertools.count(1)
+
+
+def seq(prompt_len: int, max_tokens: int = 16) -> Sequence:
+    return Sequence(id=next(_ids), prompt=list(range(prompt_len)), reserve=prompt_len + max_tokens)
+
+
+def make(
+    slots: int = 4,
+    budget: int = 4096,
+    step: int = 64,
+    chunk: int = 512,
+    waiting: int = 8,
+    k: int = 0,
+    positions: int = 2048,
+) -> tuple[Scheduler[Sequence], KVBudget]:
+    room = KVBudget(slots, budget)
+    config = SchedulerConfig(
+        step, chunk, waiting, num_speculative_tokens=k, position_limit=positions
+    )
+    return Scheduler(room, config), room
+
+
+def run(plan: StepPlan[Sequence]) -> None:
+    """What the engine does with a plan: the chunks' tokens are now cached (a completed
+    prompt samples its first token); each decode row caches its last token and samples."""
+    for c in plan.prefill:
+        c.seq.computed = c.start + c.tokens
+        if c.completes:
+            c.seq.tokens.append(0)
+    for s in plan.decode:
+        s.computed += 1
+        s.tokens.append(0)
+
+
+def test_a_lone_prompt_prefills_its_whole_chunk_then_decodes() -> None:
+    sched, room = make(step=64, chunk=512)
+    a = seq(300)
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.admitted == (a,) and a.slot == 0 and room.reserved_tokens == 316
+    # nothing decodes: no stream to stall, so the prompt gets prefill_chunk, not the budget
+    assert [(c.seq, c.start, c.tokens, c.completes) for c in plan.prefill] == [(a, 0, 300, True)]
+    assert plan.decode == () and plan.tokens == 300
+    run(plan)
+    plan = sched.schedule()
+    assert plan.prefill == () and plan.decode == (a,) and plan.tokens == 1
+
+
+def test_decode_rows_and_prefill_chunks_share_the_step_budget() -> None:
+    sched, _ = make(step=64)
+    streams = [seq(4) for _ in range(3)]
+    for s in streams:
+        sched.add(s)
+    run(sched.schedule())  # the three short prompts prefill together (4 + 4 + 4 <= 512)
+    long = seq(1000, max_tokens=8)
+    sched.add(long)
+    starts = []
+    for _ in range(20):
+        plan = sched.schedule()
+        assert plan.tokens <= 64, "a step never exceeds its token budget while streams decode"
+        assert set(streams) <= set(plan.decode), "running streams decode in every step"
+        starts += [(c.start, c.tokens) for c in plan.prefill]
+        run(plan)
+        if not long.prefilling:
+            break
+    # 64 - 3 decode rows = 61 prompt tokens per step, in order, with no gap, to the end
+    assert starts[0] == (0, 61) and all(n == 61 for _, n in starts[:-1])
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
+    assert starts[-1][0] + starts[-1][1] == 1000
+    assert long in sched.schedule().decode
+
+
+def test_two_prompts_split_what_the_decode_rows_leave_oldest_first() -> None:
+    sched, _ = make(step=40, chunk=30)
+    a = seq(2)
+    sched.add(a)
+    run(sched.schedule())
+    b, c = seq(100), seq(100)
+    sched.add(b)
+    sched.add(c)
+    plan = sched.schedule()
+    assert plan.admitted == (b, c)
+    assert plan.decode == (a,)
+    # 39 tokens left: b gets its chunk cap (30), c the rest (9)
+    assert [(x.seq, x.tokens) for x in plan.prefill] == [(b, 30), (c, 9)]
+
+
+def test_the_oldest_prompt_progresses_when_decode_rows_take_the_whole_budget() -> None:
+    sched, _ = make(slots=8, step=4)
+    streams = [seq(1) for _ in range(5)]
+    for s in streams:
+        sched.add(s)
+    run(sched.schedule())
+    late = seq(10)
+    sched.add(late)
+    plan = sched.schedule()
+    assert len(plan.decode) == 5
+    assert [(c.seq, c.tokens) for c in plan.prefill] == [(late, 1)]
+
+
+def test_admission_waits_in_order_for_slots_and_budget() -> None:
+    sched, room = make(slots=2, budget=100)
+    a, b, c = seq(10, 40), seq(10, 40), seq(10, 10)  # reserve 50, 50, 20
+    for s in (a, b, c):
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.admitted == (a, b) and list(sched.waiting) == [c]
+    assert room.free_slots == 0 and room.free_tokens == 0
+    run(plan)
+    assert sched.finish(a) == 0 and a.slot == -1
+    plan = sched.schedule()
+    assert plan.admitted == (c,) and c.slot == 0 and room.reserved_tokens == 70
+
+
+def test_the_head_of_the_queue_is_not_overtaken() -> None:
+    sched, _ = make(slots=4, budget=100)
+    a, big, small = seq(10, 50), seq(10, 50), seq(2, 2)  # 60, 60, 4
+    for s in (a, big, small):
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.admitted == (a,)
+    assert list(sched.waiting) == [big, small], "small would fit, but waits behind big"
+
+
+def test_cancelled_sequences_free_their_room_before_admission_in_the_same_step() -> None:
+    sched, room = make(slots=1, budget=100)
+    a, b, queued = seq(10), seq(10), seq(5)
+    for s in (a, b, queued):
+        sched.add(s)
+    run(sched.schedule())
+    a.cancelled = True
+    queued.cancelled = True
+    plan = sched.schedule()
+    assert set(plan.cancelled) == {a, queued}
+    assert plan.freed == (0,)
+    assert plan.admitted == (b,) and b.slot == 0
+    assert room.reserved_tokens == b.reserve
+    assert a not in sched.running and queued not in sched.waiting
+
+
+def test_a_full_queue_is_refused() -> None:
+    sched, _ = make(slots=1, budget=100, waiting=1)
+    sched.add(seq(10))
+    with pytest.raises(ResourceExhausted, match="already waiting"):
+        sched.add(seq(10))
+
+
+def test_a_lone_decoding_sequence_verifies_drafts_within_the_positions() -> None:
+    sched, _ = make(k=4, positions=12)
+    a = seq(5)
+    sched.add(a)
+    run(sched.schedule())
+    plan = sched.schedule()
+    assert plan.decode == (a,) and plan.drafts == 4 and plan.tokens == 5
+    a.tokens += [0] * 4  # 10 tokens: a verify run may write 2 more
+    assert sched.schedule().drafts == 2
+    b = seq(5)
+    sched.add(b)
+    run(sched.schedule())
+    plan = sched.schedule()
+    assert len(plan.decode) == 2 and plan.drafts == 0, "two rows decode in one plain run"
+
+
+def test_finish_is_idempotent_and_gives_the_slot_back_once() -> None:
+    sched, room = make(slots=1)
+    a = seq(3)
+    sched.add(a)
+    sched.schedule()
+    assert sched.finish(a) == 0
+    assert sched.finish(a) == -1
+    assert room.free_slots == 1 and room.reserved_tokens == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        room.release(0, 1)

@@ -1,0 +1,213 @@
+"""The scheduler: each engine step decided as a plain value, a StepPlan, before anything runs.
+
+Decide, then do (vLLM v1's `schedule() -> SchedulerOutput`, then `execute_model`, then
+`update_from_output`): `Scheduler.schedule()` says which sequences were cancelled, which
+were admitted, which prefill how many prompt tokens, which decode and how many drafts a lone
+decoding sequence verifies. worker/llm/engine.py runs the plan, samples, and hands the
+results back (`finish` when a sequence ends). Nothing here runs a model or touches
+onnxruntime, so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
+
+One step, in order:
+
+1. **Cancelled** sequences leave: their slot and reservation are given back before anything
+   is admitted, so a freed slot is reused in the same step.
+2. **Admission** (`_admit_one`), in arrival order while the head of the queue fits: it asks
+   the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
+   max_tokens` tokens of the budget, so a running sequence never runs out of cache and
+   nothing is ever evicted; a request that could not fit an empty cache was refused by the
+   engine up front). The head waits rather than be overtaken, so nothing starves.
+3. **Decode**: every running sequence past its prompt decodes one token (or verifies k
+   drafts when it decodes alone and a draft model is set: k + 1 tokens).
+4. **Prefill**: the decode rows' tokens come out of the step's token budget
+   (`max_step_tokens`, as vLLM's scheduler shares one budget between decode and chunked
+   prefill); what is left goes to prompts still being read, oldest first, at most
+   `prefill_chunk` tokens each. A long prompt therefore stalls running streams by a bounded
+   chunk per step, never by a whole prompt; the budget is sized from measurement so that a
+   step with a chunk takes at most about two decode steps (docs/llm.md). With no sequence
+   decoding there is no stream to stall, and a prompt gets `prefill_chunk` tokens at once.
+   The oldest prompt always gets at least one token, so it progresses whatever the budget.
+
+How a prefix cache hooks in: admission is one small function, `_admit_one(seq)`, that asks
+the cache for room and takes a slot. A prefix step sits right before the room is asked for:
+it matches the prompt's leading tokens against what the cache holds, and when it reuses `n`
+cached tokens it gives the sequence a slot already holding them and sets `seq.computed = n`;
+step 4 then prefills from `computed` on (a Chunk starts at `seq.computed`), and nothing else
+here changes. The KV layout stays [2, layers, slots, kv_heads, max_len, head_dim]
+(worker/llm/cache.py): a reused prefix lives in a slot, whole rows from position 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from common.errors import ResourceExhausted
+
+
+@dataclass(eq=False, kw_only=True)
+class Sequence:
+    """What the scheduler knows of a sequence: its tokens, its slot, how far it is."""
+
+    id: int
+    prompt: list[int]
+    reserve: int  # tokens of KV budget held while running
+    tokens: list[int] = field(default_factory=list)  # generated
+    slot: int = -1
+    computed: int = 0  # tokens whose keys and values are in the cache
+    drafted: int = 0  # tokens whose keys and values are in the draft model's cache
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrived_ns: int = field(default_factory=time.perf_counter_ns)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def since(self, position: int) -> list[int]:
+        """The prompt and generated tokens from `position` on."""
+        if position >= len(self.prompt):
+            return self.tokens[position - len(self.prompt) :]
+        return [*self.prompt[position:], *self.tokens]
+
+
+S = TypeVar("S", bound=Sequence)
+
+
+class Room(Protocol):
+    """What admission asks of the KV cache (worker/llm/kv_budget.py's KVBudget)."""
+
+    def fits(self, tokens: int) -> bool: ...
+
+    def allocate(self, tokens: int) -> int: ...
+
+    def release(self, slot: int, tokens: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_step_tokens: int  # decode rows + prefill tokens per step (while anything decodes)
+    prefill_chunk: int  # prompt tokens of one sequence per step, at most
+    max_waiting: int  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
+    num_speculative_tokens: int = 0  # k drafts for a lone decoding sequence; 0: no draft
+    position_limit: int = 0  # positions a run may write to (a verify run writes k past)
+
+
+@dataclass(frozen=True)
+class Chunk(Generic[S]):
+    """`tokens` prompt tokens of `seq` from position `start` on."""
+
+    seq: S
+    start: int
+    tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk ends the prompt: its last logits give the first generated token."""
+        return self.start + self.tokens == len(self.seq.prompt)
+
+
+@dataclass(frozen=True)
+class StepPlan(Generic[S]):
+    cancelled: tuple[S, ...] = ()
+    admitted: tuple[S, ...] = ()
+    prefill: tuple[Chunk[S], ...] = ()
+    decode: tuple[S, ...] = ()
+    drafts: int = 0  # k > 0: the one decode row verifies k drafts
+    freed: tuple[int, ...] = ()  # slots given back by the cancelled sequences
+
+    @property
+    def idle(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def tokens(self) -> int:
+        """The step's tokens: what it costs of the budget."""
+        return sum(c.tokens for c in self.prefill) + len(self.decode) * (1 + self.drafts)
+
+
+class Scheduler(Generic[S]):
+    def __init__(self, room: Room, config: SchedulerConfig) -> None:
+        if config.max_step_tokens < 1 or config.prefill_chunk < 1:
+            raise ValueError(
+                f"max_step_tokens {config.max_step_tokens} and prefill_chunk "
+                f"{config.prefill_chunk} must be >= 1"
+            )
+        self.room = room
+        self.config = config
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []
+
+    def add(self, seq: S) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(
+                f"{len(self.waiting)} requests are already waiting for KV cache "
+                f"(max {self.config.max_waiting}); retry later"
+            )
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan[S]:
+        cancelled, freed = self._drop_cancelled()
+        admitted = []
+        while self.waiting and self._admit_one(self.waiting[0]):
+            admitted.append(self.waiting.popleft())
+        decode = tuple(s for s in self.running if not s.prefilling)
+        drafts = self._drafts(decode)
+        c = self.config
+        budget = c.max_step_tokens if decode else max(c.max_step_tokens, c.prefill_chunk)
+        budget -= len(decode) * (1 + drafts)
+        prefill: list[Chunk[S]] = []
+        for seq in self.running:
+            if not seq.prefilling:
+                continue
+            n = min(len(seq.prompt) - seq.computed, c.prefill_chunk, budget)
+            if n < 1:
+                if prefill:
+                    break
+                n = 1  # the oldest prompt progresses whatever the budget
+            prefill.append(Chunk(seq, seq.computed, n))
+            budget -= n
+        return StepPlan(tuple(cancelled), tuple(admitted), tuple(prefill), decode, drafts, freed)
+
+    def _admit_one(self, seq: S) -> bool:
+        """Give `seq` a slot and its reservation if the cache has room for them."""
+        if not self.room.fits(seq.reserve):
+            return False
+        seq.slot = self.room.allocate(seq.reserve)
+        self.running.append(seq)
+        return True
+
+    def _drafts(self, decode: tuple[S, ...]) -> int:
+        """k for a lone decoding sequence: a verify run writes k + 1 tokens from its last one
+        on, within the cache and the RoPE tables."""
+        k = self.config.num_speculative_tokens
+        if k < 1 or len(decode) != 1:
+            return 0
+        return max(0, min(k, self.config.position_limit - decode[0].length))
+
+    def _drop_cancelled(self) -> tuple[list[S], tuple[int, ...]]:
+        cancelled = [s for s in self.waiting if s.cancelled]
+        for seq in cancelled:
+            self.waiting.remove(seq)
+        freed = []
+        for seq in [s for s in self.running if s.cancelled]:
+            freed.append(self.finish(seq))
+            cancelled.append(seq)
+        return cancelled, tuple(freed)
+
+    def finish(self, seq: S) -> int:
+        """A sequence that ended leaves, and gives back its slot and reservation; the slot
+        it held (-1: none, it was not running)."""
+        if seq not in self.running:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            return -1
+        self.running.remove(seq)
+        slot, seq.slot = seq.slot, -1
+        self.room.release(slot, seq.reserve)
+        return slot
