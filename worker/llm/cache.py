@@ -27,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.llm.kv_budget import KVBudget
+from worker.llm.prefix import PrefixCache
 
 KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
 DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
@@ -60,7 +61,8 @@ class KVCache:
 
     def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
         self.shape = shape
-        self.room = KVBudget(shape.slots, budget_tokens)
+        # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
+        self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).

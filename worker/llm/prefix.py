@@ -139,7 +139,10 @@ class PrefixCache:
         return self.budget_tokens - self.reserved_tokens
 
     def fits(self, tokens: int) -> bool:
-        return self.free_slots > 0 and tokens <= self.free_tokens
+        """A free slot (or a retained one to evict) and the tokens free once every retained
+        block that may go has gone (a pinned one stays until its copy is done)."""
+        pinned = sum(len(h.tokens) for h in self._held.values() if not h.running and h.pins)
+        return self.free_slots > 0 and tokens <= self.free_tokens - pinned
 
     def allocate(self, tokens: int) -> int:
         return self.admit(tokens).slot
@@ -169,11 +172,9 @@ class PrefixCache:
                 self._evict_one()
             return plan
         if src is not None:
-            src.pins += 1  # not evicted to make room for its own copy
+            src.pins += 1  # not evicted before its copy is done (`unpin`)
         while self.retained_tokens > self.free_tokens - tokens or not self._free:
             self._evict_one()
-        if src is not None:
-            src.pins -= 1
         self._free.sort(reverse=True)
         slot = self._free.pop()
         self.reserved_tokens += tokens
@@ -272,6 +273,16 @@ class PrefixCache:
             self.stats.hits += 1
         self.stats.cached_tokens += match.tokens - computed
         return match
+
+    def pin(self, slot: int) -> None:
+        """A copy from `slot` is planned: it is not evicted until `unpin`."""
+        self._held[slot].pins += 1
+
+    def unpin(self, slot: int) -> None:
+        """A planned copy from `slot` is done."""
+        held = self._held.get(slot)
+        if held is not None and held.pins > 0:
+            held.pins -= 1
 
     def held_length(self, slot: int) -> int:
         """Valid rows of a retained slot (a decode run's dummy token for a row between the

@@ -20,7 +20,10 @@ def finish(cache: PrefixCache, slot: int, tokens: list[int], reserve: int) -> No
 def served(cache: PrefixCache, prompt: list[int], reserve: int = 20, root: bytes = ROOT):
     match = cache.lookup(root, prompt)
     assert cache.fits(reserve)
-    return match, cache.admit(reserve, root, prompt, match)
+    plan = cache.admit(reserve, root, prompt, match)
+    if plan.copy_from >= 0:
+        cache.unpin(plan.copy_from)  # the engine copied the rows
+    return match, plan
 
 
 def test_keys_chain_and_never_cross_roots() -> None:
@@ -39,7 +42,7 @@ def test_a_finished_prompt_is_reused_to_the_token_and_the_last_token_runs() -> N
     first = list(range(10))
     match, plan = served(cache, first)
     assert match == Match(-1, 0) and plan.cached == 0
-    finish(cache, plan.slot, first + [50, 51], 20)  # prompt + generated rows computed
+    finish(cache, plan.slot, [*first, 50, 51], 20)  # prompt + generated rows computed
     # the same prompt again: all but its last token
     assert cache.lookup(ROOT, first) == Match(plan.slot, 9)
     # a longer prompt sharing 11 tokens (mid-block: blocks 0, 1 and 3 tokens of block 2)
@@ -55,15 +58,15 @@ def test_a_finished_prompt_is_reused_to_the_token_and_the_last_token_runs() -> N
 def test_the_next_turn_adopts_the_slot_and_a_sharer_copies() -> None:
     cache = PrefixCache(4, 200, B)
     system = list(range(100, 112))  # 3 blocks
-    _, plan = served(cache, system + [1, 2])
-    finish(cache, plan.slot, system + [1, 2, 3], 20)
+    _, plan = served(cache, [*system, 1, 2])
+    finish(cache, plan.slot, [*system, 1, 2, 3], 20)
     # the next turn covers every whole block the slot holds: adopted, no copy
-    match, turn = served(cache, system + [1, 2, 3, 4, 5])
+    match, turn = served(cache, [*system, 1, 2, 3, 4, 5])
     assert turn.adopted and turn.slot == plan.slot and turn.copy_from == -1
     assert turn.cached == 15 and cache.stats.adopted == 1
     # while it runs, another conversation on the same system prompt copies its rows
-    cache.computed(turn.slot, system + [1, 2, 3, 4, 5])
-    match, other = served(cache, system + [9, 9])
+    cache.computed(turn.slot, [*system, 1, 2, 3, 4, 5])
+    match, other = served(cache, [*system, 9, 9])
     assert (other.copy_from, other.cached, other.adopted) == (turn.slot, 12, False)
     assert other.slot != turn.slot
     assert cache.stats.hits == 2 and cache.stats.misses == 1
@@ -83,17 +86,17 @@ def test_cancelled_mid_prefill_its_blocks_are_never_served() -> None:
 def test_a_sharer_waits_for_the_claimed_block_then_catches_up() -> None:
     cache = PrefixCache(4, 200, B)
     prompt = list(range(30, 50))
-    _, a = served(cache, prompt + [1])
-    _, b = served(cache, prompt + [2])  # admitted in the same step: nothing cached yet
+    _, a = served(cache, [*prompt, 1])
+    _, b = served(cache, [*prompt, 2])  # admitted in the same step: nothing cached yet
     assert b.cached == 0
-    assert not cache.waits(a.slot, ROOT, prompt + [1], 0)  # the claimer computes
-    assert cache.waits(b.slot, ROOT, prompt + [2], 0)  # the sharer waits
+    assert not cache.waits(a.slot, ROOT, [*prompt, 1], 0)  # the claimer computes
+    assert cache.waits(b.slot, ROOT, [*prompt, 2], 0)  # the sharer waits
     cache.computed(a.slot, prompt[:8])
-    match = cache.catch_up(b.slot, ROOT, prompt + [2], 0)
+    match = cache.catch_up(b.slot, ROOT, [*prompt, 2], 0)
     assert match == Match(a.slot, 8)
-    assert cache.waits(b.slot, ROOT, prompt + [2], 8)  # block 2 still being computed by a
+    assert cache.waits(b.slot, ROOT, [*prompt, 2], 8)  # block 2 still being computed by a
     cache.release(a.slot, 20, keep=False)  # a is cancelled: b computes the rest itself
-    assert not cache.waits(b.slot, ROOT, prompt + [2], 8)
+    assert not cache.waits(b.slot, ROOT, [*prompt, 2], 8)
     assert cache.stats.hits == 1 and cache.stats.misses == 1
 
 
@@ -133,6 +136,8 @@ def test_the_budget_holds_under_random_traffic() -> None:
             match = cache.lookup(ROOT, prompt)
             assert match.tokens < len(prompt)
             plan = cache.admit(reserve, ROOT, prompt, match)
+            if plan.copy_from >= 0 and rng.random() < 0.7:
+                cache.unpin(plan.copy_from)  # else: the copy runs after the next admission
             running.append((plan.slot, prompt, reserve))
         assert cache.reserved_tokens + cache.retained_tokens <= 120
         assert len({s for s, _, _ in running}) == len(running)  # no slot handed out twice
