@@ -149,9 +149,12 @@ class Repository:
     def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
         path = model_dir / version / "model.onnx"
         options = self.options
-        if cfg.is_llm(config) and DRAFT_MODEL in config.parameters:
-            # The target's and the draft's runs alternate: a pool spinning after its run
-            # takes the cores from the other's (benchmarks/llm_speculative.py measures it).
+        if cfg.is_llm(config):
+            # The engine's runs alternate with Python on the event loop (sampling,
+            # detokenizing, gRPC), and with a draft model's runs: a pool spinning after its
+            # run takes the cores they need, and a spinning thread descheduled on a busy
+            # machine stalls the next run (benchmarks/llm_step.py: 34 vs 287 ms per decode
+            # step, 2 threads, shared 2-core machine; llm_speculative.py for the draft).
             options = dataclasses.replace(options, allow_spinning=False)
         session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model

@@ -69,7 +69,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences generating at once (cache slots)
     kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
     prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
-    max_step_tokens: int = 128  # decode rows + prefill tokens per step while streams decode
+    max_step_tokens: int = 48  # decode rows + prefill tokens per step while streams decode
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
 
 
