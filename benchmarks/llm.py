@@ -245,9 +245,14 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
 
     async def server() -> dict:
         async with llm_serve.llama_server(
-            args.llama_server_bin, ctx.gguf, plan, logs / "llama-server.log"
+            args.llama_server_bin,
+            ctx.gguf,
+            plan,
+            logs / "llama-server.log",
+            llm_run.omp_env(args.omp_wait_policy),
         ) as (url, pid, argv):
             out["llama_server_args"] = argv[1:]
+            out["llama_server_omp_wait_policy"] = args.omp_wait_policy
             return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
 
     before = wait_quiet(args.quiet_load, args.quiet_wait_s)

@@ -130,7 +130,7 @@ async def measure(
 
 @contextlib.asynccontextmanager
 async def llama_server(
-    binary: Path, gguf: Path, plan: Plan, log: Path
+    binary: Path, gguf: Path, plan: Plan, log: Path, env: dict[str, str] | None = None
 ) -> AsyncIterator[tuple[str, int, list[str]]]:
     port = free_port()
     args = [
@@ -145,7 +145,7 @@ async def llama_server(
         "--cont-batching",
     ]  # fmt: skip
     with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             await wait_http("127.0.0.1", port, "/health", 180, lambda: proc.poll() is None)
             yield f"http://127.0.0.1:{port}", proc.pid, args

@@ -17,7 +17,7 @@ from protos import model_config_pb2 as mc
 from worker import config as cfg
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
-from worker.llm.serving import DRAFT_MODEL, LLMServing, draft_path
+from worker.llm.serving import LLMServing, draft_path
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
