@@ -59,6 +59,8 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.tenants
+	$(BIN)/python -m benchmarks.http_stack
+	$(BIN)/python -m benchmarks.http_edge
 	$(BIN)/python -m benchmarks.summary
 
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).

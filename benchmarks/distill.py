@@ -23,6 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from benchmarks.common import RESULTS, ROOT, machine, write_result
+from benchmarks.readings import table
 from quantize import distill, evaluate, pipeline
 from quantize.recipes import DECODER, ENCODER, distill_recipe
 
@@ -131,6 +132,61 @@ def main() -> None:
         "distill", {"benchmark": "distill", "machine": machine(), "models": models}
     )
     print(f"wrote {path}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    parts = [
+        "## Distillation beside quantization (teacher vs student, fp32 vs int8)",
+        "`python -m benchmarks.distill` — onnxruntime CPU, the four files measured in "
+        "alternation; gate metrics against the fp32 teacher, each judged by its own recipe's "
+        "gate (int8: the quantization gate; students: the distillation gate).",
+    ]
+    for model, m in r["models"].items():
+        s = m["student"]
+        resumed = s.get("resumed_from_step", 0)
+        timed = f" (this build resumed its checkpoint at step {resumed})" if resumed else ""
+        repeats = f", median of {m['repeats']} runs" if m.get("repeats") else ""
+        parts.append(
+            f"### {model}: {s['plan']['layers']}-layer student (layers {s['kept_layers']} of "
+            f"the teacher), {s['plan']['steps']} steps of {s['plan']['batch']} on "
+            f"{s['texts']} sentences, {s['train_seconds']} s of training on "
+            f"{s['torch_threads']} torch threads{timed}; "
+            f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}. Latency: "
+            f"{m['latency_measures']}{repeats}."
+        )
+        first = "mean_cosine" if m["kind"] == "encoder" else "top1_agreement"
+        second = "triplet_order_kept" if m["kind"] == "encoder" else "kl_divergence"
+        rows = []
+        for label, size in m["size_bytes"].items():
+            x = m["metrics"].get(label)
+            verdict = m["gate"].get(label)
+            rows.append(
+                [
+                    label,
+                    f"{size / 1e6:.1f}",
+                    m["latency_ms"]["batch_1"][label],
+                    m["latency_ms"]["batch_16"][label],
+                    f"{m['speedup_vs_teacher_fp32']['batch_16'][label]}x",
+                    f"{x[first]:.4f}" if x else "-",
+                    f"{x[second]:.4f}" if x else "-",
+                    ("accepted" if verdict["accepted"] else "refused") if verdict else "-",
+                ]
+            )
+        parts.append(
+            table(["file", "MB", "b1 ms", "b16 ms", "b16 speedup", first, second, "gate"], rows)
+        )
+        if "target" in m:
+            t = m["target"]
+            parts.append(
+                f"Target (student int8 >= 4x teacher fp32 at batch 16, mean cosine >= 0.95, "
+                f"rankings kept): {t['speedup_batch_16']}x, cosine {t['mean_cosine']:.4f}, "
+                f"triplet order kept {t['triplet_order_kept']:.2f} -> "
+                f"**{'met' if t['met'] else 'not met'}**."
+            )
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

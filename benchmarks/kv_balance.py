@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.common import ROOT, machine, model_successes, write_result
+from benchmarks.readings import table
 from devmesh.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
@@ -235,6 +236,49 @@ def main() -> None:
             f"TTFT p50 is {word} under KV-aware p2c ({p50_kv} vs {p50_plain} ms, "
             f"{p50_kv / p50_plain:.2f}x){why}"
         )
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    s, load = r["summary"], r["setup"]["load"]
+    rows = [
+        [
+            x["policy"],
+            x["requests"],
+            x["throughput_rps"],
+            x["ttft_ms"]["p50"],
+            x["ttft_ms"]["p99"],
+            x["served_by_a"],
+            x["served_by_b"],
+        ]
+        for x in r["runs"]
+    ]
+    ratio = s["kv_over_plain_p99"]
+    verdict = "meets" if s["target_at_most_half_met"] else "misses"
+    return "\n\n".join(
+        [
+            "## KV-aware balancing: one replica's KV cache nearly full",
+            f"`python -m benchmarks.kv_balance` — 2 SmolLM2 replicas with "
+            f"{s['kv_tokens_per_replica']} KV tokens each; a long generation pinned on A; "
+            f"a closed loop of {load['concurrency']} callers through the router, "
+            f"{load['seconds']} s per policy, {load['max_tokens']} tokens per request "
+            "(on A/on B: requests each replica served). "
+            f"Machine: {r['machine'].get('note', 'not noted')}.",
+            table(
+                ["policy", "requests", "req/s", "TTFT p50 ms", "TTFT p99 ms", "on A", "on B"],
+                rows,
+            ),
+            f"TTFT p99 under KV-aware p2c is {ratio}x plain p2c's: it {verdict} the target "
+            "of at most 0.5x."
+            if ratio is not None
+            else "No TTFT p99 under plain p2c: no ratio.",
+            f"TTFT p50: {s['ttft_p50_ms_kv_p2c']} ms under KV-aware p2c, "
+            f"{s['ttft_p50_ms_plain_p2c']} ms under plain p2c "
+            f"({round(s['ttft_p50_ms_kv_p2c'] / s['ttft_p50_ms_plain_p2c'], 2)}x).",
+        ]
+    )
 
 
 if __name__ == "__main__":

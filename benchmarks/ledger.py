@@ -28,6 +28,7 @@ import numpy as np
 
 from benchmarks import readings
 from benchmarks.common import RESULTS, closed_loop, infer_request, machine
+from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from ledger import config as ledger_config
@@ -149,6 +150,52 @@ def main() -> None:
     args.output.write_text(json.dumps(payload, indent=2) + "\n")
     print(cost["reading"])
     print(f"wrote {args.output}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def accounting_pairs(a: dict) -> list[dict]:
+    """[{"on": rps, "off": rps}, ...] in run order; results before pairs were recorded ran
+    on, off, on, off."""
+    if "pairs" in a:
+        return list(a["pairs"])
+    return [
+        {"on": x, "off": y} for x, y in zip(a["runs_rps"]["on"], a["runs_rps"]["off"], strict=True)
+    ]
+
+
+def section(r: dict) -> str:
+    a, e = r["accounting"], r.get("economics")
+    pairs = accounting_pairs(a)
+    stats = readings.paired_cost([p["on"] for p in pairs], [p["off"] for p in pairs])
+    rows = [
+        [i + 1, p.get("order", "on, off"), p["on"], p["off"], f"{cost:.1%}"]
+        for i, (p, cost) in enumerate(zip(pairs, stats["cost_per_pair"], strict=True))
+    ]
+    if e is None:
+        economics = ["The economics run was skipped (`--skip-economics`)."]
+    else:
+        exact = "the two are equal" if e["exact"] else "the two **differ**"
+        economics = [
+            f"Waves of load through the mesh with the ledger running (no failures injected): "
+            f"the client saw {e['client_successes']:,} successes, the durable ledger holds "
+            f"{e['durable_calls']:,}: {exact}.",
+            "```\n" + e["text"] + "\n```",
+            "![ledger](results/ledger.png)",
+        ]
+    return "\n\n".join(
+        [
+            "## Ledger: what exact accounting costs, and the economics after a load run",
+            "`python -m benchmarks.ledger` — router saturation throughput (closed loop, c=32, "
+            f"tiny MLP, 2 workers, {r['seconds_per_point']} s per run), accounting on (each "
+            "success answered once its record is in Redis) vs `--no-accounting`, in "
+            f"{len(pairs)} alternated pairs; cost per pair = 1 - on / off:",
+            table(["pair", "order", "on req/s", "off req/s", "cost"], rows),
+            readings.accounting_reading(stats),
+            *economics,
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from benchmarks import llm_genai_perf, llm_run
 from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
+from benchmarks.readings import table
 
 LENGTHS = (32, 128, 500, 1500)
 
@@ -285,6 +287,87 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
         output_tokens=args.max_tokens,
         timeout_s=420,
     )
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def _rss(rss: dict) -> str:
+    if "peak" in rss:
+        return f"{rss['start']} -> peak {rss['peak']}"
+    end = rss.get("end", {})
+    return str(end.get("VmHWM", "?")) if isinstance(end, dict) else "?"
+
+
+def section(r: dict) -> str:
+    systems = {k: v for k, v in r["systems"].items() if v.get("single")}
+    single_rows = [
+        [
+            name,
+            s["single"]["decode_tokens_per_s"],
+            s["single"]["itl_ms"],
+            s["single"]["prompt_tokens_per_s_500"],
+            s["single"]["prompt_tokens_per_s_1500"],
+            _rss(s.get("rss_mb", {})),
+            s.get("load", {}).get("before", {}).get("load_avg", ["?"])[0],
+        ]
+        for name, s in systems.items()
+    ]
+    level_rows = [
+        [
+            name,
+            p["streams"],
+            p["requests"],
+            p["output_tokens_per_s"],
+            p["ttft_p50_ms"],
+            p["ttft_p99_ms"],
+            p["itl_p50_ms"],
+            p["errors"],
+        ]
+        for name, s in systems.items()
+        for p in s.get("concurrency", [])
+    ]
+    skipped = [
+        f"{k}: {v.get('skipped') or v.get('error')}"
+        for k, v in r["systems"].items()
+        if not v.get("single")
+    ]
+    parts = [
+        "## LLM serving: llama.cpp vs meshserve (SmolLM2-135M, the shipped Q4_1 GGUF)",
+        f"`python -m benchmarks.llm` — {r['note']} Settings: {r['settings']}.",
+        table(
+            [
+                "system",
+                "decode tok/s",
+                "ITL ms",
+                "prompt tok/s (500)",
+                "prompt tok/s (1,500)",
+                "RSS MB",
+                "load before",
+            ],
+            single_rows,
+        ),
+        table(
+            [
+                "system",
+                "streams",
+                "requests",
+                "output tok/s",
+                "TTFT p50",
+                "TTFT p99",
+                "ITL p50",
+                "errors",
+            ],
+            level_rows,
+        ),
+    ]
+    if skipped:
+        parts.append("Not measured: " + "; ".join(skipped) + ".")
+    if "genai_perf" in r:
+        g = r["genai_perf"]
+        parts.append("genai-perf: " + (g.get("error") or json.dumps(g)[:400]))
+    parts.append("\n".join(f"- {line}" for line in r["reading"]))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

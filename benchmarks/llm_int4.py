@@ -25,6 +25,7 @@ import onnx
 from tokenizers import Tokenizer
 
 from benchmarks.common import ROOT, machine, write_result
+from benchmarks.readings import table
 from quantize import evaluate, int4, pipeline, recipes
 
 CACHE = ROOT / "build" / "quantize"
@@ -131,6 +132,35 @@ def _gguf() -> Path:
     from quantize.weights import smollm2_gguf
 
     return smollm2_gguf()
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    rows = [
+        [
+            name,
+            g["verdict"],
+            g["metrics"]["top1_agreement"],
+            g["metrics"]["kl_divergence"],
+            g["metrics"]["greedy_match"],
+            f"{g['bytes'] / 1e6:.0f}",
+        ]
+        for name, g in r["gate"].items()
+    ]
+    w = r["weights"]
+    return "\n\n".join(
+        [
+            "## SmolLM2 int4: the GGUF's own Q4_1 blocks vs re-quantizing them",
+            f"`python -m benchmarks.llm_int4` — {r['note']}. MatMul weights as the recipe "
+            f"writes them: {w['codecs']}, max |dW| per kind {w['max_abs_error']}; MatMul "
+            f"bytes {w['matmul_bytes_fp32'] / 1e6:.0f} MB fp32 -> "
+            f"{w['matmul_bytes_after'] / 1e6:.0f} MB.",
+            table(["variant", "gate", "top-1", "KL", "greedy match", "file MB"], rows),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ import onnx
 from tokenizers import Tokenizer
 
 from benchmarks.common import ROOT, machine, write_result
+from benchmarks.readings import table
 from quantize import llm_graph, pipeline
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import KVCache
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
@@ -89,7 +90,7 @@ def run_costs(models: dict[str, StepModel], reps: int = 10) -> dict[str, dict[in
     out: dict[str, dict[int, float]] = {}
     for name, model in models.items():
         f = model.facts
-        cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 128), 128)
+        cache = KVCache(f.cache_shape(1, 128), 128)
         model.run(cache, np.arange(1000, 1064)[None], np.asarray([64]), 0, 1)
         out[name] = {}
         for m in (1, 2, 3, 5):
@@ -293,6 +294,49 @@ def main() -> None:
     print(write_result(name, payload))
     for line in reading:
         print("-", line)
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    rows = [
+        [
+            name,
+            "-" if v["acceptance_rate"] is None else v["acceptance_rate"],
+            "-" if v["tokens_per_target_run"] is None else v["tokens_per_target_run"],
+            v["decode_tokens_per_s"],
+            f"{v['decode_speedup']}x",
+            v["draft_share_of_decode"],
+            "yes" if v["identical_to_target"] else "no",
+        ]
+        for name, v in r["results"].items()
+    ]
+    s = r["settings"]
+    return "\n\n".join(
+        [
+            f"## LLM: speculative decoding with a draft model ({s['target_kind']} target)",
+            f"`{r['command'].strip()}` — target `{s['target']}`, drafts "
+            + ", ".join(f"{n}: `{p}`" for n, p in s["drafts"].items())
+            + f"; batch {s['batch']}, {s['sampling']}, {len(s['prompts'])} prompts of up to "
+            f"{s['max_tokens']} new tokens, median of {s['rounds']} rounds, "
+            f"{s['intra_op_threads']} intra-op threads; loadavg {' '.join(r['loadavg_before'])} "
+            f"before, {' '.join(r['loadavg_after'])} after.",
+            table(
+                [
+                    "configuration",
+                    "acceptance",
+                    "tokens per target run",
+                    "decode tok/s",
+                    "speed-up",
+                    "draft share of decode time",
+                    "same text as the target",
+                ],
+                rows,
+            ),
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks import readings
 from benchmarks.common import (
     RESULTS,
     ROOT,
@@ -36,6 +37,7 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
+from benchmarks.readings import table
 from client.client import Client
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
@@ -233,6 +235,65 @@ def main() -> None:
                 f"p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  errors {r['errors']}"
             )
     print(f"wrote {path}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    names = {
+        "worker": "meshserve worker (1 process)",
+        "mlserver": "MLServer, parallel_workers=0",
+        "router_2_workers": "meshserve router + 2 workers",
+        "mlserver_2_workers": "MLServer, parallel_workers=2",
+    }
+    rows = [
+        [
+            names.get(key, key),
+            p["concurrency"],
+            p["throughput_rps"],
+            p["p50_ms"],
+            p["p99_ms"],
+            p["errors"] or "-",
+        ]
+        for key, points in r["results"].items()
+        for p in points
+    ]
+    ratio_rows = [
+        [
+            names[key.split("_over_")[0]],
+            names[key.split("_over_")[1].rsplit("_c", 1)[0]],
+            key.rsplit("_c", 1)[1],
+            v["throughput_ratio"],
+            v["p99_ratio"],
+        ]
+        for key, v in r["summary"].items()
+        if isinstance(v, dict)
+    ]
+    c8 = r["summary"]["worker_over_mlserver_c8"]
+    verdict = "met" if r["summary"]["target_met"] else "**not met**"
+    worse = readings.mlserver_reading(r["summary"], names)
+    return "\n\n".join(
+        [
+            "## Side by side with MLServer",
+            f"`python -m benchmarks.mlserver` — {r['model']}; MLServer {r['mlserver']} in its "
+            "own venv "
+            "with a minimal onnxruntime runtime (`benchmarks/mlserver_runtime.py`), one "
+            "onnxruntime thread per process on both sides; the same load tool (`loadtest`, "
+            f"closed loop, {r['seconds_per_point']} s per point) drives both, with requests "
+            "built from each server's model metadata. Load generator and servers share the "
+            "machine.",
+            table(["server", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"], rows),
+            table(
+                ["meshserve", "MLServer", "concurrency", "throughput ratio", "p99 ratio"],
+                ratio_rows,
+            ),
+            f"Target (worker >= 2x MLServer's throughput at c=8, p99 no worse): {verdict} — "
+            f"{c8['throughput_ratio']}x the throughput at {c8['p99_ratio']}x the p99. " + worse,
+            "![latency vs throughput](results/mlserver_latency.png)",
+            "![latency CDF at c=8](results/mlserver_cdf_c8.png)",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.common import RESULTS, closed_loop, machine, open_loop, write_result
+from benchmarks.readings import table
 from devmesh.processes import LocalMesh
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm import runner as llm_runner
@@ -632,6 +633,130 @@ def main() -> None:
     print(f"wrote {write_result('planner', result)}")
     (RESULTS / "planner_partial.json").unlink(missing_ok=True)
     print(summary)
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    def pct(x: float | None) -> str:
+        return "unbounded" if x is None else f"{x:+.0%}"
+
+    def ms(x: float | None) -> str:
+        return "unbounded" if x is None else f"{x:.1f}"  # the queue never settles
+
+    rows = []
+    for c in r["configurations"]:
+        m, roof, cal = c["measured"], c["roofline"], c["calibrated"]
+        served = c.get("served", cal)
+        rows.append(
+            [
+                c["config"],
+                c["diagnosis"]["bound"],
+                round(m["throughput_rps"], 2),
+                f"{roof['capacity_rps']:.1f} ({pct(roof['throughput_error'])})",
+                f"{cal['capacity_rps']:.1f} ({pct(cal['throughput_error'])})",
+                f"{served['capacity_rps']:.1f} ({pct(served['throughput_error'])}, "
+                f"{served['limit']})",
+                round(m["offered_rps"], 2),
+                round(m["p99_ms"], 1),
+                f"{ms(roof['p99_ms'])} ({pct(roof['p99_error'])})",
+                f"{ms(cal['p99_ms'])} ({pct(cal['p99_error'])})",
+                f"{ms(served['p99_ms'])} ({pct(served['p99_error'])})",
+                f"{m['closed']['mean_batch']:.1f} / {m['open']['mean_batch']:.1f}",
+                m.get("background_cores", 0.0),
+                f"{m['closed'].get('other_cores', 0.0):.2f} / "
+                f"{m['open'].get('other_cores', 0.0):.2f}",
+            ]
+        )
+    s = r["summary"]
+
+    def verdict(m: dict, label: str) -> str:
+        return f"{label}: " + ", ".join(
+            f"{k} median |error| {m[f'median_abs_{k}_error']:.0%} (target "
+            f"{s['targets'][k]:.0%}: {'met' if m['met'][k] else 'missed'})"
+            for k in ("throughput", "p99")
+        )
+
+    calibrations = "; ".join(
+        f"{k}: {v['runs_ms']} ms by batch, {v['call_overhead_ms']} ms fixed per run, "
+        f"efficiency {v['efficiency']}"
+        + (f", prefill {v['prefill_ms']} ms" if v["prefill_ms"] else "")
+        for k, v in r["calibrations"].items()
+    )
+
+    def tail(v: dict) -> str:
+        points = v["served"][-1].get("tail") or []
+        return (
+            ", trip tail "
+            + ", ".join(
+                f"p99 {p99 * 1e3:.0f} ms at {rate:.0f}/s ({busy:.2f} cores busy)"
+                for busy, p99, rate in points
+            )
+            if points
+            else ""
+        )
+
+    servings = "; ".join(
+        f"{k}: {v['cycles_ms']} ms per batch by batch{tail(v)}"
+        for k, v in r.get("servings", {}).items()
+    )
+    p = r["profile"]
+    misses = [
+        f"- **{c['config']}**: " + "; ".join(c["explanation"])
+        for c in r["configurations"]
+        if c["explanation"]
+    ]
+    return "\n\n".join(
+        [
+            "## Planner: predicted against measured (issue 14)",
+            f"`python -m benchmarks.planner` — {r['machine_note']}. Profile: {p['source']}; "
+            f"mesh {p['mesh_latency_s'] * 1e3:.1f} ms (p99 {p['mesh_latency_p99_s'] * 1e3:.1f} "
+            f"ms at a quarter of its top rate) and {p['mesh_cpu_s'] * 1e3:.2f} CPU-ms per call, "
+            f"at most {p['mesh_max_rps']:.0f} calls/s. Throughput: the saturation throughput of "
+            "a closed loop with 4 x replicas x max batch callers (8 to 64); p99: an open loop at "
+            "half the measured throughput (offered /s). *Roofline*: predicted from the probe "
+            "and the graph alone; *calibrated*: the Roofline fitted to each model's own "
+            "session timed alone, outside the mesh (CPU time, one thread, batch 1 and the "
+            f"largest): {calibrations}; *served*: fitted to each encoder served through a "
+            "one-worker mesh (planner/serving.py; seconds per batch and host CPU per call at "
+            "saturation at batch limits 2 and 16, which no checked row uses, and the trip's "
+            f"tail under Poisson arrivals at a quarter, half and three quarters of the 16's "
+            f"rate): {servings}; the LLM rows' *served* is "
+            "the calibrated prediction. Batch: what the workers formed in the closed / open "
+            "loop. Background: other jobs' CPU demand (cores) measured just before each row; "
+            "other: their cores during the closed / open loop (the host's busy cores less ours)."
+            + (f" The {r['reanalysed']}." if r.get("reanalysed") else ""),
+            table(
+                [
+                    "configuration",
+                    "bound",
+                    "req/s",
+                    "roofline",
+                    "calibrated",
+                    "served",
+                    "offered /s",
+                    "p99 ms",
+                    "roofline",
+                    "calibrated",
+                    "served",
+                    "batch",
+                    "background",
+                    "other",
+                ],
+                rows,
+            ),
+            verdict(s["roofline"], "Roofline only")
+            + "; "
+            + verdict(s["calibrated"], "calibrated")
+            + (("; " + verdict(s["served"], "served")) if "served" in s else "")
+            + ".",
+            "Misses of the best prediction and why:\n\n" + "\n".join(misses)
+            if misses
+            else "No misses.",
+            "![roofline](results/planner_roofline.png)",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -292,3 +292,9 @@ def tp_reading(p: dict) -> str:
             else ", and its weight bytes per rank do not fall either."
         )
     return " ".join([verdict, *sentences])
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import readings
 from benchmarks.common import (
     RESULTS,
     closed_loop,
@@ -33,6 +34,7 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
+from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
@@ -241,6 +243,93 @@ def main() -> None:
     plot(result)
     print(f"wrote {path}")
     print(result["summary"])
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def router_hop_text(r: dict) -> str:
+    s = r["summary"]
+    return (
+        f"p50 ratio at c=1: **{s['hop_p50_ratio_c1']}x**; throughput ratio at c=32: "
+        f"**{s['hop_throughput_ratio_c32']}x**. `bare_proxy` is the floor for any Python "
+        "router: grpc.aio passing the bytes to one upstream with no balancing, accounting, "
+        "metrics or failover. " + readings.hop_reading(r["hop"], r["machine"]["cores"])
+    )
+
+
+def section(r: dict) -> str:
+    h = r["hop"]
+    hop_rows = [
+        [label, c, h[label][c]["throughput_rps"], h[label][c]["p50_ms"], h[label][c]["p99_ms"]]
+        for label in ("direct", "bare_proxy", "router")
+        for c in ("c1", "c32")
+    ]
+    rep_rows = [
+        [
+            label,
+            p["workers"],
+            p["offered_rps"],
+            p["throughput_rps"],
+            p["p50_ms"],
+            p["p99_ms"],
+            " / ".join(str(x) for x in p["per_worker_rps"]),
+        ]
+        for label, points in r["replicas"].items()
+        for p in points
+    ]
+    pol_rows = [
+        [
+            p["policy"],
+            p["offered_rps"],
+            p["p50_ms"],
+            p["p99_ms"],
+            f"{p['slow_share']:.1%}",
+            p["errors"] or "-",
+        ]
+        for p in r["policies"]
+    ]
+    enc_rows = [[k, v["header_parse_us"], v["decode_encode_us"]] for k, v in r["reencode"].items()]
+    parts = [
+        "## Router",
+        "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
+        "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
+        table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
+        router_hop_text(r),
+        "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
+        table(
+            [
+                "model",
+                "workers",
+                "offered rps",
+                "served rps",
+                "p50 ms",
+                "p99 ms",
+                "rps per worker",
+            ],
+            rep_rows,
+        ),
+        " ".join(readings.replicas_reading(k, v) for k, v in r["replicas"].items()),
+        readings.client_limited_reading(
+            [
+                (f"{label}, {p['workers']} workers", p)
+                for label, points in r["replicas"].items()
+                for p in points
+            ]
+            + [(f"policy {p['policy']}", p) for p in r["policies"]]
+        ),
+        "![replicas](results/router_replicas.png)",
+        "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
+        table(
+            ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
+            pol_rows,
+        ),
+        readings.policies_reading(r["policies"]),
+        "![policies](results/router_policies.png)",
+        "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
+        table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
+    ]
+    return "\n\n".join(x for x in parts if x)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ import numpy as np
 
 from benchmarks.common import ROOT, closed_loop, free_port, infer_request, machine, write_result
 from benchmarks.idle import export
-from deploy import toy_models
-from deploy.processes import LocalMesh, Process, router_process, wait_serving
+from devmesh import toy_models
+from devmesh.processes import LocalMesh, Process, router_process, wait_serving
 from protos import grpc_service_pb2 as pb
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
@@ -190,8 +190,8 @@ def medians(rounds: list[dict], paths: list[str]) -> dict:
 
 
 def verdicts(m: dict) -> dict:
-    direct, after, before = m["direct"], m["after"], m["before"]
-    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in after else "c1.p50_ms"
+    direct, before = m["direct"], m["before"]
+    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in m["after"] else "c1.p50_ms"
     out: dict = {"c1_measured_with": c1.split(".")[0]}
     for label in ("before", *[k for k in ROUTERS if k != "before"]):
         r = m[label]
@@ -213,7 +213,6 @@ def verdicts(m: dict) -> dict:
     out["default_meets_all"] = all(
         out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32")
     )
-    del after
     return out
 
 
@@ -286,7 +285,7 @@ def main() -> None:
         finally:
             mesh.stop()
     m = medians(rounds, paths)
-    result = {
+    out: dict = {
         "benchmark": "router_hop",
         "machine": machine(),
         "shared_machine": args.shared_machine,
@@ -304,9 +303,9 @@ def main() -> None:
         "medians": m,
         "verdicts": verdicts(m),
     }
-    path = write_result("router_hop", result)
-    print(section(result))
-    print(f"wrote {path}")
+    written = write_result("router_hop", out)
+    print(section(out))
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
+from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from loadtest import runner
@@ -241,6 +242,66 @@ def main() -> None:
     )
     print(summary)
     print(f"wrote {path}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    rows = [
+        [
+            label,
+            p["concurrency"],
+            p["throughput_rps"],
+            p["p50_ms"],
+            p["p99_ms"],
+            p.get("proxy_cpu_us_per_call"),
+            p["cpu_cores"],
+        ]
+        for label, points in r["results"].items()
+        for p in points
+    ]
+    s = r["summary"]
+    ratios = [
+        [
+            c,
+            v.get("python-floor_over_nginx_rps"),
+            v["router-1_over_nginx_rps"],
+            v["router-2_over_nginx_rps"],
+            v.get("router-1_over_floor_rps"),
+            v.get("router-2_over_floor_rps"),
+            v["router-1_over_nginx_p50"],
+            v["router-2_over_nginx_p50"],
+        ]
+        for c, v in s.items()
+        if c.startswith("c")
+    ]
+    met = "met" if s["target"]["met"] else "not met"
+    return "\n\n".join(
+        [
+            "## Router processes against nginx as a gRPC proxy",
+            f"`python -m benchmarks.router_scale` — {r['model']}; {r['client']}, "
+            f"{r['seconds_per_point']} s per point. direct: the client balances itself; nginx: "
+            "`grpc_pass`, 2 worker processes; python-floor: grpc.aio passing bytes on and "
+            "nothing else (benchmarks/bare_proxy.py); router-N: `python -m router --processes "
+            "N` with p2c and accounting. CPU in cores per part; proxy CPU per call in us.",
+            table(["path", "c", "req/s", "p50 ms", "p99 ms", "proxy us/call", "CPU cores"], rows),
+            table(
+                [
+                    "c",
+                    "floor / nginx req/s",
+                    "router-1 / nginx req/s",
+                    "router-2 / nginx req/s",
+                    "router-1 / floor req/s",
+                    "router-2 / floor req/s",
+                    "router-1 / nginx p50",
+                    "router-2 / nginx p50",
+                ],
+                ratios,
+            ),
+            f"Target ({s['target']['rule']}): {met}.",
+        ]
+    )
 
 
 if __name__ == "__main__":

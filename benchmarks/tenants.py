@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 
 from benchmarks.common import infer_request, machine, write_result
+from benchmarks.readings import table
 from common import mesh_state, redis_conn, tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy, key_hash
@@ -226,7 +227,7 @@ async def components(target: Target, n: int) -> dict:
         mesh_state.spend_key("bench", limits.month()),
     ]
     # give one token back, take one: the bucket is left as it was
-    lease_args = [repr(POLICY.requests_per_second), POLICY.bucket_size, 0, 2**60, 1, 1]
+    lease_args: list[str | int] = [repr(POLICY.requests_per_second), POLICY.bucket_size, 0, 2**60, 1, 1]
 
     async def median_us(step: Callable[[], Awaitable[object]]) -> float:
         times = []
@@ -368,6 +369,54 @@ def main() -> None:
     path = write_result("tenants", payload)
     print("\n".join(reading))
     print(f"wrote {path}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    labels = ("off", "auth", "tls", "on")
+    rows = [
+        [
+            label,
+            round(r["throughput_rps_c32"][label]),
+            r["throughput_ratio"][label],
+            round(r["p50_ms_c1"][label], 3),
+            r["added_p50_ms"][label],
+            r["cpu_ms_per_call_c32_total"][label],
+            round(r["scripts_per_call_c32"][label], 3),
+            len(r["errors"][label]),
+        ]
+        for label in labels
+    ]
+    parts = ", ".join(f"{k} {v}" for k, v in r["components_us"].items())
+    return "\n\n".join(
+        [
+            "## Tenants, keys and TLS: what trust costs",
+            "`python -m benchmarks.tenants` — four meshes side by side on the tiny MLP: "
+            "nothing (off), API keys + rate limits from per-router leases (auth), TLS to the "
+            "router + mutual TLS to the worker (tls), all of it (on). p50 from "
+            f"{r['calls']} rounds of one call to each (order rotated); throughput at 32 callers "
+            f"from {r['slices_per_mesh']} rotated slices of {r['seconds_per_slice']} s "
+            f"(ratio: median per slice). {r['note']}; load average "
+            f"{r['load_average_before'][0]:.2f} before, {r['load_average_after'][0]:.2f} after.",
+            table(
+                [
+                    "trust",
+                    "req/s c=32",
+                    "ratio to off",
+                    "p50 c=1 (ms)",
+                    "added p50 (ms)",
+                    "CPU ms/call",
+                    "Redis scripts/call",
+                    "errors",
+                ],
+                rows,
+            ),
+            f"The auth path's parts, timed in process (us): {parts}.",
+            "\n".join(f"- {line}" for line in r["reading"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks import readings
 from benchmarks.common import ROOT, machine, write_result
+from benchmarks.readings import table
 from quantize import llm, llm_shard, shard, weights
 from worker.tp.local import run_group, run_llm_group
 
@@ -225,6 +226,46 @@ def decoder_reading(p: dict) -> str:
         f"Weights per rank: {mb['tp1']:.0f} MB at TP1, {mb['tp3']:.0f} MB at TP3 (the embedding "
         "is replicated, the LM head vocab-parallel)."
     )
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def section(r: dict) -> str:
+    parts = [
+        "## Tensor parallelism: TP1 vs TP2/TP3 on this CPU (gloo)",
+        f"`python -m benchmarks.tp` — a fresh gloo group per point, median of {r['repeat']} "
+        "forwards timed on rank 0: compute = onnxruntime segments, comm = collectives "
+        "(including waiting for the slowest rank). TP1 runs as one process with every core "
+        "and with one thread (the compute TP divides); TP N ranks have one thread each.",
+    ]
+    for model, label in (("minilm", "MiniLM, 32 tokens"), ("smollm2", "SmolLM2, 8 new tokens")):
+        if model not in r:
+            continue
+        rows = [
+            [
+                batch.removeprefix("batch"),
+                p["tp"],
+                p["threads_per_rank"],
+                p["total_ms"],
+                p["compute_ms"],
+                p["comm_ms"],
+                f"{p['vs_tp1_all_cores']}x",
+            ]
+            for batch, points in r[model]["latency"].items()
+            for p in points
+        ]
+        header = ["batch", "TP", "threads/rank", "total ms", "compute ms", "comm ms", "vs TP1"]
+        bytes_ = ", ".join(
+            f"{k}: {max(v) / 1e6:.0f} MB" for k, v in r[model]["weight_bytes_per_rank"].items()
+        )
+        err = max(r[model]["max_abs_diff_vs_tp1"].values(), default=0.0)
+        parts += [
+            f"**{label}** (max weight bytes per rank — {bytes_}; max |TP N - TP1| = {err:.1e})",
+            table(header, rows),
+        ]
+    parts.append(readings.tp_reading(r))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
+from benchmarks.readings import table
 from devmesh import toy_models
 
 DELAY_500US = "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 500 }\n"
@@ -149,6 +150,65 @@ def main() -> None:
                 f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
             )
     print(f"wrote {path}")
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def delay_text(s: dict) -> str:
+    """The 500 us delay applied only while a batch runs against waiting it out when idle."""
+    if "target" not in s:
+        return ""
+    rows = [
+        [
+            c,
+            v["delay_p50_ms"],
+            v["delay_when_idle_p50_ms"],
+            v["bare_p50_ms"],
+            f"{v['delay_p50_over_bare']}x",
+            v["delay_rps"],
+            v["delay_when_idle_rps"],
+            f"{v['delay_rps_over_when_idle']}x",
+        ]
+        for c, v in s.items()
+        if c.startswith("c")
+    ]
+    header = ["c", "p50 ms now", "p50 ms waiting when idle", "p50 ms bare", "now / bare"]
+    header += ["req/s now", "req/s waiting when idle", "now / waiting"]
+    met = "met" if s["target"]["met"] else "not met"
+    return "\n\n".join(
+        [
+            "Batching delay 500 us (the toy `mlp`'s): applied only while a batch runs (now) "
+            "against waited out even when idle (`meshserve.batch_delay_when_idle`, the rule "
+            "before).",
+            table(header, rows),
+            f"Target ({s['target']['rule']}): {met}.",
+        ]
+    )
+
+
+def section(r: dict) -> str:
+    rows = []
+    for key, points in r["results"].items():
+        for p in points:
+            rows.append([key, p["concurrency"], p["throughput_rps"], p["p50_ms"], p["p99_ms"]])
+    s = r["summary"]
+    return "\n\n".join(
+        [
+            "## Worker: tiny MLP, batching on vs off, against a bare grpc.aio server",
+            f"`python -m benchmarks.worker` — {r['model']}; closed loop, "
+            f"{r['seconds_per_point']} s per point. `bare_grpc_aio` is the floor: one "
+            "onnxruntime session behind a grpc.aio ModelInfer with no validation, batching, "
+            "statistics or health.",
+            table(["server/model", "concurrency", "req/s", "p50 ms", "p99 ms"], rows),
+            "Worker with batching over the bare server: "
+            + ", ".join(
+                f"{c}: {v['batching_over_bare']}x" for c, v in s.items() if c.startswith("c")
+            )
+            + ".",
+            delay_text(s),
+        ]
+    )
 
 
 if __name__ == "__main__":

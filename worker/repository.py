@@ -100,6 +100,7 @@ def serve_llm(
     llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
         rows, rows, 0, ns, 0, kind, tokens, llm.engine.cached_tokens() if kind == "decode" else 0
     )
+    llm.engine.on_admit = stats.queue.add
     llm.engine.start()
     log.info(
         "model_loaded",

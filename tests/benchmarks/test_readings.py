@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import readings, summary
+from benchmarks import ledger, mlserver, readings, router, summary, tp
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -63,7 +63,7 @@ def test_accounting_inside_noise_then_distinguishable() -> None:
 
 def test_ledger_section_from_old_and_new_results() -> None:
     old = load("ledger")  # on, off, on, off: two pairs, no "pairs" entry
-    text = summary.ledger_section(old)
+    text = ledger.section(old)
     assert "| 1 | on, off | 2131.0 | 2418.2 | 11.9% |" in text
     assert "not distinguishable from run-to-run noise" in text
     assert "8,143: the two are equal" in text
@@ -74,12 +74,12 @@ def test_ledger_section_from_old_and_new_results() -> None:
         for i in range(8)
     ]
     new["economics"].update(durable_calls=8140, exact=False)
-    text = summary.ledger_section(new)
+    text = ledger.section(new)
     assert "in 8 alternated pairs" in text and "| 2 | off, on |" in text
     assert "Exact accounting costs" in text and "distinguishable from run-to-run noise" in text
     assert "the two **differ**" in text
     del new["economics"]  # --skip-economics
-    assert "The economics run was skipped" in summary.ledger_section(new)
+    assert "The economics run was skipped" in ledger.section(new)
 
 
 # -- router ----------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def test_policies_and_replicas_flip() -> None:
 
 def test_mlserver_names_every_point_where_meshserve_is_worse() -> None:
     r = load("mlserver")
-    text = summary.mlserver_section(r)
+    text = mlserver.section(r)
     assert "**not met** — 1.86x the throughput at 0.47x the p99" in text
     assert (
         "Points where meshserve's p99 is worse than MLServer's: "
@@ -137,7 +137,7 @@ def test_mlserver_names_every_point_where_meshserve_is_worse() -> None:
     better["summary"]["router_2_workers_over_mlserver_2_workers_c32"]["p99_ratio"] = 0.9
     better["summary"]["worker_over_mlserver_c1"]["throughput_ratio"] = 0.8
     better["summary"]["target_met"] = True
-    text = summary.mlserver_section(better)
+    text = mlserver.section(better)
     assert "p99 no worse): met —" in text
     assert "p99 is worse than MLServer's: none." in text
     assert "throughput is lower: meshserve worker (1 process) at c=1 (0.8x)." in text
@@ -169,7 +169,7 @@ def test_tp_reading_flips_with_the_numbers() -> None:
     assert text.startswith("On 4 CPU cores TP beats one process using every core at: ")
     assert "MiniLM TP2 at batch1, MiniLM TP2 at batch8." in text
     assert "3 ranks on 2 cores" not in text and "3 ranks on 4 cores" not in text
-    assert summary.tp_section(fast).endswith(text)
+    assert tp.section(fast).endswith(text)
 
     heavy = copy.deepcopy(r)
     for model in ("minilm", "smollm2"):
@@ -181,11 +181,11 @@ def test_tp_reading_flips_with_the_numbers() -> None:
 
 def test_router_section_names_client_limited_points() -> None:
     r = load("router")
-    assert "Client-limited" not in summary.router_section(r)  # results before the flag
+    assert "Client-limited" not in router.section(r)  # results before the flag
     flagged = copy.deepcopy(r)
     point = flagged["policies"][0]
     point["client_limited"] = True
     point["client"] = {"reason": "send lag p99 80 ms (above 50 ms)"}
-    text = summary.router_section(flagged)
+    text = router.section(flagged)
     assert "Client-limited, so measuring the load generator rather than the mesh: " in text
     assert "policy p2c (send lag p99 80 ms (above 50 ms))." in text

@@ -1,10 +1,13 @@
 """The KV cache: allocated once, written in place by the step graph, freed per sequence.
 
 One anonymous mapping holds keys and values for every layer as [2, layers, slots, kv_heads,
-max_len, head_dim] float32. A sequence owns one slot for its lifetime; the attention op
-writes each new token's keys at the sequence's own length, so nothing is ever copied or
-concatenated between steps. Slot rows are contiguous per layer, so the rows of a decode
-batch (slots lo..hi) bind to onnxruntime as views of this memory, without a copy.
+max_len, head_dim]. That layout is fixed; only the element type is a parameter,
+`CacheShape.dtype`: "float32" or "float16" (llama.cpp's default), whichever the step graph
+was built for (its metadata `meshserve.llm.kv_dtype`; older graphs are float32). A sequence
+owns one slot for its lifetime; the attention op writes each new token's keys at the
+sequence's own length, so nothing is ever copied or concatenated between steps. Slot rows
+are contiguous per layer, so the rows of a decode batch (slots lo..hi) bind to onnxruntime
+as views of this memory, without a copy.
 
 Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
 when written, and a freed slot's pages are returned to the OS (madvise DONTNEED), so the
@@ -25,7 +28,7 @@ import onnxruntime as ort
 
 from worker.llm.kv_budget import KVBudget
 
-FLOAT_BYTES = 4
+KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
@@ -36,10 +39,19 @@ class CacheShape:
     head_dim: int
     slots: int
     max_len: int
+    dtype: str = "float32"  # one of KV_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {self.dtype!r}: expected one of {KV_DTYPES}")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * FLOAT_BYTES
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
 class KVCache:
@@ -53,9 +65,9 @@ class KVCache:
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
         # No swap reserved for slots x max_len: only the budget's pages are ever resident.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=flags)
-        self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
-        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
+        self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
+        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
@@ -97,7 +109,7 @@ class KVCache:
         for kv in range(2):
             for layer in range(self.shape.layers):
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
-                # page-aligned by construction when max_len * head_dim * 4 is a page multiple
+                # page-aligned when max_len * head_dim * itemsize is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
 
     def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
@@ -126,9 +138,10 @@ class KVCache:
                 self._map.close()
 
 
-def page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
-    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
+def page_aligned(max_len: int, row_floats: int, page: int = 4096, itemsize: int = 4) -> int:
+    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise);
+    row_floats elements of itemsize bytes per position."""
     unit = 1
-    while (unit * row_floats * 4) % page:
+    while (unit * row_floats * itemsize) % page:
         unit += 1
     return -(-max_len // unit) * unit

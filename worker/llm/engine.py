@@ -40,7 +40,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -51,7 +51,7 @@ from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm import scheduler
-from worker.llm.cache import CacheShape, KVCache, page_aligned
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
 from worker.llm.model import Model, VerifyingModel
 from worker.llm.sampling import Sampler, SamplingParams
@@ -149,13 +149,12 @@ class Engine:
         self.config = config
         self.eos = {i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
         budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
+        row = facts.kv_heads * facts.head_dim
+        itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         self.cache = KVCache(
-            CacheShape(
-                facts.layers,
-                facts.kv_heads,
-                facts.head_dim,
+            facts.cache_shape(
                 config.max_num_seqs,
-                page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+                page_aligned(config.max_model_len, row, itemsize=itemsize),
             ),
             budget,
         )
@@ -176,6 +175,9 @@ class Engine:
         )
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
+        # and genai-perf read to find the model version that served them
+        self.on_admit: Callable[[int], None] = lambda ns: None
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
@@ -299,6 +301,9 @@ class Engine:
         log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
+        now = time.perf_counter_ns()
+        for seq in plan.admitted:
+            self.on_admit(now - seq.arrived_ns)
         for slot in plan.freed:
             if self.drafter is not None:
                 self.drafter.release(slot)

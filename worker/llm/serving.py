@@ -26,7 +26,6 @@ from common.errors import InvalidArgument
 from worker import token_metrics
 from worker.config import ConfigError, ModelSpec
 from worker.llm import sampling
-from worker.llm.cache import CacheShape
 from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
@@ -86,7 +85,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
     max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
     seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
     f = model.facts
-    per_token = CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 1).bytes_per_token
+    per_token = f.cache_shape(1, 1).bytes_per_token
     budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
     if budget < 2:
         raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
