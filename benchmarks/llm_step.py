@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks.common import machine, write_result
-from worker.llm.cache import CacheShape, KVCache, page_aligned
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.model import StepModel
 from worker.runtime import OnnxSession, RuntimeOptions
 
@@ -44,8 +44,12 @@ def timed(fn, args: tuple, rounds: int) -> float:  # type: ignore[no-untyped-def
 def measure(model: StepModel, args: argparse.Namespace) -> dict:
     f = model.facts
     slots = max(args.rows)
-    max_len = page_aligned(args.context + max(args.chunks) + 8, f.kv_heads * f.head_dim)
-    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, slots, max_len), slots * max_len)
+    max_len = page_aligned(
+        args.context + max(args.chunks) + 8,
+        f.kv_heads * f.head_dim,
+        itemsize=f.cache_shape(1, 1).itemsize,
+    )
+    cache = KVCache(f.cache_shape(slots, max_len), slots * max_len)
     rng = np.random.default_rng(0)
     ctx = args.context
     # every slot holds `context` tokens of a real prefill, so decode reads a real cache
@@ -81,8 +85,10 @@ def profile(path: Path, options: RuntimeOptions, folder: Path, context: int) -> 
         session.session = ort.InferenceSession(str(path), sess_options=so, providers=CPU)
         model = StepModel(session)
         f = model.facts
-        max_len = page_aligned(context + n + 8, f.kv_heads * f.head_dim)
-        cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, rows, max_len), rows * max_len)
+        max_len = page_aligned(
+            context + n + 8, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize
+        )
+        cache = KVCache(f.cache_shape(rows, max_len), rows * max_len)
         ids = np.full((rows, n), 1000)
         for _ in range(3):
             model.run(cache, ids, np.full(rows, context + n), 0, rows)
