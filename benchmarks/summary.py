@@ -31,6 +31,9 @@ SECTIONS: dict[str, str] = {
     "router_scale": "router_scale",
     "idle": "idle",
     "distill": "distill",
+    "redis_durability": "redis_durability",
+    "http_stack": "http_stack",
+    "http_edge": "http_edge",
 }
 
 

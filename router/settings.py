@@ -96,6 +96,20 @@ class RouterSettings(BaseSettings):
     )
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    # The HTTP front door (router/http/, docs/http.md).
+    http_port: int = Field(
+        0, ge=0, description="serve OpenAI's API and KServe v2 REST on this port too (0 = off)"
+    )
+    http_host: str | None = Field(None, description="default: --host")
+    http_max_body_bytes: int = Field(
+        64 << 20, ge=1024, description="an HTTP body over this is refused (413)"
+    )
+    http_body_timeout_seconds: float = Field(
+        30.0, gt=0, description="an HTTP body must arrive within this (else 408)"
+    )
+    http_header_timeout_seconds: float = Field(
+        10.0, gt=0, description="an HTTP request's headers must arrive within this (else 408)"
+    )
     # Tenants (router/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
     auth: bool = Field(
         True, description="API keys (--no-auth: refused unless --host is 127.0.0.1, as make run)"

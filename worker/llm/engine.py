@@ -40,7 +40,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -70,7 +70,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences generating at once (cache slots)
     kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
     prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
-    max_step_tokens: int = 128  # decode rows + prefill tokens per step while streams decode
+    max_step_tokens: int = 48  # decode rows + prefill tokens per step while streams decode
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
     prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
 
@@ -186,6 +186,9 @@ class Engine:
         )
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
+        # and genai-perf read to find the model version that served them
+        self.on_admit: Callable[[int], None] = lambda ns: None
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
@@ -311,6 +314,9 @@ class Engine:
         log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
+        now = time.perf_counter_ns()
+        for seq in plan.admitted:
+            self.on_admit(now - seq.arrived_ns)
         for slot in plan.freed:
             if self.drafter is not None:
                 self.drafter.release(slot)
