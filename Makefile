@@ -57,6 +57,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.distill
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
+	$(BIN)/python -m benchmarks.llm_prefix
 	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.tenants
 	$(BIN)/python -m benchmarks.http_stack
