@@ -38,6 +38,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--llm", action="store_true", required=True, help="this mode")
     parser.add_argument("--address", default="127.0.0.1:8001")
     parser.add_argument(
+        "--api",
+        choices=("triton", "openai"),
+        default="triton",
+        help="triton: ModelStreamInfer (gRPC); openai: POST /v1/completions with SSE at "
+        "--address (http://HOST:PORT), e.g. llama.cpp's llama-server",
+    )
+    parser.add_argument(
         "--ca", type=Path, help="TLS: trust this CA; an API key comes from MESHSERVE_API_KEY"
     )
     parser.add_argument("--model", required=True)
@@ -146,6 +153,7 @@ def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
         max_send_lag_ms=args.max_send_lag_ms,
         credentials=tls.channel_credentials(args.ca) if args.ca else None,
         api_key=os.environ.get(API_KEY_VARIABLE),
+        api=args.api,
     )
     return load, {**described, "sampling": {**sampling, "max_tokens": args.max_tokens}}
 
