@@ -1,5 +1,7 @@
 """python -m loadtest --llm --model M (--prompts FILE | --prompt-len N) --max-tokens K
     [--concurrency 1 4 16 | --rate 0.5 2]
+python -m loadtest --llm --model M --conversations N --turns K [--think-time S]
+    (conversations on one system prompt, history resent: loadtest/llm/conversations.py)
 
 LLM load over ModelStreamInfer with Triton's vLLM-backend tensors (text_input, stream,
 sampling_parameters, exclude_input_in_output -> text_output): meshserve's engine, or
@@ -202,6 +204,10 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--conversations" in argv:  # conversation / shared-prefix load (its own flags)
+        from loadtest.llm import conversations
+
+        return conversations.main(argv)
     args = parse_args(argv)
     try:
         load, described = build_load(args)

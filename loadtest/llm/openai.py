@@ -110,6 +110,9 @@ def _record(out: Outcome, chunk: dict, now: float, on_piece: Callable[[], None])
     if usage:
         out.prompt_tokens = usage.get("prompt_tokens")
         out.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            out.cached_tokens = int(details["cached_tokens"])
 
 
 async def events(reader: asyncio.StreamReader) -> AsyncIterator[str]:
