@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv
+.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server
 
 venv: $(STAMP)
 
@@ -57,6 +57,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.distill
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
+	$(BIN)/python -m benchmarks.llm_prefix
 	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.tenants
 	$(BIN)/python -m benchmarks.http_stack
@@ -80,6 +81,25 @@ $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 		$(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
 	echo "$(LLAMACPP_CMAKE_ARGS)" > $@
 	touch $@
+
+# llama.cpp's own server (continuous batching over --parallel slots) for benchmarks.llm, built
+# from the llama.cpp sources that the llama-cpp-python 0.3.36 sdist vendors: cmake, target
+# llama-server, no curl; ~15 min on 2 cores, once (the binary is the cache). AVX2/FMA/F16C, not
+# -march=native: a VM's CPU can change under it, and a native build then dies of SIGILL.
+LLAMA_SERVER := build/llama-server
+LLAMA_CPP_PYTHON := llama_cpp_python-0.3.36
+llama-server: $(LLAMA_SERVER)/bin/llama-server
+$(LLAMA_SERVER)/bin/llama-server:
+	mkdir -p $(LLAMA_SERVER)/src $(LLAMA_SERVER)/bin
+	$(PYTHON) -m pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(LLAMA_SERVER)/src
+	tar xzf $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_SERVER)/src
+	cd $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp && \
+	  cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+	    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON && \
+	  cmake --build build --target llama-server -j 2
+	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/*.so* $(LLAMA_SERVER)/bin/ 2>/dev/null || true
+	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/llama-server $@
 
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
 # (tests/deploy runs the same check under `make test`).

@@ -47,6 +47,16 @@ KV_NO_ROOM = Counter(
     "meshserve_router_kv_no_room",
     "Picks (p2c) where no replica had KV room for an average request: it waits in a queue",
 )
+PREFIX_BLOCKS = Counter(
+    "meshserve_router_prefix_blocks",
+    "Prompt blocks of the requests routed by policy prefix: kind=total, or matched (held by "
+    "the chosen replica, as this router's index believes)",
+    ["kind"],
+)
+PREFIX_FALLBACK = Counter(
+    "meshserve_router_prefix_fallback",
+    "Picks of policy prefix made by p2c: a candidate's load unknown (no fresh sample)",
+)
 # Per replica, from its last depth sample; a replica's series is removed when it leaves the
 # registry, so the labels are the replicas the router knows now.
 REPLICA_DEPTH = LoopGauge(

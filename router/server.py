@@ -86,6 +86,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         answer_margin_s=settings.answer_margin_ms / 1000,
         max_sessions=settings.max_sessions,
         auth=auth,
+        prefix_weight=settings.prefix_weight,
+        prefix_index_blocks=settings.prefix_index_blocks,
     )
     await registry.start()
     accounting.start()

@@ -32,9 +32,20 @@ class RouterSettings(BaseSettings):
         False, description="bind with SO_REUSEPORT (set by --processes for its processes)"
     )
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
-    policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
+    policy: Literal["prefix", "p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
         "p2c",
-        description="p2c is KV-aware for replicas that report KV occupancy; p2c_depth ignores it",
+        description="prefix: cache-aware for LLM replicas (the prompt blocks a replica holds "
+        "against its load, one cost), p2c where loads are unknown; p2c is KV-aware for "
+        "replicas that report KV occupancy; p2c_depth ignores it",
+    )
+    prefix_weight: float = Field(
+        4.0,
+        ge=0,
+        description="policy prefix: what one uncached prompt block costs, in KV blocks held by a "
+        "replica's running sequences",
+    )
+    prefix_index_blocks: int = Field(
+        200_000, ge=0, description="policy prefix: prompt blocks the router's index remembers"
     )
     max_sessions: int = Field(
         100_000,

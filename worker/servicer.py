@@ -224,8 +224,8 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
 EMPTY_FINAL = llm_protocol.EMPTY_FINAL_RESPONSE
 
 
-def _usage(out: Output) -> tuple[int, int, str]:
-    return out.prompt_tokens, out.completion_tokens, out.finish_reason or ""
+def _usage(out: Output) -> tuple[int, int, str, int]:
+    return out.prompt_tokens, out.completion_tokens, out.finish_reason or "", out.cached_tokens
 
 
 def _raise_failed(out: Output) -> None:

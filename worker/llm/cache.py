@@ -27,8 +27,10 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.llm.kv_budget import KVBudget
+from worker.llm.prefix import PrefixCache
 
 KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
+DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
@@ -59,7 +61,8 @@ class KVCache:
 
     def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
         self.shape = shape
-        self.room = KVBudget(shape.slots, budget_tokens)
+        # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
+        self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
@@ -72,6 +75,8 @@ class KVCache:
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
+        # told of every prefix-cache move (discard_from, copy_rows) as (op, a, b, start, stop)
+        self.on_change: Callable[[tuple[int, int, int, int, int]], None] | None = None
 
     @property
     def budget_tokens(self) -> int:
@@ -111,6 +116,49 @@ class KVCache:
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
                 # page-aligned when max_len * head_dim * itemsize is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
+
+    def discard_from(self, slot: int, start: int) -> None:
+        """Return the pages of the slot's rows start.. (every head of every layer) to the OS,
+        whole pages only: a page that also holds a row before `start` is kept. Tells
+        `on_change` (a shard group's other ranks drop theirs too)."""
+        if start <= 0:
+            self.discard(slot)
+        else:
+            s, item = self.shape, self.data.itemsize
+            row = s.head_dim * item
+            head = s.max_len * row
+            page = mmap.PAGESIZE
+            for kv in range(2):
+                for layer in range(s.layers):
+                    base = ((kv * s.layers + layer) * s.slots + slot) * s.kv_heads * head
+                    for h in range(s.kv_heads):
+                        lo = base + h * head + start * row
+                        lo = -(-lo // page) * page
+                        hi = (base + (h + 1) * head) // page * page
+                        if hi > lo:
+                            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if self.on_change is not None:
+            self.on_change((DISCARD, slot, -1, start, 0))
+
+    def copy_rows(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Copy rows start..stop-1 of slot `src` into slot `dst`, keys and values of every
+        layer (a reused prefix: a memcpy per layer and head, far cheaper than its
+        prefill). Tells `on_change`."""
+        if stop > start:
+            d = self.data
+            d[:, :, dst, :, start:stop] = d[:, :, src, :, start:stop]
+        if self.on_change is not None:
+            self.on_change((COPY, src, dst, start, stop))
+
+    def apply(self, op: tuple[int, int, int, int, int]) -> None:
+        """Replay an `on_change` record (another rank's cache, its own heads)."""
+        kind, a, b, start, stop = op
+        if kind == DISCARD:
+            self.discard_from(a, start)
+        elif kind == COPY:
+            self.copy_rows(a, b, start, stop)
+        else:
+            raise ValueError(f"unknown cache op {kind}")
 
     def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
         """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
