@@ -23,7 +23,7 @@ proto: $(STUBS)
 $(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/usage.proto protos/compile.py $(STAMP)
 	$(BIN)/python protos/compile.py
 
-test: $(STUBS)
+test: $(STUBS) llamacpp-venv
 	$(BIN)/python -m pytest -q
 
 # The fast set: every package's unit tests, no process-level tests (tests/integration) and
@@ -65,11 +65,21 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.summary
 
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).
+# The reference of tests/quantize/test_llamacpp_parity.py too, so `make test` builds it.
+# Not -march=native: a VM may report AMX that it does not let a process use (ggml's AMX
+# kernels then die of SIGILL), so the CPU features are named, AMX off.
 LLAMACPP_VENV := build/llamacpp-venv
+LLAMACPP_AVX512 := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_AVX512=$(LLAMACPP_AVX512) -DGGML_AVX512_VNNI=$(LLAMACPP_AVX512) \
+	-DGGML_AVX512_VBMI=$(LLAMACPP_AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
 llamacpp-venv: $(LLAMACPP_VENV)/bin/llama-cpp-stamp
 $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" \
+		$(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	echo "$(LLAMACPP_CMAKE_ARGS)" > $@
 	touch $@
 
 # llama.cpp's own server (continuous batching over --parallel slots) for benchmarks.llm, built

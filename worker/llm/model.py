@@ -117,7 +117,7 @@ class StepModel:
         io = self._binding(cache, lo, hi, 0)
         self._feed(io, ids, lengths, 1)
         self.session.session.run_with_iobinding(io)
-        values, top = io.get_outputs()
+        values, top = io.get_outputs()[:2]  # then the cache, bound in place
         return np.array(values.numpy()), np.array(top.numpy())
 
     def run_positions(

@@ -83,13 +83,14 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
                 f"model {spec.name!r}: parameter {key} must be a positive integer, got {p[key]!r}"
             )
     default = EngineConfig()
-    max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
     seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
     f = model.facts
     per_token = f.cache_shape(1, 1).bytes_per_token
     budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
     if budget < 2:
         raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
+    # unset: the model's own context length (its graph's RoPE table), bounded by the budget
+    max_len = int(p.get(MAX_MODEL_LEN, min(f.max_positions, budget)))
     return EngineConfig(
         max_model_len=max_len,
         max_num_seqs=seqs,
