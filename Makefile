@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv
+.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ proto: $(STUBS)
 $(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/usage.proto protos/compile.py $(STAMP)
 	$(BIN)/python protos/compile.py
 
-test: $(STUBS)
+test: $(STUBS) llamacpp-venv
 	$(BIN)/python -m pytest -q
 
 # The fast set: every package's unit tests, no process-level tests (tests/integration) and
@@ -57,17 +57,49 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.distill
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
+	$(BIN)/python -m benchmarks.llm_prefix
 	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.tenants
+	$(BIN)/python -m benchmarks.http_stack
+	$(BIN)/python -m benchmarks.http_edge
 	$(BIN)/python -m benchmarks.summary
 
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).
+# The reference of tests/quantize/test_llamacpp_parity.py too, so `make test` builds it.
+# Not -march=native: a VM may report AMX that it does not let a process use (ggml's AMX
+# kernels then die of SIGILL), so the CPU features are named, AMX off.
 LLAMACPP_VENV := build/llamacpp-venv
+LLAMACPP_AVX512 := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_AVX512=$(LLAMACPP_AVX512) -DGGML_AVX512_VNNI=$(LLAMACPP_AVX512) \
+	-DGGML_AVX512_VBMI=$(LLAMACPP_AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
 llamacpp-venv: $(LLAMACPP_VENV)/bin/llama-cpp-stamp
 $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" \
+		$(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	echo "$(LLAMACPP_CMAKE_ARGS)" > $@
 	touch $@
+
+# llama.cpp's own server (continuous batching over --parallel slots) for benchmarks.llm, built
+# from the llama.cpp sources that the llama-cpp-python 0.3.36 sdist vendors: cmake, target
+# llama-server, no curl; ~15 min on 2 cores, once (the binary is the cache). AVX2/FMA/F16C, not
+# -march=native: a VM's CPU can change under it, and a native build then dies of SIGILL.
+LLAMA_SERVER := build/llama-server
+LLAMA_CPP_PYTHON := llama_cpp_python-0.3.36
+llama-server: $(LLAMA_SERVER)/bin/llama-server
+$(LLAMA_SERVER)/bin/llama-server:
+	mkdir -p $(LLAMA_SERVER)/src $(LLAMA_SERVER)/bin
+	$(PYTHON) -m pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(LLAMA_SERVER)/src
+	tar xzf $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_SERVER)/src
+	cd $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp && \
+	  cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+	    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON && \
+	  cmake --build build --target llama-server -j 2
+	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/*.so* $(LLAMA_SERVER)/bin/ 2>/dev/null || true
+	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/llama-server $@
 
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
 # (tests/deploy runs the same check under `make test`).

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import machine, write_result
+from benchmarks.readings import table
 from common.net import free_port
 
 BODY = json.dumps({"inputs": [{"name": "x", "data": list(range(200))}]}).encode()
@@ -229,6 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     print(payload["verdict"])
     print(f"wrote {path}")
     return 0
+
+
+def section(r: dict) -> str:
+    """This benchmark's part of benchmarks/README.md."""
+    rows = [
+        [stack, f"{v['p50_ms_1_caller']:.3f}", f"{v['rps_32_callers']:.0f}", v["installed_mb"]]
+        for stack, v in r["results"].items()
+    ]
+    return "\n\n".join(
+        [
+            "## http_stack\n\nThe router's HTTP server, chosen by measurement (one JSON echo "
+            "endpoint per stack, its own process, alternating rounds, medians).",
+            table(["stack", "p50 ms, 1 connection", "req/s, 32 connections", "MB installed"], rows),
+            f"Chosen: {r['verdict']}.",
+        ]
+    )
 
 
 if __name__ == "__main__":

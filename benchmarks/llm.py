@@ -61,8 +61,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         nargs="*",
-        default=["llamacpp", "llamacpp-default-omp", "llamacpp-server", "meshserve"],
+        default=["llamacpp", "llama-server"],
+        help="llama-server: llama.cpp's own server and the meshserve worker side by side, "
+        "both driven by loadtest's LLM mode (benchmarks/llm_serve.py; needs "
+        "--model-repository or --meshserve); llamacpp: llama-cpp-python in-process; "
+        "also llamacpp-default-omp, llamacpp-server (llama-cpp-python's server), meshserve",
     )
+    p.add_argument(
+        "--llama-server-bin",
+        type=Path,
+        default=build / "llama-server" / "bin" / "llama-server",
+        help="`make llama-server` builds it",
+    )
+    p.add_argument("--anchor-seconds", type=float, default=45.0, help="per load level")
     p.add_argument("--llamacpp-venv", type=Path, default=build / "llamacpp-venv")
     p.add_argument("--meshserve", help="address of a running worker (HOST:PORT)")
     p.add_argument("--meshserve-pid", type=int, help="that worker's pid, for its RSS")
@@ -190,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             result,
             lambda: asyncio.run(llm_run.llamacpp_server(ctx, logs)),
         )
+    if "llama-server" in args.systems:
+        result["anchor"] = anchor(ctx, args, logs)
     if "meshserve" in args.systems or args.genai_perf:
         if args.meshserve or args.model_repository:
             with meshserve_address(args, logs) as (address, pid):
@@ -212,11 +225,47 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.time() - started, 1)
     result["summary"], result["reading"] = llm_run.summary(result["systems"])
     path = write_result(args.out, result)
-    for line in result["reading"]:
+    for line in [*result["reading"], *result.get("anchor", {}).get("reading", [])]:
         print(line)
     llm_run.plots(result, RESULTS, args.out)
     print(f"wrote {path}")
     return 0
+
+
+def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
+    """llama-server, then the meshserve worker, each under the same loadtest runs."""
+    from benchmarks import llm_serve
+
+    if not args.llama_server_bin.exists():
+        return {"skipped": f"{args.llama_server_bin} not found: `make llama-server` builds it"}
+    if not (args.meshserve or args.model_repository):
+        return {"skipped": "no --meshserve address or --model-repository given"}
+    plan = llm_serve.Plan(
+        threads=args.threads, rounds=args.repeats, level_seconds=args.anchor_seconds
+    )
+    out: dict = {"plan": plan.__dict__}
+
+    async def server() -> dict:
+        async with llm_serve.llama_server(
+            args.llama_server_bin,
+            ctx.gguf,
+            plan,
+            logs / "llama-server.log",
+            llm_run.omp_env(args.omp_wait_policy),
+        ) as (url, pid, argv):
+            out["llama_server_args"] = argv[1:]
+            out["llama_server_omp_wait_policy"] = args.omp_wait_policy
+            return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
+
+    before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+    out["llama_server"] = {**asyncio.run(server()), "load_before": before}
+    with meshserve_address(args, logs) as (address, pid):
+        before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+        assert pid is not None, "--meshserve-pid is needed for the worker's RSS"
+        measured = llm_serve.measure(address, "triton", args.model, ctx.tokenizer, plan, pid)
+        out["meshserve"] = {**asyncio.run(measured), "load_before": before}
+    out["checks"], out["reading"] = llm_serve.verdict(out["llama_server"], out["meshserve"])
+    return out
 
 
 def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, logs: Path) -> dict:

@@ -63,6 +63,27 @@ def ensure_venv(venv: Path, log: Path, timeout_s: float = 900) -> str | None:
     return None if exe.exists() else f"{exe} missing after install (log: {log})"
 
 
+def ensure_libraries(venv: Path) -> str | None:
+    """libb64.so.0d for perf_analyzer: Debian's libb64-0d, installed when missing and this
+    runs as root (CI, make test); None or why not."""
+    bin_dir = venv / "bin"
+    if not _missing_libraries(bin_dir / "perf_analyzer", library_path(venv)):
+        return None
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        for step in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "libb64-0d"],
+        ):
+            subprocess.run(step, capture_output=True, timeout=600, check=False)
+    missing = _missing_libraries(bin_dir / "perf_analyzer", library_path(venv))
+    return f"perf_analyzer cannot load {missing}" if missing else None
+
+
+def library_path(venv: Path) -> str:
+    """The CUDA runtime the perf_analyzer wheel links (nvidia-cuda-runtime-cu12's lib/)."""
+    return ":".join(str(p) for p in venv.glob("lib/python3*/site-packages/nvidia/*/lib"))
+
+
 def run(
     venv: Path,
     address: str,
@@ -74,7 +95,7 @@ def run(
     input_tokens: int,
     output_tokens: int,
     timeout_s: float = 600,
-    model_version: str = "1",
+    model_version: str = "",
 ) -> dict:
     """One `genai-perf profile` run; its metrics (from profile_export_genai_perf.json) or
     {"error": why}."""
@@ -120,12 +141,9 @@ def run(
         "0",
         "--artifact-dir",
         str(artifacts),
-        # passed to perf_analyzer: without a version it cannot find the model's entry in
-        # the worker's ModelStatistics ("failed to find the requested model version")
-        "--",
-        "-x",
-        model_version,
     ]
+    if model_version:  # none needed: the worker's statistics name the version that served
+        args += ["--", "-x", model_version]
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(artifacts.parent),

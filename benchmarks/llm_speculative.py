@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 from benchmarks.common import ROOT, machine, write_result
 from benchmarks.readings import table
 from quantize import llm_graph, pipeline
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import KVCache
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
@@ -90,7 +90,7 @@ def run_costs(models: dict[str, StepModel], reps: int = 10) -> dict[str, dict[in
     out: dict[str, dict[int, float]] = {}
     for name, model in models.items():
         f = model.facts
-        cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 128), 128)
+        cache = KVCache(f.cache_shape(1, 128), 128)
         model.run(cache, np.arange(1000, 1064)[None], np.asarray([64]), 0, 1)
         out[name] = {}
         for m in (1, 2, 3, 5):

@@ -15,10 +15,17 @@ Per round, every path in turn (the order rotates from round to round):
   the last one's response came back: p50 of that round trip (a response billed and gated
   as a streamed piece is);
 - a stream, a burst: BURST requests written at once on one ModelStreamInfer, their
-  responses coming back to back; per piece = the burst's wall time / BURST.
+  responses coming back to back; per piece = the burst's wall time / BURST (each request
+  of a stream costs the router a worker stream of its own: this is the cost per request
+  on a stream, not per piece of one request);
+- an LLM stream (SmolLM2, greedy, LLM_TOKENS tokens, built from the quantize cache; skipped
+  with the reason when it cannot be built): time to first token and inter-token latency,
+  (last piece - first piece) / (pieces - 1), median of LLM_CALLS requests. A piece of a
+  generation is what the router bills and gates one by one.
 
 Figures are medians over the rounds. Targets: c=1 p50 through the router <= direct + 1.0 ms;
-per streamed piece <= direct + 0.3 ms (the burst's time per piece, router minus direct);
+per streamed piece <= direct + 0.3 ms (the LLM stream's inter-token latency, router minus
+direct; without the LLM, the burst's time per piece);
 c=32 throughput >= 1.1x the router before. The verdicts are computed from the numbers below;
 client, router, Redis and worker share this machine's cores (and, on a shared machine,
 whatever else runs: the run says which machine).
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import json
 import os
 import shutil
 import statistics
@@ -42,14 +50,18 @@ import numpy as np
 
 from benchmarks.common import ROOT, closed_loop, free_port, infer_request, machine, write_result
 from benchmarks.idle import export
-from deploy import toy_models
-from deploy.processes import LocalMesh, Process, router_process, wait_serving
+from common import llm_protocol as proto
+from devmesh import toy_models
+from devmesh.processes import LocalMesh, Process, router_process, wait_serving
 from protos import grpc_service_pb2 as pb
+from quantize import llm as llm_model
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 BASELINE_REF = "757621b"  # main before the router's forward path was folded into one
 BURST = 256
+LLM_TOKENS = 48
+LLM_CALLS = 3
 STREAM_CALLS = 400
 TARGET_C1_ADDED_MS = 1.0
 TARGET_PIECE_ADDED_MS = 0.3
@@ -107,6 +119,55 @@ async def stream_burst(address: str, raw: bytes, n: int) -> dict:
         return {"per_piece_ms": round(per_piece[-1] * 1000, 4)}
 
 
+def llm_request(max_tokens: int) -> bytes:
+    r = pb.ModelInferRequest(model_name=llm_model.MODEL, id="r1")
+    sampling = json.dumps({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+    for name, dtype, value in (
+        (proto.TEXT_INPUT, "BYTES", b"Once upon a time"),
+        (proto.STREAM, "BOOL", None),
+        (proto.SAMPLING_PARAMETERS, "BYTES", sampling.encode()),
+    ):
+        r.inputs.add(name=name, datatype=dtype, shape=[1])
+        raw = b"\x01" if value is None else len(value).to_bytes(4, "little") + value
+        r.raw_input_contents.append(raw)
+    return r.SerializeToString()
+
+
+async def llm_stream(address: str, raw: bytes, calls: int) -> dict:
+    """TTFT and inter-token latency of `calls` streamed generations, one after another
+    (after one not measured), medians."""
+    ttft, itl = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        for i in range(calls + 1):
+            call = channel.stream_stream(STREAM)(timeout=120)
+            t0 = time.perf_counter()
+            await call.write(raw)
+            await call.done_writing()
+            arrivals = []
+            while (response := await call.read()) is not grpc.aio.EOF:
+                assert isinstance(response, bytes)
+                r = pb.ModelStreamInferResponse.FromString(response)
+                assert not r.error_message, r.error_message
+                arrivals.append(time.perf_counter())
+            if i and len(arrivals) > 2:
+                ttft.append(arrivals[0] - t0)
+                itl.append((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1))
+    return {
+        "ttft_ms": round(statistics.median(ttft) * 1000, 3),
+        "itl_ms": round(statistics.median(itl) * 1000, 4),
+        "pieces": LLM_TOKENS,
+    }
+
+
+def llm_repository(tmp: Path) -> tuple[Path | None, str]:
+    """SmolLM2 built from the quantize cache (ROOT/build/quantize), or None and why not."""
+    try:
+        llm_model.build(tmp / "llm", llm_model.DEFAULT_RECIPE, ROOT / "build" / "quantize")
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+    return tmp / "llm", ""
+
+
 def find_perf_analyzer(given: str | None) -> Path | None:
     for candidate in (
         given,
@@ -138,9 +199,14 @@ def perf_analyzer(binary: Path, address: str, seconds: float, out: Path) -> dict
     }
 
 
-def measure(address: str, raw: bytes, seconds: float, pa: Path | None, tmp: Path) -> dict:
+def measure(
+    address: str, raw: bytes, seconds: float, pa: Path | None, tmp: Path, llm: str | None
+) -> dict:
+    """Every figure of one path; `llm`: where its LLM streams go (None: no LLM)."""
     request = pb.ModelInferRequest.FromString(raw)
     out: dict = {}
+    if llm:
+        out["llm"] = asyncio.run(llm_stream(llm, llm_request(LLM_TOKENS), LLM_CALLS))
     if pa is not None:
         out["perf_analyzer_c1"] = perf_analyzer(pa, address, seconds, tmp / "pa.csv")
     for c in (1, 32):
@@ -175,6 +241,8 @@ FIGURES = (
     ("c32", "p50_ms"),
     ("stream_one_at_a_time", "p50_ms"),
     ("stream_burst", "per_piece_ms"),
+    ("llm", "ttft_ms"),
+    ("llm", "itl_ms"),
 )
 
 
@@ -190,15 +258,17 @@ def medians(rounds: list[dict], paths: list[str]) -> dict:
 
 
 def verdicts(m: dict) -> dict:
-    direct, after, before = m["direct"], m["after"], m["before"]
-    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in after else "c1.p50_ms"
-    out: dict = {"c1_measured_with": c1.split(".")[0]}
+    direct, before = m["direct"], m["before"]
+    c1 = "perf_analyzer_c1.p50_ms" if "perf_analyzer_c1.p50_ms" in m["after"] else "c1.p50_ms"
+    piece = "llm.itl_ms" if "llm.itl_ms" in m["after"] else "stream_burst.per_piece_ms"
+    out: dict = {"c1_measured_with": c1.split(".")[0], "piece_measured_with": piece}
     for label in ("before", *[k for k in ROUTERS if k != "before"]):
         r = m[label]
         out[label] = {
             "c1_p50_added_ms": round(r[c1] - direct[c1], 3),
             "c1_p50_added_ms_load_tool": round(r["c1.p50_ms"] - direct["c1.p50_ms"], 3),
-            "stream_piece_added_ms": round(
+            "stream_piece_added_ms": round(r[piece] - direct[piece], 4),
+            "stream_request_added_ms": round(
                 r["stream_burst.per_piece_ms"] - direct["stream_burst.per_piece_ms"], 4
             ),
             "stream_one_at_a_time_added_ms": round(
@@ -213,7 +283,6 @@ def verdicts(m: dict) -> dict:
     out["default_meets_all"] = all(
         out["after"][k] for k in ("meets_c1", "meets_piece", "meets_c32")
     )
-    del after
     return out
 
 
@@ -260,6 +329,7 @@ def main() -> None:
     parser.add_argument("--baseline-ref", default=BASELINE_REF)
     parser.add_argument("--perf-analyzer", help="its binary (tritonclient[all]==2.50.0 has one)")
     parser.add_argument("--shared-machine", action="store_true", help="say so in the results")
+    parser.add_argument("--no-llm", action="store_true", help="skip the LLM stream")
     args = parser.parse_args()
     pa = find_perf_analyzer(args.perf_analyzer)
     raw = request_bytes()
@@ -271,22 +341,27 @@ def main() -> None:
         mesh.start_redis()
         try:
             worker = mesh.add_worker(tmp / "models")
-            mesh.wait_registered(1)
+            llm_repo, llm_skipped = (None, "--no-llm") if args.no_llm else llm_repository(tmp)
+            llm_worker = mesh.add_worker(llm_repo) if llm_repo else None
+            mesh.wait_registered(2 if llm_worker else 1)
             routers = start_routers(mesh, baseline)
             addresses = {"direct": worker, **{k: a for k, (a, _) in routers.items()}}
+            direct_llm = llm_worker
             paths = list(addresses)
             rounds = []
             for i in range(args.rounds):
                 result = {}
                 order = paths[i % len(paths) :] + paths[: i % len(paths)]
                 for path in order:
-                    result[path] = measure(addresses[path], raw, args.seconds, pa, tmp)
+                    address = addresses[path]
+                    llm = (direct_llm if path == "direct" else address) if llm_worker else None
+                    result[path] = measure(address, raw, args.seconds, pa, tmp, llm)
                     print(f"round {i + 1} {path}: {result[path]}", flush=True)
                 rounds.append(result)
         finally:
             mesh.stop()
     m = medians(rounds, paths)
-    result = {
+    out: dict = {
         "benchmark": "router_hop",
         "machine": machine(),
         "shared_machine": args.shared_machine,
@@ -295,6 +370,8 @@ def main() -> None:
         "seconds_per_point": args.seconds,
         "rounds": args.rounds,
         "burst": BURST,
+        "llm_tokens": LLM_TOKENS,
+        "llm_skipped": llm_skipped,
         "targets": {
             "c1_p50_added_ms": TARGET_C1_ADDED_MS,
             "stream_piece_added_ms": TARGET_PIECE_ADDED_MS,
@@ -304,9 +381,9 @@ def main() -> None:
         "medians": m,
         "verdicts": verdicts(m),
     }
-    path = write_result("router_hop", result)
-    print(section(result))
-    print(f"wrote {path}")
+    written = write_result("router_hop", out)
+    print(section(out))
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

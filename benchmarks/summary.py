@@ -15,6 +15,7 @@ RESULTS = HERE / "results"
 SECTIONS: dict[str, str] = {
     "worker": "worker",
     "router": "router",
+    "router_hop": "router_hop",
     "ledger": "ledger",
     "mlserver": "mlserver",
     "quantize": "quantize",
@@ -30,6 +31,9 @@ SECTIONS: dict[str, str] = {
     "router_scale": "router_scale",
     "idle": "idle",
     "distill": "distill",
+    "redis_durability": "redis_durability",
+    "http_stack": "http_stack",
+    "http_edge": "http_edge",
 }
 
 

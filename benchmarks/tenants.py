@@ -227,7 +227,14 @@ async def components(target: Target, n: int) -> dict:
         mesh_state.spend_key("bench", limits.month()),
     ]
     # give one token back, take one: the bucket is left as it was
-    lease_args: list[str | int] = [repr(POLICY.requests_per_second), POLICY.bucket_size, 0, 2**60, 1, 1]
+    lease_args: list[str | int] = [
+        repr(POLICY.requests_per_second),
+        POLICY.bucket_size,
+        0,
+        2**60,
+        1,
+        1,
+    ]
 
     async def median_us(step: Callable[[], Awaitable[object]]) -> float:
         times = []

@@ -1,15 +1,18 @@
 """The KServe v2 BYTES tensor codec, the one copy: each element is a 4-byte little-endian
 length and its bytes (the raw form of `raw_input_contents` / `raw_output_contents`, and of
-the binary-tensor extension over HTTP). Worker, client, load tool and benchmarks use it."""
+the binary-tensor extension over HTTP). Worker, client, load tool and benchmarks use it;
+the router's HTTP front door uses `join` and `split`, which need no numpy."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
+
+if TYPE_CHECKING:  # numpy only where arrays are made: the router (join, split) has none
+    import numpy as np
 
 _LENGTH = struct.Struct("<I")
 
@@ -33,6 +36,8 @@ def split(raw: bytes) -> list[bytes]:
 def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES tensor -> v2 raw form: each element as a 4-byte little-endian length + bytes.
     Vectorised: the elements joined once, the length prefixes placed by numpy."""
+    import numpy as np
+
     items = [x if type(x) is bytes else str(x).encode() for x in array.reshape(-1).tolist()]
     n = len(items)
     if n == 0:
@@ -61,6 +66,8 @@ def deserialize_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
     """v2 raw BYTES -> object array of `count` bytes. One pass, `count` (from the checked
     shape) bounding the work: a precompiled struct and no per-element branches (~0.2 us an
     element); a payload that is uniform, e.g. all empty, takes a vectorised path."""
+    import numpy as np
+
     array = np.empty(count, dtype=object)
     if count == 0:
         if raw:
@@ -111,5 +118,7 @@ def deserialize_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
 
 
 def _uniform(raw: bytes, count: int, length: int) -> bool:
+    import numpy as np
+
     prefixes = np.frombuffer(raw, np.uint8).reshape(count, 4 + length)[:, :4]
     return bool((np.ascontiguousarray(prefixes).view("<u4") == length).all())

@@ -47,3 +47,6 @@ MAX_CACHE_SALT = 256
 # Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
 # worker's and the router's, so the two compare bucket for bucket.
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+# A text model (worker/text.py, an embedder): its BYTES input [batch, 1], one string a row.
+TEXT = "TEXT"

@@ -20,3 +20,10 @@ def past_names(layer: int) -> tuple[str, str]:
 
 def present_names(layer: int) -> tuple[str, str]:
     return f"present_key.{layer}", f"present_value.{layer}"
+
+
+# The graph's own top-k of the last position's logits (not in an all-positions graph):
+# top_values [rows, TOP_K] float32 largest first, top_ids [rows, TOP_K] int64. A greedy row,
+# or a top-k row with k <= TOP_K, samples from these alone and never reads `logits`.
+TOP_VALUES, TOP_IDS = "top_values", "top_ids"
+TOP_K = 64

@@ -37,6 +37,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--port", type=int, default=8001, help="the router's port")
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the router's HTTP front door: OpenAI's API and KServe v2 REST (0: off)",
+    )
+    parser.add_argument(
         "--router-processes",
         type=int,
         default=1,
@@ -116,6 +122,8 @@ class Launcher:
         extra = ["--policy", args.policy, "--processes", str(args.router_processes)]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
+        if args.http_port:
+            extra += ["--http-port", str(args.http_port)]
         self.mesh.start_router(*extra, port=args.port)
         self.mesh.start_ledger(self.ledger_db)
 
@@ -123,6 +131,10 @@ class Launcher:
         client = self.mesh.redis_client()
         ids: list[str] = client.zrange(mesh_state.WORKERS, 0, -1)  # type: ignore[assignment]
         lines = [f"meshserve is up: router 127.0.0.1:{self.args.port}, redis {self.mesh.redis_url}"]
+        if self.args.http_port:
+            lines.append(
+                f"HTTP: http://127.0.0.1:{self.args.http_port}/v1 (OpenAI), /v2 (KServe v2 REST)"
+            )
         if not self.args.auth:
             lines += [
                 "!" * 88,

@@ -27,6 +27,7 @@ from ledger import config as ledger_config
 from ledger import report
 from ledger.consumer import Consumer
 from ledger.economics import Economics
+from ledger.restarts import RestartLog
 from ledger.settings import LedgerSettings
 from ledger.store import Store
 
@@ -110,7 +111,12 @@ def run(settings: LedgerSettings) -> int:
     store = Store(settings.db)
     password = read_password(settings.redis_password, settings.redis_password_file)
     consumer = Consumer(
-        settings.redis_url, store, config, password, settings.tenants_reconcile_seconds
+        settings.redis_url,
+        store,
+        config,
+        password,
+        settings.tenants_reconcile_seconds,
+        settings.interval_seconds,
     )
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
@@ -202,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(report.tenant_text(usage))
             return 0
         rows = report.build(store, config, args.model)
+        notices = RestartLog(store, settings.interval_seconds).notices()
         if args.json:
             print(json.dumps([e.as_dict() for e in rows], indent=2))
         else:
-            print(report.text(rows))
+            print("\n".join([report.text(rows), *notices]))
         if args.plot:
             report.plot(store, config, rows, args.plot)
             print(f"plot: {args.plot}", file=sys.stderr)

@@ -35,6 +35,7 @@ from common.tenancy import TENANT_NAME
 from common.tenant_directory import TenantDirectory
 from ledger.config import LedgerConfig
 from ledger.refill import Refiller
+from ledger.restarts import RestartLog
 from ledger.store import BatchEntry, Quarantined, Store, WorkerSpan
 
 log = structlog.get_logger()
@@ -120,11 +121,13 @@ class Consumer:
         config: LedgerConfig,
         password: str | None = None,
         reconcile_s: float = 60.0,
+        interval_s: float = 1.0,
     ) -> None:
         self.redis = redis_conn.connect(redis_url, password=password, timeout_s=5)
         self.directory = TenantDirectory(store)
         # tenants and keys: the database's, refilled into a Redis that lost them
         self.refiller = Refiller(self.redis, self.directory, store, reconcile_s)
+        self.restarts = RestartLog(store, interval_s)  # Redis restarts: the report's notices
         self.store = store
         self.config = config
         # router -> (epoch, seq) committed (read once, then ours)
@@ -139,6 +142,7 @@ class Consumer:
     def flush(self) -> int:
         """One pass; returns the number of batches applied."""
         applied = 0
+        self._watch_server()
         self.refiller.check()  # first: a Redis that lost the tenants serves no key meanwhile
         self._record_registry()  # first: the models it names are the ones batches may count
         tenants: set[str] = self.redis.smembers(mesh_state.TENANTS)  # type: ignore[assignment]
@@ -147,6 +151,13 @@ class Consumer:
         for router_id in sorted(routers):
             applied += self._drain(router_id)
         return applied
+
+    def _watch_server(self) -> None:
+        server: dict = self.redis.info("server")  # type: ignore[assignment]
+        persistence: dict = self.redis.info("persistence")  # type: ignore[assignment]
+        aof = bool(int(persistence.get("aof_enabled", 0)))
+        if self.restarts.seen(str(server["run_id"]), aof, mesh_state.now_ms()):
+            log.warning("redis_restart_noticed", run_id=server["run_id"], aof=aof)
 
     def _drain(self, router_id: str) -> int:
         stream = mesh_state.calls_stream(router_id)

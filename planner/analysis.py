@@ -235,7 +235,8 @@ def analyse_graph(
         heads, head_dim = int(meta[f"{LLM_META}heads"]), int(meta[f"{LLM_META}head_dim"])
         kv_heads = int(meta[f"{LLM_META}kv_heads"])
         width = heads * head_dim
-        kv_per_token = 2 * layers * kv_heads * head_dim * 4  # fp32 cache
+        itemsize = 2 if meta.get(f"{LLM_META}kv_dtype") == "float16" else 4
+        kv_per_token = 2 * layers * kv_heads * head_dim * itemsize
     else:
         layers = ops["Softmax"] + sum(ops[op] for op in ATTENTION)
         kind = ENCODER if layers else GENERIC

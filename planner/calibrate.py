@@ -153,16 +153,15 @@ def decoder_runs(
     path: Path, batches: list[int], prompt: int, context: int, threads: int, budget_s: float
 ) -> tuple[dict[int, float], float]:
     """(decode step seconds by batch at `context` tokens, prefill seconds of `prompt`)."""
-    from worker.llm.cache import CacheShape, KVCache, page_aligned
+    from worker.llm.cache import KVCache, page_aligned
     from worker.llm.model import StepModel
 
     model = StepModel(_session(path, threads))
     f = model.facts
     slots, max_len = max(batches), max(prompt, context) + 1
+    itemsize = f.cache_shape(1, 1).itemsize
     cache = KVCache(
-        CacheShape(
-            f.layers, f.kv_heads, f.head_dim, slots, page_aligned(max_len, f.kv_heads * f.head_dim)
-        ),
+        f.cache_shape(slots, page_aligned(max_len, f.kv_heads * f.head_dim, itemsize=itemsize)),
         slots * max_len,
     )
     try:

@@ -68,7 +68,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=paths.build("repository"))
     p.add_argument("--recipe", default="decoder-int8-weight-only", help="a decoder recipe or fp32")
     p.add_argument("--name", default="smollm2", help="the served model name")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, help="default: 2048 (SmolLM2); a checkpoint's own")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="any llama / qwen2 GGUF file or Hugging Face folder, served as stored",
+    )
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
     p = sub.add_parser("distill", help="a smaller student of the teacher (quantize/distill.py)")
     p.add_argument("--model", required=True)
     p.add_argument("--layers", type=int, required=True, help="the student's layers (K)")
@@ -235,7 +241,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "build-llm":
         from quantize import llm
+        from quantize.checkpoint import CheckpointError
 
+        if args.checkpoint is not None:
+            try:
+                path = llm.build_checkpoint(
+                    args.checkpoint, args.output, args.name, args.max_model_len, args.kv_dtype
+                )
+            except CheckpointError as e:
+                console.print(f"[red]refused:[/red] {e}")
+                return 2
+            console.print(f"{args.name}: {path}")
+            return 0
         with progress() as bar:
             path, metrics = step(
                 bar,
@@ -246,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                 args.cache,
                 args.name,
                 args.reports,
-                args.max_model_len,
+                args.max_model_len or 2048,
             )
         if metrics:
             console.print(f"{args.recipe}: {metrics}")

@@ -122,12 +122,12 @@ def step_model(path: Path, provider: str = "CPUExecutionProvider"):  # type: ign
 def teacher_forced(model, sequences: list[list[int]]) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
     """Logits [len, vocab] at every position of each sequence: one token per step into the
     engine's cache (the step graph returns the last position only)."""
-    from worker.llm.cache import CacheShape, KVCache
+    from worker.llm.cache import KVCache
 
     f = model.facts
     out = []
     for tokens in sequences:
-        cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 256), 256)
+        cache = KVCache(f.cache_shape(1, 256), 256)
         try:
             out.append(
                 np.stack(
@@ -265,16 +265,11 @@ def decoder_latency(
 ) -> dict[str, dict]:
     """Per file: median ms of one engine decode step (one new token for each of `batch`
     rows after 32 cached ones) and of a 32-token prefill of one row."""
-    from worker.llm.cache import CacheShape, KVCache
+    from worker.llm.cache import KVCache
 
     rng = np.random.default_rng(0)
     models = {k: step_model(p) for k, p in paths.items()}
-    caches = {
-        k: KVCache(
-            CacheShape(m.facts.layers, m.facts.kv_heads, m.facts.head_dim, batch, 64), 64 * batch
-        )
-        for k, m in models.items()
-    }
+    caches = {k: KVCache(m.facts.cache_shape(batch, 64), 64 * batch) for k, m in models.items()}
     prompt = rng.integers(1, vocab, (batch, 32), dtype=np.int64)
     token = rng.integers(1, vocab, (batch, 1), dtype=np.int64)
     for k, m in models.items():

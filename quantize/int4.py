@@ -42,6 +42,7 @@ MS_DOMAIN = "com.microsoft"
 
 Q4_1 = "q4_1-exact"  # 4-bit codes straight from the GGUF grid, residual added back
 Q8_0 = "q8_0-exact"  # 8-bit codes straight from the GGUF grid
+Q4_0 = "q4_0-exact"  # 4-bit codes straight from the GGUF grid, zero point 8
 INT8 = "int8-rtn"  # no exact grid: symmetric 8-bit blocks, round to nearest
 INT4 = "int4-rtn"  # no exact grid: asymmetric 4-bit blocks, round to nearest
 KEPT = "fp32-kept"  # left as a float MatMul
@@ -122,6 +123,27 @@ def q8_0_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
     return Blocks(8, (q + 128).astype(np.uint8), d, None)
 
 
+def q4_0_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
+    """The Q4_0 decomposition of w [K, N] if every block is d*(q - 8) exactly, else None.
+    llama.cpp picks d = -x/8 for the block's x of largest magnitude (d may be negative),
+    so that x has code 0; MatMulNBits' default 4-bit zero point is that 8."""
+    x = _blocks(w, block)
+    if x is None:
+        return None
+    at = np.abs(x).argmax(-1)
+    extreme = np.take_along_axis(x, at[..., None], -1)[..., 0]
+    d = (-extreme / np.float32(8)).astype(np.float32)
+    if not np.array_equal(d.astype(np.float16).astype(np.float32), d):
+        return None
+    safe = np.where(d == 0, np.float32(1), d)
+    q = np.rint(x / safe[..., None]) + 8
+    if q.min() < 0 or q.max() > 15:
+        return None
+    if not np.array_equal(d[..., None] * (q.astype(np.float32) - 8), x):
+        return None
+    return Blocks(4, q.astype(np.uint8), d, None)
+
+
 def rtn_blocks(w: np.ndarray, bits: int, block: int = BLOCK) -> Blocks:
     """Round to nearest: symmetric for 8 bits (as Q8_0), asymmetric (as Q4_1) for 4."""
     k, n = w.shape
@@ -151,28 +173,37 @@ def _pack4(values: np.ndarray) -> np.ndarray:
 # ---- naming: which GGUF tensor an initializer stands for ---------------------------------
 
 _TORCH_TO_GGUF = {
-    "q": "attn_q",
-    "k": "attn_k",
-    "v": "attn_v",
-    "o": "attn_output",
-    "gate": "ffn_gate",
-    "up": "ffn_up",
-    "down": "ffn_down",
+    "q": ("attn_q",),
+    "k": ("attn_k",),
+    "v": ("attn_v",),
+    "qkv": ("attn_q", "attn_k", "attn_v"),  # the step graph's packed projection
+    "o": ("attn_output",),
+    "gate": ("ffn_gate",),
+    "up": ("ffn_up",),
+    "gate_up": ("ffn_gate", "ffn_up"),  # the step graph's fused MLP input
+    "down": ("ffn_down",),
 }
-_TORCH_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(q|k|v|o|gate|up|down)\.weight$")
+_TORCH_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(q|k|v|qkv|o|gate|up|gate_up|down)\.weight$")
+
+
+def gguf_names(initializer: str) -> tuple[str, ...]:
+    """The GGUF tensors an initializer is named after (GGUF or our torch names; a fused
+    weight stands for several, its rows in their order); () if none."""
+    name = initializer.removesuffix("_transposed").removesuffix(".T")
+    if re.fullmatch(r"blk\.\d+\.\w+\.weight|token_embd\.weight|output\.weight", name):
+        return (name,)
+    if name in ("embed.weight", "lm_head.weight"):
+        return ("token_embd.weight" if name == "embed.weight" else "output.weight",)
+    found = _TORCH_LAYER.search(name)
+    if found:
+        return tuple(f"blk.{found.group(1)}.{t}.weight" for t in _TORCH_TO_GGUF[found.group(2)])
+    return ()
 
 
 def gguf_name(initializer: str) -> str | None:
-    """The GGUF tensor an initializer is named after (GGUF or our torch names), if any."""
-    name = initializer.removesuffix("_transposed").removesuffix(".T")
-    if re.fullmatch(r"blk\.\d+\.\w+\.weight|token_embd\.weight|output\.weight", name):
-        return name
-    if name in ("embed.weight", "lm_head.weight"):
-        return "token_embd.weight" if name == "embed.weight" else "output.weight"
-    found = _TORCH_LAYER.search(name)
-    if found:
-        return f"blk.{found.group(1)}.{_TORCH_TO_GGUF[found.group(2)]}.weight"
-    return None
+    """The GGUF tensor an initializer is named after, if any (the first of a fused one)."""
+    names = gguf_names(initializer)
+    return names[0] if names else None
 
 
 @dataclass(frozen=True)
@@ -272,7 +303,7 @@ def gguf_types(gguf_path: Path) -> dict[str, str]:
     return {name: t.kind for name, t in gguf_index(gguf_path).items()}
 
 
-_EXPECTED = {"Q4_1": Q4_1, "Q8_0": Q8_0}
+_EXPECTED = {"Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_0": Q4_0}
 
 
 # ---- the graph rewrite ------------------------------------------------------------------
@@ -309,12 +340,12 @@ class Report:
 def _decompose(
     w: np.ndarray, block: int, otherwise: str, expected: str | None
 ) -> tuple[str, Blocks | None]:
-    for codec, find in ((Q4_1, q4_1_blocks), (Q8_0, q8_0_blocks)):
+    for codec, find in ((Q4_1, q4_1_blocks), (Q8_0, q8_0_blocks), (Q4_0, q4_0_blocks)):
         if expected in (None, codec):
             found = find(w, block)
             if found is not None:
                 return codec, found
-    if expected in (Q4_1, Q8_0):
+    if expected in (Q4_1, Q8_0, Q4_0):
         return expected, None  # the caller reports the mismatch
     if otherwise == KEPT:
         return KEPT, None
@@ -387,10 +418,13 @@ def quantize_matmuls(
             new_nodes.append(node)
             continue
         source, w, transpose = found
-        gname = gguf_name(source)
-        if gname == "output.weight" and gname not in types and "token_embd.weight" in types:
-            gname = "token_embd.weight"  # tied embeddings: the lm_head is token_embd
-        expected = _EXPECTED.get(types.get(gname, "")) if gname else None
+        gnames = gguf_names(source)
+        if gnames == ("output.weight",) and "output.weight" not in types:
+            gnames = ("token_embd.weight",)  # tied embeddings: the lm_head is token_embd
+        kinds = {types.get(n, "") for n in gnames}
+        gname = gnames[0] if gnames else None
+        # a fused weight is exact only when every part is of one type (else: as any F16)
+        expected = _EXPECTED.get(kinds.pop()) if len(kinds) == 1 else None
         policy = OTHERWISE[otherwise]
         if gname in types and expected is None and policy == INT4:
             policy = INT8  # F16/F32/K-quant tensors in the GGUF: not pushed below 8 bits

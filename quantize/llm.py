@@ -17,8 +17,10 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import onnx
+
 from common import model_keys
-from quantize import pipeline, weights
+from quantize import checkpoint, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 
 MODEL = "smollm2"
@@ -90,3 +92,52 @@ def build(
                 f"recipe {recipe_name!r} refused on the engine graph: " + "; ".join(failures)
             )
     return install(output, recipe_name, cache, name, max_model_len), metrics
+
+
+# ---- any Llama-family checkpoint, from its own metadata (quantize/checkpoint.py) -----------
+
+AS_STORED = "as-stored"  # the checkpoint's own numbers: GGUF codes kept exactly, floats fp32
+
+
+def checkpoint_graph(ck: checkpoint.Checkpoint, kv_dtype: str = "float32") -> onnx.ModelProto:
+    """The step graph of a checkpoint as stored: RoPE tables for its context length, and
+    every GGUF Q8_0 / Q4_0 / Q4_1 weight as MatMulNBits over the file's very codes
+    (quantize/int4.py, int8 activations per block as llama.cpp's own kernels); F32 / F16
+    weights (and every Hugging Face weight) as float32 MatMuls."""
+    proto = llm_graph.build(ck.model(), kv_dtype=kv_dtype)
+    if ck.gguf is not None:
+        try:
+            int4.quantize_matmuls(proto, gguf_path=ck.gguf, otherwise="keep", accuracy_level=4)
+        except int4.QuantizeError as e:
+            raise checkpoint.CheckpointError(str(e)) from e
+    return proto
+
+
+def build_checkpoint(
+    path: Path,
+    output: Path,
+    name: str,
+    max_model_len: int | None = None,
+    kv_dtype: str = "float32",
+) -> Path:
+    """OUTPUT/<name>/ serving the checkpoint as stored (version 1). Without max_model_len,
+    the worker serves the model's own context length, bounded by its KV budget."""
+    ck = checkpoint.load(path)
+    proto = checkpoint_graph(ck, kv_dtype)
+    params = dict(pipeline.source(MODEL).config)
+    params.pop(MAX_MODEL_LEN)
+    if max_model_len is not None:
+        params[MAX_MODEL_LEN] = str(max_model_len)
+    source = replace(pipeline.source(MODEL), name=name, config=params)
+
+    def write(tmp: Path) -> None:
+        ck.tokenizer.no_padding()
+        ck.tokenizer.no_truncation()
+        ck.tokenizer.save(str(tmp / TOKENIZER_FILE))
+        (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(ck.tokenizer_config, indent=2) + "\n")
+        llm_graph.save(proto, tmp / "1" / MODEL_FILE)
+        label = f"{AS_STORED}-{ck.architecture}"
+        (tmp / "config.pbtxt").write_text(pipeline.llm_config_text(source, {1: label}))
+
+    pipeline._staged(output / name, write)
+    return output / name

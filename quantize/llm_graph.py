@@ -13,11 +13,14 @@ positions reach the head instead: logits [rows, num_logits, vocab], what a specu
 decoding verify run reads (every drafted position at once); metadata `num_logits_input` = 1.
 
 Inputs: input_ids [rows, new] int64, seqlens_k [rows] int32, total_sequence_length []
-int32, past_key.{i} / past_value.{i}. Outputs: logits [rows, vocab] float32, present_key.{i}
-/ present_value.{i} (the same buffers). Every projection is a MatMul with its weight as an
-initializer [in, out] named after the torch parameter (`layers.3.q.weight`, `lm_head.weight`),
-so the weight-only quantizers (MatMulNBits) apply to it unchanged. The shape facts the engine
-needs are in the model's metadata (`meshserve.llm.*`).
+int32, past_key.{i} / past_value.{i}. Outputs: logits [rows, vocab] float32, top_values /
+top_ids [rows, TOP_K] (the graph's own top-k of them, so a greedy or top-k row copies 64
+values, not the vocabulary), present_key.{i} / present_value.{i} (the same buffers, float32
+or float16: `kv_dtype`). q/k/v are one packed MatMul (`layers.3.qkv.weight`, read by the
+attention op as packed QKV) and gate/up one (`layers.3.gate_up.weight`, then a Split): two
+MatMuls fewer per layer. Every projection is a MatMul with its weight as an initializer
+[in, out], so the weight-only quantizers (MatMulNBits) apply to it unchanged. The shape
+facts the engine needs are in the model's metadata (`meshserve.llm.*`).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from common.step_graph import (
     META,
     NUM_LOGITS,
     SEQLENS,
+    TOP_IDS,
+    TOP_K,
+    TOP_VALUES,
     TOTAL,
     past_names,
     present_names,
 )
-from quantize.models import DecoderConfig, LlamaDecoder
+from quantize.models import DecoderConfig, LlamaDecoder, inv_freq
 
 OPSET = 17
 IR_VERSION = 10  # onnxruntime 1.23 reads IR <= 11; onnx 1.19 writes 12 by default
@@ -49,8 +55,9 @@ INT64_MAX = np.iinfo(np.int64).max
 
 
 def rope_tables(c: DecoderConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    inv_freq = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None]
+    """cos/sin [max_positions, head_dim / 2] with the model's RoPE scaling (models.inv_freq)."""
+    freq = inv_freq(c).numpy()
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * freq[None]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
@@ -92,13 +99,17 @@ class Graph:
         return self.one("MatMul", [x, self.const(weight, w.detach().float().numpy().T)])
 
 
-def cache_info(layer: int, kv_heads: int, head_dim: int) -> tuple[list, list]:
+KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
+def cache_info(
+    layer: int, kv_heads: int, head_dim: int, kv_dtype: str = "float32"
+) -> tuple[list, list]:
     """Layer `layer`'s cache as graph inputs (past) and outputs (present): BNSH buffers."""
     shape: list[str | int] = ["rows", kv_heads, "max_len", head_dim]
-    past = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in past_names(layer)]
-    present = [
-        helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in present_names(layer)
-    ]
+    kind = KV_TYPES[kv_dtype]
+    past = [helper.make_tensor_value_info(n, kind, shape) for n in past_names(layer)]
+    present = [helper.make_tensor_value_info(n, kind, shape) for n in present_names(layer)]
     return past, present
 
 
@@ -122,21 +133,30 @@ def attention(
     heads: int,
     kv_heads: int,
     eps: float,
+    kv_dtype: str = "float32",
+    rope: tuple[str, str] = ("rope.cos", "rope.sin"),
 ) -> str:
-    """Layer `layer`'s attention on x, before the residual: norm, q/k/v, the attention op
-    (RoPE from the graph's rope.cos/rope.sin, the cache written in place), o. With the q/k/v
-    rows and o columns of some heads only, it is those heads' share (tensor parallelism)."""
+    """Layer `layer`'s attention on x, before the residual: norm, one packed q/k/v MatMul
+    (`layers.{i}.qkv.weight`, q rows then k then v; plus their biases as in qwen2), the
+    attention op on the packed projection (RoPE from the `rope` tables, the cache written in
+    place, in kv_dtype), o. With the q/k/v rows and o columns of some heads only, it is
+    those heads' share (tensor parallelism)."""
     p = f"layers.{layer}."
     h = g.rms_norm(x, g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy()), eps)
-    q = g.linear(h, p + "q.weight", state[p + "q.weight"])
-    k = g.linear(h, p + "k.weight", state[p + "k.weight"])
-    v = g.linear(h, p + "v.weight", state[p + "v.weight"])
+    parts = [state[p + f"{n}.weight"] for n in ("q", "k", "v")]
+    qkv = g.linear(h, p + "qkv.weight", torch.cat(parts))
+    if p + "q.bias" in state:
+        bias = torch.cat([state[p + f"{n}.bias"] for n in ("q", "k", "v")]).detach().float()
+        qkv = g.one("Add", [qkv, g.const(p + "qkv.bias", bias.numpy())])
+    half = kv_dtype == "float16"
+    if half:
+        qkv = g.one("Cast", [qkv], to=TensorProto.FLOAT16)
     past_k, past_v = past_names(layer)
     present_k, present_v = present_names(layer)
     g.nodes.append(
         helper.make_node(
             "GroupQueryAttention",
-            [q, k, v, past_k, past_v, SEQLENS, TOTAL, "rope.cos", "rope.sin"],
+            [qkv, "", "", past_k, past_v, SEQLENS, TOTAL, *rope],
             [f"attn_{layer}", present_k, present_v],
             name=f"attention_{layer}",
             domain="com.microsoft",
@@ -146,16 +166,21 @@ def attention(
             rotary_interleaved=0,
         )
     )
-    return g.linear(f"attn_{layer}", p + "o.weight", state[p + "o.weight"])
+    out = f"attn_{layer}"
+    if half:
+        out = g.one("Cast", [out], to=TensorProto.FLOAT)
+    return g.linear(out, p + "o.weight", state[p + "o.weight"])
 
 
 def mlp(g: Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: float) -> str:
     """Layer `layer`'s SwiGLU MLP on x, before the residual (or its share: some gate/up rows
-    and the matching down columns)."""
+    and the matching down columns): gate and up as one MatMul (`layers.{i}.gate_up.weight`)."""
     p = f"layers.{layer}."
     h = g.rms_norm(x, g.const(p + "ffn_norm.weight", state[p + "ffn_norm.weight"].numpy()), eps)
-    gate = g.linear(h, p + "gate.weight", state[p + "gate.weight"])
-    up = g.linear(h, p + "up.weight", state[p + "up.weight"])
+    gate_w, up_w = state[p + "gate.weight"], state[p + "up.weight"]
+    gate_up = g.linear(h, p + "gate_up.weight", torch.cat([gate_w, up_w]))
+    width = g.const(p + "gate_up.split", np.array([gate_w.shape[0], up_w.shape[0]], np.int64))
+    gate, up = g.op("Split", [gate_up, width], outputs=2, axis=-1)
     silu = g.one("Mul", [gate, g.one("Sigmoid", [gate])])
     return g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"])
 
@@ -170,10 +195,32 @@ def lm_head(g: Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, ep
     return g.linear(h, "lm_head.weight", state["lm_head.weight"])
 
 
-def add_rope(g: Graph, c: DecoderConfig, max_positions: int) -> None:
+def add_rope(g: Graph, c: DecoderConfig, max_positions: int, kv_dtype: str = "float32") -> None:
     cos, sin = rope_tables(c, max_positions)
-    g.const("rope.cos", cos)
-    g.const("rope.sin", sin)
+    kind = np.float16 if kv_dtype == "float16" else np.float32  # the attention op's type
+    g.const("rope.cos", cos.astype(kind))
+    g.const("rope.sin", sin.astype(kind))
+
+
+def top_k(g: Graph, logits: str, vocab: int) -> list[onnx.ValueInfoProto]:
+    """`top_values` / `top_ids` [rows, k]: the k largest logits of each row, largest first
+    (ties: the lower id first, as argmax), so that a greedy or top-k row needs no logits."""
+    k = min(TOP_K, vocab)
+    g.nodes.append(
+        helper.make_node(
+            "TopK",
+            [logits, g.const("top_k", np.array([k], np.int64))],
+            [TOP_VALUES, TOP_IDS],
+            name="top_k",
+            axis=-1,
+            largest=1,
+            sorted=1,
+        )
+    )
+    return [
+        helper.make_tensor_value_info(TOP_VALUES, TensorProto.FLOAT, ["rows", k]),
+        helper.make_tensor_value_info(TOP_IDS, TensorProto.INT64, ["rows", k]),
+    ]
 
 
 def model_proto(
@@ -190,31 +237,43 @@ def model_proto(
     return proto
 
 
-def build(model: LlamaDecoder, max_positions: int, all_positions: bool = False) -> onnx.ModelProto:
+def build(
+    model: LlamaDecoder,
+    max_positions: int | None = None,
+    all_positions: bool = False,
+    kv_dtype: str = "float32",
+) -> onnx.ModelProto:
     """The engine's step graph for `model`'s weights, with RoPE tables for max_positions
-    (and the `num_logits` input with all_positions)."""
+    (default: the model's context length), the KV cache in kv_dtype ("float32" or
+    "float16"), and the `num_logits` input with all_positions."""
     c = model.config
+    if kv_dtype not in KV_TYPES:
+        raise ValueError(f"KV cache dtype {kv_dtype!r}: expected one of {sorted(KV_TYPES)}")
+    positions = max_positions or c.context_length
     state = dict(model.state_dict())
     g = Graph()
-    add_rope(g, c, max_positions)
+    add_rope(g, c, positions, kv_dtype)
     x = embed(g, state)
     inputs = step_inputs()
     outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", c.vocab_size])]
     for i in range(c.layers):
-        past, present = cache_info(i, c.kv_heads, c.head_dim)
+        past, present = cache_info(i, c.kv_heads, c.head_dim, kv_dtype)
         inputs += past
         outputs += present
-        x = g.one("Add", [x, attention(g, x, state, i, c.heads, c.kv_heads, c.eps)])
+        x = g.one("Add", [x, attention(g, x, state, i, c.heads, c.kv_heads, c.eps, kv_dtype)])
         x = g.one("Add", [x, mlp(g, x, state, i, c.eps)])
     logits = lm_head(g, x, state, c.hidden, c.eps)
     g.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="logits"))
+    if not all_positions:
+        outputs += top_k(g, LOGITS, c.vocab_size)
     meta = {
         "layers": c.layers,
         "heads": c.heads,
         "kv_heads": c.kv_heads,
         "head_dim": c.head_dim,
         "vocab_size": c.vocab_size,
-        "max_positions": max_positions,
+        "max_positions": positions,
+        "kv_dtype": kv_dtype,
     }
     proto = model_proto(g, "meshserve_llm_step", inputs, outputs, meta)
     return with_position_logits(proto) if all_positions else proto
@@ -225,6 +284,10 @@ def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
     the last `num_logits` new positions of each row, [rows, num_logits, vocab]; num_logits = 1
     gives the last position, as before. Modifies and returns `proto`."""
     g = proto.graph
+    for node in [n for n in g.node if n.op_type == "TopK" and n.input[0] == LOGITS]:
+        g.node.remove(node)  # the top-k output is the last position's only
+        for out in [o for o in g.output if o.name in node.output]:
+            g.output.remove(out)
     gather = next(
         (n for n in g.node if n.op_type == "Gather" and n.input[1:] == ["last_position"]), None
     )

@@ -189,7 +189,7 @@ def _weight_bytes(proto: onnx.ModelProto) -> int:
 
 
 def _sharded_bytes(proto: onnx.ModelProto) -> int:
-    split = {*COLUMN_PARALLEL, *ROW_PARALLEL, "lm_head"}
+    split = {*COLUMN_PARALLEL, *ROW_PARALLEL, "qkv", "gate_up", "lm_head"}  # fused in the graph
     return sum(
         len(t.raw_data)
         for t in proto.graph.initializer

@@ -48,10 +48,24 @@ class DecoderConfig:
     rope_theta: float = 100000.0
     eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # q/k/v projections with a bias (qwen2)
+    context_length: int = 8192  # the positions it was trained for (RoPE tables this long)
+    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this
+    # per-frequency divisors of RoPE's angles (llama3's scaling; GGUF's rope_freqs.weight)
+    rope_freq_factors: tuple[float, ...] = ()
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+def inv_freq(c: DecoderConfig) -> torch.Tensor:
+    """RoPE's angle per position for each pair of dimensions (float64), with the model's
+    scaling: llama.cpp's theta = pos * base^(-2i/d) / factor_i / scale."""
+    freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+    if c.rope_freq_factors:
+        freq = freq / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
+    return freq / c.rope_scale
 
 
 # The pieces below take `m`, the module that holds the projections: a whole layer, or one
@@ -202,9 +216,9 @@ class LlamaLayer(nn.Module):
     def __init__(self, c: DecoderConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.head_dim
-        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=c.qkv_bias)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
         self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
         self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
@@ -247,9 +261,8 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq(c).float(), persistent=False)
 
     def forward(
         self,

@@ -21,10 +21,15 @@ the stream's last one is skipped only when Redis already holds that very batch (
 after a lost reply) or the ledger has acked it; anything else is an error, never a silent
 success: the batch stays in memory and the error is logged.
 
-Group commit: a successful call's reply waits until the batch holding its record is in Redis
-(one pipelined round trip shared by every call in the batch), so a router killed after a
-reply loses no count. When Redis is unreachable or slower than `wait_s`, what happens is
-the router's choice (`--accounting-when-slow`):
+Group commit (`--accounting-commit before-reply`, the default): a successful call's reply
+waits until the batch holding its record is in Redis (one round trip shared by every call in
+the batch: whatever is recorded while one append is under way goes in the next, at once), so
+a router killed after a reply loses no count. `after-reply` answers at once and the record
+follows in the next group commit, a round trip later: a router killed with -9 loses the
+records not in Redis yet, at most `max_unwritten` (beyond that many, replies wait as with
+`before-reply`); a router stopped with SIGTERM loses nothing (it writes its last batch).
+When Redis is unreachable or slower than `wait_s`, what happens is the router's choice
+(`--accounting-when-slow`):
 
 - `answer` (the default): the reply is sent anyway; the record stays in the router's memory
   and reaches Redis when it is back (lost only if the router dies first). Each such reply
@@ -46,17 +51,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 from redis.exceptions import RedisError
 
 from common import mesh_state, redis_conn
 from common.outage import Outage
+from router.batches import APPEND, Batch, parse_batch_id
 from router.usage import (  # re-exported: the names callers know from here
     FINISHED,
     NO_TOKENS,
@@ -83,72 +87,8 @@ __all__ = [
 
 TOTALS_EVERY_S = 0.2
 WHEN_SLOW = ("answer", "unavailable")
+COMMITS = ("before-reply", "after-reply")
 COMMIT_DELAY_S = 0.0005
-
-# KEYS[1]: the stream, KEYS[2]: the ledger's ack. ARGV[1]: the id this router appended last
-# ("" before its first append). Then (id, usage, at_ms) per batch. Returns the number of
-# batches now in Redis, or -1 when Redis lost what this router appended last (neither in the
-# stream nor acked: a restart without it, an old AOF, a failover to a replica that lagged).
-# An id at or below the stream's last one is skipped only when that entry is there already
-# (a resend) or the ledger acked it; else the script fails, so no count is ever reported as
-# written when it was not.
-APPEND = """
-local function parse(id)
-  local ms, seq = string.match(id, "^(%d+)-(%d+)$")
-  if ms == nil then ms, seq = string.match(id, "^(%d+)$"), "1" end
-  return tonumber(ms), tonumber(seq)
-end
-local function le(a_ms, a_seq, b_ms, b_seq)
-  return a_ms < b_ms or (a_ms == b_ms and a_seq <= b_seq)
-end
-local function acked(id)
-  local ack = redis.call("GET", KEYS[2])
-  if not ack then return false end
-  local id_ms, id_seq = parse(id)
-  local ack_ms, ack_seq = parse(ack)
-  return ack_ms ~= nil and le(id_ms, id_seq, ack_ms, ack_seq)
-end
-if ARGV[1] ~= "" and #redis.call("XRANGE", KEYS[1], ARGV[1], ARGV[1], "COUNT", 1) == 0
-    and not acked(ARGV[1]) then
-  return -1
-end
-for i = 2, #ARGV, 3 do
-  local r = redis.pcall("XADD", KEYS[1], ARGV[i], "usage", ARGV[i + 1], "at_ms", ARGV[i + 2])
-  if type(r) == "table" and r.err then
-    if not string.find(r.err, "equal or smaller") then return redis.error_reply(r.err) end
-    local there = redis.call("XRANGE", KEYS[1], ARGV[i], ARGV[i], "COUNT", 1)
-    if #there == 0 and not acked(ARGV[i]) then
-      return redis.error_reply("BATCHID " .. ARGV[i] .. " is at or below the last id of " ..
-        KEYS[1] .. " and is neither there nor acked: is another router using this id?")
-    end
-  end
-end
-return (#ARGV - 1) / 3
-"""
-
-
-@dataclass
-class Batch:
-    seq: int
-    usage: dict[str, Usage] = field(default_factory=lambda: defaultdict(Usage))
-    at_ms: int = 0
-    durable: asyncio.Future | None = None
-    epoch: int = 0  # set when the batch closes
-
-    @property
-    def id(self) -> tuple[int, int]:
-        return (self.epoch, self.seq)
-
-    def args(self) -> list[str]:
-        usage = json.dumps({k: u.as_list() for k, u in self.usage.items()})
-        return [f"{self.epoch}-{self.seq}", usage, str(self.at_ms)]
-
-
-def parse_batch_id(text: str) -> tuple[int, int]:
-    """ "{epoch}-{seq}" -> (epoch, seq); a bare "{n}" (the ack of a ledger that predates
-    epochs, whose ids were "{n}-1") -> (n, 1)."""
-    epoch, _, seq = text.partition("-")
-    return int(epoch), int(seq or 1)
 
 
 class Accounting:
@@ -162,6 +102,8 @@ class Accounting:
         retain_max: int = 200_000,
         inflight: Callable[[], int] = lambda: 0,
         password: str | None = None,
+        commit: str = "before-reply",
+        max_unwritten: int = 1000,
     ) -> None:
         self.redis = redis_conn.connect_async(
             redis_url, password=password, timeout_s=1.0, connect_timeout_s=0.5
@@ -174,6 +116,12 @@ class Accounting:
         if when_slow not in WHEN_SLOW:
             raise ValueError(f"when_slow must be one of {WHEN_SLOW}, not {when_slow!r}")
         self.when_slow = when_slow
+        if commit not in COMMITS:
+            raise ValueError(f"commit must be one of {COMMITS}, not {commit!r}")
+        self.commit = commit
+        self.max_unwritten = max_unwritten  # after-reply: records a kill -9 may lose, at most
+        self._unwritten = 0  # records not in Redis yet (the current batch and the unsent)
+        self._last_batch_records = 0
         self.epoch = mesh_state.now_ms()  # raised above Redis's last id before the first append
         self._epoch_checked = False
         self.maintenance_s = maintenance_s
@@ -184,14 +132,14 @@ class Accounting:
         self._current = self._new_batch()
         self._unsent: list[Batch] = []  # closed, not yet in Redis
         self._retained: list[Batch] = []  # in Redis, not yet acked by the ledger
-        self._wake = asyncio.Event()
+        self._dirty = False  # recorded since the flusher last looked
+        self._waker: asyncio.Future | None = None
         self.redis_state = Outage("usage_flush_failed_keeping_in_memory", "usage_flush_recovered")
         self._last_appended = ""  # Redis must hold it (or its ack) at the next append
-        self._totals_due = 0.0
         self._records = 0  # calls recorded so far
         self._totals_written = -1  # self._records as of the last totals write
         self._append = self.redis.register_script(APPEND)
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def _new_batch(self) -> Batch:
         self._seq += 1
@@ -238,10 +186,17 @@ class Accounting:
 
     def _recorded(self, batch: Batch) -> asyncio.Future:
         self._records += 1
+        batch.records += 1
+        self._unwritten += 1
         if batch.durable is None:
             batch.durable = asyncio.get_running_loop().create_future()
-        self._wake.set()
+        self._wake()
         return batch.durable
+
+    def _wake(self) -> None:
+        self._dirty = True
+        if self._waker is not None and not self._waker.done():
+            self._waker.set_result(None)
 
     def refund(self, receipt: Receipt) -> None:
         """Turn one recorded success into an error (its client never got the reply)."""
@@ -249,38 +204,69 @@ class Accounting:
         self._records += 1
         key = mesh_state.model_key(receipt.model, receipt.version, receipt.tenant)
         self._current.usage[key].refund(receipt)
+        self._current.records += 1
+        self._unwritten += 1
         self._charge(receipt.tenant, receipt.tokens, receipt.price_micro_usd * receipt.call, -1)
-        self._wake.set()
+        self._wake()
 
     async def durable(self, future: asyncio.Future) -> bool:
-        """Wait (at most `wait_s`) for a record to reach Redis; True once it has."""
+        """Wait (at most `wait_s`) for a record to reach Redis; True once it has. With
+        commit `after-reply`, True at once while at most `max_unwritten` records are not
+        in Redis yet (beyond that, a reply waits as with `before-reply`)."""
         if future.done():
             return future.result() is True
-        if self.redis_state.up:
-            with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(asyncio.shield(future), self.wait_s) is True
-        return False
+        if self.commit == "after-reply" and self._unwritten <= self.max_unwritten:
+            return True
+        if not self.redis_state.up:
+            return False
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        timer = loop.call_later(self.wait_s, wake)
+        future.add_done_callback(wake)
+        try:
+            await waiter  # cancelled alone: `future` is shared by the batch's calls
+        finally:
+            timer.cancel()
+            future.remove_done_callback(wake)
+        return future.done() and future.result() is True
 
     # -- the flusher -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._loop()), loop.create_task(self._totals_loop())]
 
     async def _loop(self) -> None:
+        """Group commit: whatever was recorded while the last append was under way goes in
+        the next one, at once. Under load (the last batch held more than one record and
+        calls are in flight) it waits COMMIT_DELAY_S first, so calls about to finish join
+        the batch instead of paying one Redis round trip each (a commit delay, as databases
+        do); a lone call or a lone stream's pieces never wait for it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._dirty:
+                self._waker = loop.create_future()
+                await self._waker
+            self._dirty = False
+            if self._last_batch_records > 1 and self.inflight() > 0:
+                await asyncio.sleep(COMMIT_DELAY_S)
+            await self.flush()
+
+    async def _totals_loop(self) -> None:
+        """The live totals (a few times a second, when they changed) and the forgetting of
+        acked batches, beside the commits rather than between them."""
         next_maintenance = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TOTALS_EVERY_S)
-            self._wake.clear()
-            if self.inflight() > 0:
-                # Other calls are about to finish: let them join this batch (a commit delay,
-                # as databases do) instead of paying one Redis round trip each.
-                await asyncio.sleep(COMMIT_DELAY_S)
+            await asyncio.sleep(TOTALS_EVERY_S)
             if time.monotonic() >= next_maintenance:
                 await self._maintain()
                 next_maintenance = time.monotonic() + self.maintenance_s
-            await self.flush()
-            if self._records != self._totals_written and time.monotonic() >= self._totals_due:
+            if self._records != self._totals_written:
                 with contextlib.suppress(RedisError, OSError):
                     await self._write_totals()
 
@@ -289,6 +275,7 @@ class Accounting:
         if self._current.usage:
             batch, self._current = self._current, self._new_batch()
             batch.at_ms = mesh_state.now_ms()
+            self._last_batch_records = batch.records
             self._unsent.append(batch)
         if not self._unsent:
             return True
@@ -312,6 +299,10 @@ class Accounting:
             return False
         self.redis_state.succeeded(unsent=len(self._unsent))
         del self._unsent[: len(sending)]
+        for b in sending:
+            if not b.written:
+                b.written = True
+                self._unwritten -= b.records
         self._retained.extend(sending)
         if len(self._retained) > self.retain_max:
             dropped = self._retained[: len(self._retained) - self.retain_max]
@@ -332,7 +323,6 @@ class Accounting:
             pipe.sadd(mesh_state.ROUTERS, self.router_id)
             pipe.hset(mesh_state.usage_key(self.router_id), mapping=totals)
             await pipe.execute()
-        self._totals_due = time.monotonic() + TOTALS_EVERY_S
         self._totals_written = written
 
     async def _check_epoch(self) -> None:
@@ -385,9 +375,9 @@ class Accounting:
                 b.durable.set_result(durable)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.flush()
         with contextlib.suppress(RedisError, OSError):
             await self._write_totals()

@@ -160,6 +160,7 @@ def _bearer(metadata: Sequence[Any] | None) -> str:
     for item in metadata or ():
         if item[0] == "authorization":
             value = item[1] if isinstance(item[1], str) else item[1].decode(errors="replace")
+            value = value.strip()  # perf_analyzer -H 'authorization: Bearer k' keeps the space
             if not value.lower().startswith(BEARER):
                 raise Unauthenticated(
                     "the authorization metadata must be 'Bearer <API key>'; "

@@ -67,6 +67,8 @@ from router.affinity import Affinity, session_of
 from router.auth import Auth, Tenant
 from router.billing import Piece
 from router.guard import OK, UNKNOWN, Admission, RequestGuard
+from router.policy import PREFIX_WEIGHT
+from router.prefix_index import PrefixIndex
 from router.registry import Registry, Replica
 from router.routing import Picker
 
@@ -102,19 +104,34 @@ class Dispatcher:
         answer_margin_s: float = 0.002,
         max_sessions: int = 100_000,
         auth: Auth | None = None,
+        prefix_weight: float = PREFIX_WEIGHT,
+        prefix_index_blocks: int = 200_000,
     ) -> None:
         self.registry = registry
         self.accounting = accounting
         self.affinity = Affinity(max_sessions)
-        self.picker = Picker(policy_name, sample_max_age_ms, rng, self.affinity)
+        self.picker = Picker(
+            policy_name,
+            sample_max_age_ms,
+            rng,
+            self.affinity,
+            PrefixIndex(prefix_index_blocks),
+            prefix_weight,
+        )
         self.default_timeout_s = default_timeout_s
         self.admission = Admission(max_inflight, max_inflight_per_model)
         self.answer_margin_s = answer_margin_s
         self.auth = auth  # tenants: models and limits (None: auth off)
 
-    def pick(self, replicas: list[Replica], model: str, session: str | None = None) -> Replica:
+    def pick(
+        self,
+        replicas: list[Replica],
+        model: str,
+        session: str | None = None,
+        raw: bytes | None = None,
+    ) -> Replica:
         """One of `replicas` (of `model`) by the policy (see router.routing)."""
-        return self.picker.pick(replicas, model, session)
+        return self.picker.pick(replicas, model, session, raw)
 
     # -- one request -----------------------------------------------------------------------
 
@@ -177,7 +194,7 @@ class Dispatcher:
                     f"no healthy replica of model {clip(guard.model)}: "
                     f"{len(replicas)} known, all failed or ejected"
                 )
-            replica = self.pick(pool, guard.model, guard.session)
+            replica = self.pick(pool, guard.model, guard.session, raw)
             found = self.entry(guard.model, guard.asked_version, replica)
             if found is not None:  # billed as the replica that answers serves it
                 guard.serve(*found)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter
 
 from common.llm_protocol import TOKEN_BUCKETS
+from router.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+
+# Updated once or more per request (or streamed piece): kept by the event loop without a
+# lock (router/loop_metrics.py). The rest are prometheus_client's own.
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
-REQUESTS = Counter(
+REQUESTS = LoopCounter(
     "meshserve_router_requests", "ModelInfer calls by model and status code", ["model", "code"]
 )
-LATENCY = Histogram(
+LATENCY = LoopHistogram(
     "meshserve_router_latency_seconds",
     "ModelInfer latency: part=router is time spent in the router, part=upstream in the worker call",
     ["part"],
@@ -21,7 +23,7 @@ LATENCY = Histogram(
 )
 RETRIES = Counter("meshserve_router_retries", "Calls retried on another replica", ["reason"])
 EJECTIONS = Counter("meshserve_router_ejections", "Replicas ejected after a failure", ["worker"])
-INFLIGHT = Gauge("meshserve_router_inflight", "Calls in flight from this router", ["worker"])
+INFLIGHT = LoopGauge("meshserve_router_inflight", "Calls in flight from this router", ["worker"])
 REPLIES_BEFORE_DURABLE = Counter(
     "meshserve_router_replies_before_durable",
     "Successes answered before their record was in Redis (Redis slow or down)",
@@ -45,19 +47,29 @@ KV_NO_ROOM = Counter(
     "meshserve_router_kv_no_room",
     "Picks (p2c) where no replica had KV room for an average request: it waits in a queue",
 )
+PREFIX_BLOCKS = Counter(
+    "meshserve_router_prefix_blocks",
+    "Prompt blocks of the requests routed by policy prefix: kind=total, or matched (held by "
+    "the chosen replica, as this router's index believes)",
+    ["kind"],
+)
+PREFIX_FALLBACK = Counter(
+    "meshserve_router_prefix_fallback",
+    "Picks of policy prefix made by p2c: a candidate's load unknown (no fresh sample)",
+)
 # Per replica, from its last depth sample; a replica's series is removed when it leaves the
 # registry, so the labels are the replicas the router knows now.
-REPLICA_DEPTH = Gauge(
+REPLICA_DEPTH = LoopGauge(
     "meshserve_router_replica_depth",
     "Requests waiting + running on the replica (an LLM engine: its sequences), last sample",
     ["worker"],
 )
-KV_USED = Gauge(
+KV_USED = LoopGauge(
     "meshserve_router_replica_kv_used_tokens",
     "KV cache tokens the replica's running sequences hold, last sample (LLM replicas)",
     ["worker"],
 )
-KV_TOTAL = Gauge(
+KV_TOTAL = LoopGauge(
     "meshserve_router_replica_kv_total_tokens",
     "The replica's KV cache budget in tokens, last sample (LLM replicas)",
     ["worker"],
@@ -74,24 +86,23 @@ def observe_sample(worker: str, depth: int, kv_used: int, kv_total: int) -> None
 
 def forget_replica(worker: str) -> None:
     for gauge in REPLICA_GAUGES:
-        with contextlib.suppress(KeyError):  # no sample seen from it
-            gauge.remove(worker)
+        gauge.remove(worker)  # none if no sample was seen from it
 
 
 # Token streams (ModelStreamInfer of an LLM), labelled by served model only.
-TTFT = Histogram(
+TTFT = LoopHistogram(
     "meshserve_router_time_to_first_token_seconds",
     "From a streamed request's arrival at the router to its first piece of text from the worker",
     ["model"],
     buckets=TOKEN_BUCKETS,
 )
-INTER_TOKEN = Histogram(
+INTER_TOKEN = LoopHistogram(
     "meshserve_router_inter_token_seconds",
     "Between pieces of a stream from the worker, per token they carry",
     ["model"],
     buckets=TOKEN_BUCKETS,
 )
-TOKENS = Counter(
+TOKENS = LoopCounter(
     "meshserve_router_tokens",
     "Tokens of streamed and unary LLM calls as the workers reported them: kind=in|out",
     ["model", "kind"],

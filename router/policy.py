@@ -18,6 +18,16 @@ any has room, then takes the less loaded of two, the one with more free KV on a 
 
 Affinity: `preferred` (the replica that served the request's session before) is taken as
 long as it is a candidate with room; otherwise the policy decides as if there were none.
+
+"prefix" (cache-aware, for LLM replicas): one cost per replica, as NVIDIA Dynamo's KV router
+scores them: `weight x uncached prompt blocks + decode blocks`, the prompt blocks the replica
+does not hold yet (router/prefix_index.py's estimate) and the KV blocks its running
+sequences hold (its KV sample in blocks, plus this router's calls since the sample at the
+request's own size). The lowest cost wins, ties by p2c. A replica full or without KV room is
+out first, as for p2c, and a busy replica's decode blocks outweigh its cache: a hot prefix
+spreads over replicas once one is loaded by more than `weight x` the prefix's blocks. A
+session's replica is scored as holding the whole prompt (affinity, the same cost). Where a
+candidate's load is unknown (no fresh sample: Redis lost, or not an LLM), it is p2c.
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("p2c", "p2c_depth", "least_loaded", "round_robin", "random")
+POLICIES = ("prefix", "p2c", "p2c_depth", "least_loaded", "round_robin", "random")
+PREFIX_WEIGHT = 4.0  # a prefilled block costs this many held (decoding) blocks
+TOKENS_PER_BLOCK = 16  # a KV sample's tokens -> blocks (a router block is ~16 tokens)
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,8 @@ class Candidate:
     load: int
     max_queue: int
     kv_free: int | None = None  # KV tokens free; None: not an LLM replica, or unknown
+    overlap: int = 0  # prompt blocks the replica holds (policy "prefix")
+    decode_blocks: int | None = None  # KV blocks its sequences hold; None: unknown
 
     @property
     def full(self) -> bool:
@@ -88,8 +102,15 @@ def choose(
     tick: int,
     need: int = 1,
     preferred: str | None = None,
+    blocks: int = 0,
+    weight: float = PREFIX_WEIGHT,
 ) -> Candidate:
-    """Pick one of `candidates` (non-empty, none full)."""
+    """Pick one of `candidates` (non-empty, none full); `blocks`: the prompt's, for
+    "prefix"."""
+    if policy == "prefix" and all(c.decode_blocks is not None for c in candidates):
+        return _cheapest(candidates, rng, need, preferred, blocks, weight)
+    if policy == "prefix":
+        policy = "p2c"  # a load unknown: nothing to weigh the cache against
     if preferred is not None:
         for c in candidates:
             if c.id == preferred and c.has_room(need):
@@ -114,6 +135,29 @@ def choose(
     if policy == "random":
         return rng.choice(list(candidates))
     raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+
+
+def cost(c: Candidate, blocks: int, weight: float, preferred: str | None = None) -> float:
+    held = blocks if c.id == preferred else min(c.overlap, blocks)
+    return weight * (blocks - held) + (c.decode_blocks or 0)
+
+
+def _cheapest(
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    need: int,
+    preferred: str | None,
+    blocks: int,
+    weight: float,
+) -> Candidate:
+    pool = [c for c in candidates if c.has_room(need)] or list(candidates)
+    costs = [cost(c, blocks, weight, preferred) for c in pool]
+    low = min(costs)
+    tied = [c for c, x in zip(pool, costs, strict=True) if x == low]
+    if len(tied) == 1:
+        return tied[0]
+    a, b = rng.sample(tied, 2)
+    return a if _key(a) <= _key(b) else b
 
 
 def _key(c: Candidate) -> tuple[int, int]:

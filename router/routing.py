@@ -3,7 +3,10 @@
 `Picker.pick` builds the policy's candidates from the registry's replicas (each one's last
 depth and KV sample, if fresh, and the router's own calls in flight to it), refuses when
 every replica is at its max queue, and applies session affinity (router/affinity.py). The
-policy itself is a pure function (router/policy.py).
+policy itself is a pure function (router/policy.py). For policy "prefix" it also reads the
+request's prompt (its bytes, as router/prefix_index.py parses them), scores each replica's
+overlap from the index, and records the prompt's blocks as held by the replica it picked; a
+replica seen with a new start time restarted empty, and its entries go.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from common.errors import ResourceExhausted
 from common.mesh_state import now_ms
 from router import metrics, policy
 from router.affinity import Affinity
+from router.prefix_index import PrefixIndex, prompt_of, replica_key
 from router.registry import Replica
 
 
@@ -24,6 +28,8 @@ class Picker:
         sample_max_age_ms: int = 1000,
         rng: random.Random | None = None,
         affinity: Affinity | None = None,
+        index: PrefixIndex | None = None,
+        prefix_weight: float = policy.PREFIX_WEIGHT,
     ) -> None:
         if policy_name not in policy.POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}; choose one of {policy.POLICIES}")
@@ -31,12 +37,28 @@ class Picker:
         self.sample_max_age_ms = sample_max_age_ms
         self.rng = rng or random.Random()
         self.affinity = affinity if affinity is not None else Affinity()
+        self.index = index if index is not None else PrefixIndex()
+        self.prefix_weight = prefix_weight
+        self._started: dict[str, int] = {}  # replica id -> the start time its entries are of
         self._tick = 0
 
-    def pick(self, replicas: list[Replica], model: str, session: str | None = None) -> Replica:
+    def pick(
+        self,
+        replicas: list[Replica],
+        model: str,
+        session: str | None = None,
+        raw: bytes | None = None,
+    ) -> Replica:
         """One of `replicas` (of `model`) by the policy; the replica that served `session`
-        before while it has room (see policy.choose, router.affinity)."""
+        before while it has room (see policy.choose, router.affinity); `raw`: the request's
+        bytes (policy "prefix" reads its prompt)."""
         now = now_ms()
+        keys: list[bytes] = []
+        if self.policy == "prefix" and raw is not None:
+            self._notice_restarts(replicas)
+            found = prompt_of(raw)
+            if found is not None:
+                keys = self.index.keys(model, *found)
         by_id = {r.id: r for r in replicas}
         fresh = [
             r.sample
@@ -46,7 +68,10 @@ class Picker:
             and now - r.sample.at_ms <= self.sample_max_age_ms
         ]
         need = policy.kv_need((s.depth, s.kv_used) for s in fresh)
-        candidates = [self._candidate(r, model, now) for r in replicas]
+        overlaps = self.index.overlaps(keys, [_key(r) for r in replicas]) if keys else {}
+        candidates = [
+            self._candidate(r, model, now, overlaps.get(_key(r), 0), len(keys)) for r in replicas
+        ]
         open_ = [c for c in candidates if not c.full]
         if not open_:
             raise ResourceExhausted(
@@ -56,7 +81,11 @@ class Picker:
             )
         self._tick += 1
         preferred = self.affinity.get(model, session)
-        chosen = policy.choose(self.policy, open_, self.rng, self._tick, need, preferred)
+        chosen = policy.choose(
+            self.policy, open_, self.rng, self._tick, need, preferred, len(keys), self.prefix_weight
+        )
+        if self.policy == "prefix":
+            self._prefix_picked(by_id[chosen.id], open_, chosen, keys)
         if session is not None:
             outcome = "new" if preferred is None else "hit" if chosen.id == preferred else "moved"
             metrics.AFFINITY.labels(outcome).inc()
@@ -65,8 +94,36 @@ class Picker:
             metrics.KV_NO_ROOM.inc()  # every replica's cache was full: it waits there
         return by_id[chosen.id]
 
-    def _candidate(self, r: Replica, model: str, now: int) -> policy.Candidate:
+    def _prefix_picked(
+        self,
+        replica: Replica,
+        open_: list[policy.Candidate],
+        chosen: policy.Candidate,
+        keys: list[bytes],
+    ) -> None:
+        if any(c.decode_blocks is None for c in open_):
+            metrics.PREFIX_FALLBACK.inc()
+        if keys:
+            metrics.PREFIX_BLOCKS.labels("total").inc(len(keys))
+            metrics.PREFIX_BLOCKS.labels("matched").inc(min(chosen.overlap, len(keys)))
+            self.index.record(keys, _key(replica))
+
+    def _notice_restarts(self, replicas: list[Replica]) -> None:
+        for r in replicas:
+            before = self._started.get(r.id)
+            if before != r.info.started_ms:
+                if before is not None:
+                    self.index.forget(replica_key(r.id, before))
+                self._started[r.id] = r.info.started_ms
+
+    def _candidate(
+        self, r: Replica, model: str, now: int, overlap: int = 0, blocks: int = 0
+    ) -> policy.Candidate:
         sample = r.sample
+        decode = None
+        if sample is not None and sample.kv_total and now - sample.at_ms <= self.sample_max_age_ms:
+            since = sum(1 for t in r.inflight.values() if t > sample.at_ms)
+            decode = sample.kv_used // policy.TOKENS_PER_BLOCK + since * max(blocks, 1)
         return policy.Candidate(
             r.id,
             policy.load(
@@ -82,4 +139,10 @@ class Picker:
             )
             if sample
             else None,
+            overlap,
+            decode,
         )
+
+
+def _key(r: Replica) -> str:
+    return replica_key(r.id, r.info.started_ms)

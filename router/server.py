@@ -13,6 +13,7 @@ from common.redis_auth import read_password
 from router.accounting import Accounting
 from router.auth import Auth
 from router.dispatch import Dispatcher
+from router.http import HttpServer, front_door
 from router.limits import Limiter
 from router.registry import Registry
 from router.servicer import RouterServicer, handler
@@ -23,6 +24,12 @@ log = structlog.get_logger()
 
 async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = None) -> None:
     router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
+    http_host = settings.http_host or settings.host
+    if not settings.auth and settings.http_port and not rpc.is_loopback(http_host):
+        raise ValueError(
+            f"--no-auth is for make run on 127.0.0.1 only; refusing to serve HTTP on "
+            f"{http_host} without API keys"
+        )
     if not settings.auth and not rpc.is_loopback(settings.host):
         raise ValueError(
             f"--no-auth is for make run on 127.0.0.1 only; refusing to serve {settings.host} "
@@ -52,6 +59,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         settings.accounting_when_slow,
         inflight=lambda: sum(len(r.inflight) for r in registry.replicas.values()),
         password=password,
+        commit=settings.accounting_commit,
+        max_unwritten=settings.accounting_max_unwritten,
     )
     auth = None
     if settings.auth:
@@ -77,6 +86,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         answer_margin_s=settings.answer_margin_ms / 1000,
         max_sessions=settings.max_sessions,
         auth=auth,
+        prefix_weight=settings.prefix_weight,
+        prefix_index_blocks=settings.prefix_index_blocks,
     )
     await registry.start()
     accounting.start()
@@ -89,7 +100,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     server, health = rpc.new_server(
         settings.max_message_bytes, reflection, reuse_port=settings.shared_port
     )
-    server.add_generic_rpc_handlers((handler(RouterServicer(registry, dispatcher, auth)),))
+    servicer = RouterServicer(registry, dispatcher, auth)
+    server.add_generic_rpc_handlers((handler(servicer),))
     credentials = (
         tls.server_credentials(settings.tls_cert, settings.tls_key)
         if settings.tls_cert and settings.tls_key
@@ -97,6 +109,24 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     )
     port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
     await server.start()
+    http = None
+    if settings.http_port:
+        http = HttpServer(
+            front_door(
+                servicer,
+                dispatcher,
+                auth,
+                settings.http_max_body_bytes,
+                settings.http_body_timeout_seconds,
+            ),
+            http_host,
+            settings.http_port,
+            reuse_port=settings.shared_port,
+            tls_cert=settings.tls_cert if settings.tls_key else None,
+            tls_key=settings.tls_key if settings.tls_cert else None,
+            header_timeout_s=settings.http_header_timeout_seconds,
+        )
+        await http.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
     await rpc.set_serving(health)
@@ -106,6 +136,7 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         "router_ready",
         router=router_id,
         address=f"{settings.host}:{port}",
+        http=f"{http_host}:{settings.http_port}" if http else None,
         policy=settings.policy,
         auth=settings.auth,
         tls=credentials is not None,
@@ -121,6 +152,8 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
 
     log.info("router_draining")
     await health.enter_graceful_shutdown()
+    if http is not None:
+        await http.stop(settings.grace_seconds)
     await server.stop(settings.grace_seconds)
     await accounting.close()  # last flush of the usage totals
     if auth is not None:

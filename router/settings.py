@@ -32,9 +32,20 @@ class RouterSettings(BaseSettings):
         False, description="bind with SO_REUSEPORT (set by --processes for its processes)"
     )
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
-    policy: Literal["p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
+    policy: Literal["prefix", "p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
         "p2c",
-        description="p2c is KV-aware for replicas that report KV occupancy; p2c_depth ignores it",
+        description="prefix: cache-aware for LLM replicas (the prompt blocks a replica holds "
+        "against its load, one cost), p2c where loads are unknown; p2c is KV-aware for "
+        "replicas that report KV occupancy; p2c_depth ignores it",
+    )
+    prefix_weight: float = Field(
+        4.0,
+        ge=0,
+        description="policy prefix: what one uncached prompt block costs, in KV blocks held by a "
+        "replica's running sequences",
+    )
+    prefix_index_blocks: int = Field(
+        200_000, ge=0, description="policy prefix: prompt blocks the router's index remembers"
     )
     max_sessions: int = Field(
         100_000,
@@ -67,6 +78,15 @@ class RouterSettings(BaseSettings):
         description="when a success's record is not in Redis after --accounting-wait-seconds: "
         "answer anyway (kept in memory) or answer UNAVAILABLE (not billed)",
     )
+    accounting_commit: Literal["before-reply", "after-reply"] = Field(
+        "before-reply",
+        description="before-reply: a success is answered once its record is in Redis (a kill "
+        "-9 loses no count); after-reply: answered at once, its record in the next group "
+        "commit (a kill -9 loses at most --accounting-max-unwritten records); docs/router.md",
+    )
+    accounting_max_unwritten: int = Field(
+        1000, ge=0, description="after-reply: records not yet in Redis beyond which replies wait"
+    )
     max_inflight: int = Field(
         1024, ge=1, description="calls in the router at once; beyond: RESOURCE_EXHAUSTED"
     )
@@ -76,6 +96,20 @@ class RouterSettings(BaseSettings):
     )
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus endpoint; 0 = off
+    # The HTTP front door (router/http/, docs/http.md).
+    http_port: int = Field(
+        0, ge=0, description="serve OpenAI's API and KServe v2 REST on this port too (0 = off)"
+    )
+    http_host: str | None = Field(None, description="default: --host")
+    http_max_body_bytes: int = Field(
+        64 << 20, ge=1024, description="an HTTP body over this is refused (413)"
+    )
+    http_body_timeout_seconds: float = Field(
+        30.0, gt=0, description="an HTTP body must arrive within this (else 408)"
+    )
+    http_header_timeout_seconds: float = Field(
+        10.0, gt=0, description="an HTTP request's headers must arrive within this (else 408)"
+    )
     # Tenants (router/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
     auth: bool = Field(
         True, description="API keys (--no-auth: refused unless --host is 127.0.0.1, as make run)"

@@ -150,8 +150,8 @@ class LLMBackend:
         await self.serving.engine.close()
 
 
-def usage(out: Output) -> tuple[int, int, str]:
-    return out.prompt_tokens, out.completion_tokens, out.finish_reason or ""
+def usage(out: Output) -> tuple[int, int, str, int]:
+    return out.prompt_tokens, out.completion_tokens, out.finish_reason or "", out.cached_tokens
 
 
 def _raise_failed(out: Output) -> None:

@@ -40,7 +40,7 @@ TEXT_TASKS = ("embed",)
 # meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
 # an embedding). Found in the graph where an input indexes a constant table; may be set.
 VOCAB_SIZE = model_keys.VOCAB_SIZE
-TEXT_INPUT = "TEXT"
+TEXT_INPUT = llm_protocol.TEXT
 # An LLM served by the generation engine (worker/llm/): the model folder holds the engine's
 # step graph and a tokenizer; clients speak Triton's vLLM-backend tensors (decoupled).
 ENGINE = model_keys.ENGINE

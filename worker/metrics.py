@@ -101,6 +101,19 @@ class RepositoryCollector(Collector):
             "Draft tokens the target accepted, as a fraction of those proposed since start",
             labels=labels,
         )
+        prefix = CounterMetricFamily(
+            "meshserve_worker_prefix_cache",
+            "LLM prefix cache since start: kind=hits, misses (admitted sequences that reused a "
+            "cached prefix, or not), cached_tokens (prompt tokens not prefilled), "
+            "evicted_blocks",
+            labels=[*labels, "kind"],
+        )
+        prefix_held = GaugeMetricFamily(
+            "meshserve_worker_prefix_cache_tokens",
+            "LLM prefix cache: tokens of finished sequences kept for reuse (never reserved: "
+            "admission evicts them before it waits)",
+            labels=labels,
+        )
         roof = GaugeMetricFamily(
             "meshserve_worker_roofline",
             "Where the model runs against the roofline (worker/roofline.py): figure="
@@ -140,8 +153,13 @@ class RepositoryCollector(Collector):
                 drafts.add_metric([*key, "proposed"], engine.stats.draft_tokens)
                 drafts.add_metric([*key, "accepted"], engine.stats.accepted_tokens)
                 acceptance.add_metric(key, engine.stats.acceptance_rate)
+            p = engine.prefix.stats
+            for kind in ("hits", "misses", "cached_tokens", "evicted_blocks"):
+                prefix.add_metric([*key, kind], getattr(p, kind))
+            prefix_held.add_metric(key, engine.prefix.retained_tokens)
         yield from (loaded, depth, capacity, requests, request_seconds, phase_seconds)
         yield from (inferences, executions, kv, sequences, tokens, drafts, acceptance, roof)
+        yield from (prefix, prefix_held)
 
 
 def serve(repository: Repository, port: int, host: str, roofline: Roofline | None = None) -> int:

@@ -17,7 +17,7 @@ from worker import config as cfg
 from worker.backends import BatchedBackend, LLMBackend, ModelBackend, TextBackend
 from worker.batcher import Batcher
 from worker.llm.model import Model, StepModel, is_step_graph
-from worker.llm.serving import DRAFT_MODEL, LLMServing, draft_path
+from worker.llm.serving import LLMServing, draft_path
 from worker.runtime import CPU, OnnxSession, RuntimeOptions, requested_providers
 from worker.stats import ModelStats
 from worker.text import TextModel
@@ -83,6 +83,7 @@ def serve_llm(
     llm.engine.on_execution = lambda kind, rows, tokens, ns: stats.record_execution(
         rows, rows, 0, ns, 0, kind, tokens, llm.engine.cached_tokens() if kind == "decode" else 0
     )
+    llm.engine.on_admit = stats.queue.add
     llm.engine.start()
     log.info(
         "model_loaded",
@@ -132,9 +133,12 @@ class Repository:
     def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
         path = model_dir / version / "model.onnx"
         options = self.options
-        if cfg.is_llm(config) and DRAFT_MODEL in config.parameters:
-            # The target's and the draft's runs alternate: a pool spinning after its run
-            # takes the cores from the other's (benchmarks/llm_speculative.py measures it).
+        if cfg.is_llm(config):
+            # The engine's runs alternate with Python on the event loop (sampling,
+            # detokenizing, gRPC), and with a draft model's runs: a pool spinning after its
+            # run takes the cores they need, and a spinning thread descheduled on a busy
+            # machine stalls the next run (benchmarks/llm_step.py: 34 vs 287 ms per decode
+            # step, 2 threads, shared 2-core machine; llm_speculative.py for the draft).
             options = dataclasses.replace(options, allow_spinning=False)
         session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model

@@ -1,5 +1,7 @@
 """python -m loadtest --llm --model M (--prompts FILE | --prompt-len N) --max-tokens K
     [--concurrency 1 4 16 | --rate 0.5 2]
+python -m loadtest --llm --model M --conversations N --turns K [--think-time S]
+    (conversations on one system prompt, history resent: loadtest/llm/conversations.py)
 
 LLM load over ModelStreamInfer with Triton's vLLM-backend tensors (text_input, stream,
 sampling_parameters, exclude_input_in_output -> text_output): meshserve's engine, or
@@ -37,6 +39,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--llm", action="store_true", required=True, help="this mode")
     parser.add_argument("--address", default="127.0.0.1:8001")
+    parser.add_argument(
+        "--api",
+        choices=("triton", "openai"),
+        default="triton",
+        help="triton: ModelStreamInfer (gRPC); openai: POST /v1/completions with SSE at "
+        "--address (http://HOST:PORT), e.g. llama.cpp's llama-server",
+    )
     parser.add_argument(
         "--ca", type=Path, help="TLS: trust this CA; an API key comes from MESHSERVE_API_KEY"
     )
@@ -146,6 +155,7 @@ def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
         max_send_lag_ms=args.max_send_lag_ms,
         credentials=tls.channel_credentials(args.ca) if args.ca else None,
         api_key=os.environ.get(API_KEY_VARIABLE),
+        api=args.api,
     )
     return load, {**described, "sampling": {**sampling, "max_tokens": args.max_tokens}}
 
@@ -194,6 +204,10 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--conversations" in argv:  # conversation / shared-prefix load (its own flags)
+        from loadtest.llm import conversations
+
+        return conversations.main(argv)
     args = parse_args(argv)
     try:
         load, described = build_load(args)

@@ -1,4 +1,6 @@
-"""The LLM mode's two load shapes over ModelStreamInfer (see `stream` for one request).
+"""The LLM mode's two load shapes, over ModelStreamInfer (`stream`) or, with
+`api="openai"`, over an OpenAI completions server's SSE (`openai`, e.g. llama.cpp's
+llama-server): the same requests, recorder and load shapes drive either.
 
 - closed loop: `concurrency` callers, each starts its next request when its last one's
   final response came; TTFT and end-to-end latency count from the send.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from tokenizers import Tokenizer
 
+from loadtest.llm import openai
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.stats import LLMRecorder
 from loadtest.llm.stream import Streams, build_request
@@ -45,12 +48,16 @@ class LLMLoad:
     max_send_lag_ms: float = 50.0
     credentials: grpc.ChannelCredentials | None = None  # TLS (common.tls)
     api_key: str | None = None  # sent as `authorization: Bearer <key>` (the router's tenants)
+    api: str = "triton"  # triton: ModelStreamInfer; openai: POST /v1/completions, SSE
 
-    def requests(self) -> list[tuple[pb.ModelInferRequest, str]]:
+    def requests(self) -> list[tuple[pb.ModelInferRequest | bytes, str]]:
         """One request per prompt, built once; the run cycles through them."""
-        out = []
+        out: list[tuple[pb.ModelInferRequest | bytes, str]] = []
         for i, prompt in enumerate(self.prompts):
             sampling = {**self.sampling, "max_tokens": prompt.max_tokens or self.max_tokens}
+            if self.api == "openai":
+                out.append((openai.build_request(self.model, prompt.text, sampling), prompt.text))
+                continue
             request = build_request(
                 self.model,
                 prompt.text,
@@ -68,7 +75,11 @@ class _Run:
         self.load, self.label, self.progress = load, label, progress
         self.recorder = LLMRecorder(load.tokenizer)
         self.requests = itertools.cycle(load.requests())
-        self.streams = Streams(load.address, load.credentials, load.api_key)
+        self.streams: Streams | openai.OpenAIStreams
+        if load.api == "openai":
+            self.streams = openai.OpenAIStreams(load.address, load.api_key)
+        else:
+            self.streams = Streams(load.address, load.credentials, load.api_key)
         self.sent = self.completed = self.pieces_seen = 0
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()
@@ -86,7 +97,11 @@ class _Run:
         self.sent += 1
         request, prompt = next(self.requests)
         out = await self.streams.generate(
-            request, due, self.load.timeout, self.loop.time, self.count_piece
+            request,  # type: ignore[arg-type]  # built for this wire by LLMLoad.requests
+            due,
+            self.load.timeout,
+            self.loop.time,
+            self.count_piece,
         )
         self.completed += 1
         if due >= self.measure_from:

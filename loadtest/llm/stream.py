@@ -48,6 +48,7 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served
 
 
 def build_request(
@@ -153,6 +154,8 @@ def _record(out: Outcome, response: pb.ModelInferResponse, now: float) -> bool:
         out.prompt_tokens = int(params[llm_protocol.PROMPT_TOKENS].int64_param)
     if llm_protocol.COMPLETION_TOKENS in params:
         out.completion_tokens = int(params[llm_protocol.COMPLETION_TOKENS].int64_param)
+    if llm_protocol.CACHED_TOKENS in params:
+        out.cached_tokens = int(params[llm_protocol.CACHED_TOKENS].int64_param)
     if llm_protocol.FINISH_REASON in params:
         out.finish_reason = params[llm_protocol.FINISH_REASON].string_param
     final = params[FINAL].bool_param if FINAL in params else True  # a non-decoupled model

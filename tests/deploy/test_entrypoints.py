@@ -29,6 +29,7 @@ import router.__main__
 import worker.__main__
 from devmesh import compose_check
 from ledger.settings import LedgerSettings
+from router.keys import AdminSettings
 from router.settings import RouterSettings
 from worker.settings import WorkerSettings
 
@@ -49,6 +50,7 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "MESHSERVE_WORKER_": WorkerSettings,
     "MESHSERVE_ROUTER_": RouterSettings,
     "MESHSERVE_LEDGER_": LedgerSettings,
+    "MESHSERVE_ADMIN_": AdminSettings,  # the tenants CLI, run in the ledger's container
 }
 DOCKERFILES = sorted(DEPLOY.glob("Dockerfile*"))
 # Dockerfile.<role>: the extras it installs and the process it starts.
@@ -138,7 +140,7 @@ def test_compose_commands_are_real_clis(name: str) -> None:
             if dockerfile:
                 assert (compose_check.ROOT / dockerfile).exists(), f"{where}: no {dockerfile}"
     if name == "compose.yaml":
-        assert started == {"worker", "router", "loadtest", "devmesh.models"}
+        assert started == {"worker", "router", "ledger", "loadtest", "devmesh.models"}
         assert services["loadtest"]["profiles"] == ["loadtest"]
         assert sum(s.startswith("worker-") for s in services) == 3
 

@@ -17,6 +17,7 @@ from common.tenancy import TenantPolicy, key_hash
 from common.tenant_directory import TenantDirectory
 from devmesh.redis_acl import make_users
 from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
+from ledger.restarts import RestartLog
 from ledger.store import Store, utc_month
 from router.keys import TenantAdmin
 
@@ -91,6 +92,14 @@ def test_keyed_calls_keep_working_after_an_empty_restart(keyed: Mesh) -> None:
     # this month's spend is back (at least what the ledger had counted), for the spend cap
     spend = keyed.redis_client().get(mesh_state.spend_key("acme", utc_month(mesh_state.now_ms())))
     assert spend is not None and int(spend) >= 40 * PRICE
+    # the report says that Redis restarted, and what a crash of its host could have lost
+    store = Store(keyed.ledger_db)
+    try:
+        (notice,) = RestartLog(store, 0.2).notices()
+    finally:
+        store.close()
+    bound = int(notice.split("up to ")[1].split(" calls")[0])
+    assert "no AOF" not in notice and bound >= 1, notice
 
 
 def test_a_key_revoked_never_comes_back_from_an_old_aof(keyed: Mesh) -> None:

@@ -197,3 +197,23 @@ def test_open_loop_and_errors_by_code_against_the_real_model(llm_worker) -> None
     late.duration, late.max_requests = 5.0, 2
     result = asyncio.run(closed_loop(late, concurrency=1))
     assert result["errors"] == {"DEADLINE_EXCEEDED": 2}
+
+
+@pytest.mark.slow
+def test_conversations_resend_history_and_hit_the_prefix_cache(llm_worker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """2 conversations x 3 turns on one system prompt: every later turn's prompt is mostly
+    cached (the worker's cached_tokens), and the report has TTFT per turn."""
+    worker, _ = llm_worker
+    out = tmp_path / "conv.json"
+    args = ["--llm", "--address", worker.address, "--model", MODEL, "--conversations", "2"]
+    args += ["--turns", "3", "--system-words", "60", "--question-words", "8"]
+    args += ["--max-tokens", "4", "--concurrency", "2", "--output", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] == 6 and not report["errors"]
+    assert set(report["per_turn"]) == {"1", "2", "3"}
+    assert report["per_turn"]["3"]["ttft_p50_s"] is not None
+    assert report["hit_rate"] > 0.5 and report["cached_tokens"] > 0

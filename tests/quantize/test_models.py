@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from quantize import encoder_graph, weights
+from quantize import checkpoint, encoder_graph, weights
 from quantize.models import BertEncoder, DecoderConfig, EncoderConfig, LlamaDecoder, greedy
 from quantize.recipes import RECIPES
 
@@ -83,7 +83,7 @@ def test_unpermute_rope_inverts_llama_cpp_permutation() -> None:
     w = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
     # llama.cpp's convert_hf_to_gguf permute
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
-    np.testing.assert_array_equal(weights.unpermute_rope(permuted, heads), w)
+    np.testing.assert_array_equal(checkpoint.unpermute_rope(permuted, heads), w)
 
 
 def test_bert_names_map_onto_our_modules() -> None:

@@ -1,10 +1,13 @@
 """The KV cache: allocated once, written in place by the step graph, freed per sequence.
 
 One anonymous mapping holds keys and values for every layer as [2, layers, slots, kv_heads,
-max_len, head_dim] float32. A sequence owns one slot for its lifetime; the attention op
-writes each new token's keys at the sequence's own length, so nothing is ever copied or
-concatenated between steps. Slot rows are contiguous per layer, so the rows of a decode
-batch (slots lo..hi) bind to onnxruntime as views of this memory, without a copy.
+max_len, head_dim]. That layout is fixed; only the element type is a parameter,
+`CacheShape.dtype`: "float32" or "float16" (llama.cpp's default), whichever the step graph
+was built for (its metadata `meshserve.llm.kv_dtype`; older graphs are float32). A sequence
+owns one slot for its lifetime; the attention op writes each new token's keys at the
+sequence's own length, so nothing is ever copied or concatenated between steps. Slot rows
+are contiguous per layer, so the rows of a decode batch (slots lo..hi) bind to onnxruntime
+as views of this memory, without a copy.
 
 Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
 when written, and a freed slot's pages are returned to the OS (madvise DONTNEED), so the
@@ -24,8 +27,10 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.llm.kv_budget import KVBudget
+from worker.llm.prefix import PrefixCache
 
-FLOAT_BYTES = 4
+KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
+DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
@@ -36,10 +41,19 @@ class CacheShape:
     head_dim: int
     slots: int
     max_len: int
+    dtype: str = "float32"  # one of KV_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {self.dtype!r}: expected one of {KV_DTYPES}")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * FLOAT_BYTES
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
 class KVCache:
@@ -47,19 +61,22 @@ class KVCache:
 
     def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
         self.shape = shape
-        self.room = KVBudget(shape.slots, budget_tokens)
+        # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
+        self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
         # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
         # No swap reserved for slots x max_len: only the budget's pages are ever resident.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * FLOAT_BYTES, flags=flags)
-        self.data = np.frombuffer(self._map, dtype=np.float32).reshape(dims)
-        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * FLOAT_BYTES
+        self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
+        self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
+        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
+        # told of every prefix-cache move (discard_from, copy_rows) as (op, a, b, start, stop)
+        self.on_change: Callable[[tuple[int, int, int, int, int]], None] | None = None
 
     @property
     def budget_tokens(self) -> int:
@@ -97,8 +114,51 @@ class KVCache:
         for kv in range(2):
             for layer in range(self.shape.layers):
                 start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
-                # page-aligned by construction when max_len * head_dim * 4 is a page multiple
+                # page-aligned when max_len * head_dim * itemsize is a page multiple
                 self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
+
+    def discard_from(self, slot: int, start: int) -> None:
+        """Return the pages of the slot's rows start.. (every head of every layer) to the OS,
+        whole pages only: a page that also holds a row before `start` is kept. Tells
+        `on_change` (a shard group's other ranks drop theirs too)."""
+        if start <= 0:
+            self.discard(slot)
+        else:
+            s, item = self.shape, self.data.itemsize
+            row = s.head_dim * item
+            head = s.max_len * row
+            page = mmap.PAGESIZE
+            for kv in range(2):
+                for layer in range(s.layers):
+                    base = ((kv * s.layers + layer) * s.slots + slot) * s.kv_heads * head
+                    for h in range(s.kv_heads):
+                        lo = base + h * head + start * row
+                        lo = -(-lo // page) * page
+                        hi = (base + (h + 1) * head) // page * page
+                        if hi > lo:
+                            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if self.on_change is not None:
+            self.on_change((DISCARD, slot, -1, start, 0))
+
+    def copy_rows(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Copy rows start..stop-1 of slot `src` into slot `dst`, keys and values of every
+        layer (a reused prefix: a memcpy per layer and head, far cheaper than its
+        prefill). Tells `on_change`."""
+        if stop > start:
+            d = self.data
+            d[:, :, dst, :, start:stop] = d[:, :, src, :, start:stop]
+        if self.on_change is not None:
+            self.on_change((COPY, src, dst, start, stop))
+
+    def apply(self, op: tuple[int, int, int, int, int]) -> None:
+        """Replay an `on_change` record (another rank's cache, its own heads)."""
+        kind, a, b, start, stop = op
+        if kind == DISCARD:
+            self.discard_from(a, start)
+        elif kind == COPY:
+            self.copy_rows(a, b, start, stop)
+        else:
+            raise ValueError(f"unknown cache op {kind}")
 
     def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
         """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
@@ -126,9 +186,10 @@ class KVCache:
                 self._map.close()
 
 
-def page_aligned(max_len: int, row_floats: int, page: int = 4096) -> int:
-    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise)."""
+def page_aligned(max_len: int, row_floats: int, page: int = 4096, itemsize: int = 4) -> int:
+    """The smallest length >= max_len whose per-slot bytes are whole pages (for madvise);
+    row_floats elements of itemsize bytes per position."""
     unit = 1
-    while (unit * row_floats * 4) % page:
+    while (unit * row_floats * itemsize) % page:
         unit += 1
     return -(-max_len // unit) * unit

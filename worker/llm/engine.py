@@ -40,7 +40,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -51,9 +51,10 @@ from tokenizers import Tokenizer
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm import scheduler
-from worker.llm.cache import CacheShape, KVCache, page_aligned
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
 from worker.llm.model import Model, VerifyingModel
+from worker.llm.prefix import PrefixCache
 from worker.llm.sampling import Sampler, SamplingParams
 from worker.llm.speculative import DraftConfig, Drafter
 
@@ -69,8 +70,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences generating at once (cache slots)
     kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
     prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
-    max_step_tokens: int = 128  # decode rows + prefill tokens per step while streams decode
+    max_step_tokens: int = 48  # decode rows + prefill tokens per step while streams decode
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
+    prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None  # the run failed: the sequence ends without more text
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(eq=False, kw_only=True)
@@ -149,16 +152,23 @@ class Engine:
         self.config = config
         self.eos = {i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
         budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
+        row = facts.kv_heads * facts.head_dim
+        itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         self.cache = KVCache(
-            CacheShape(
-                facts.layers,
-                facts.kv_heads,
-                facts.head_dim,
+            facts.cache_shape(
                 config.max_num_seqs,
-                page_aligned(config.max_model_len, facts.kv_heads * facts.head_dim),
+                page_aligned(config.max_model_len, row, itemsize=itemsize),
             ),
             budget,
         )
+        # the cache's room: slots and reservations, and the prefixes its slots keep
+        self.prefix = PrefixCache(
+            config.max_num_seqs,
+            budget,
+            discard=self.cache.discard_from,
+            enabled=config.prefix_caching,
+        )
+        self.cache.room = self.prefix
         self.drafter = None
         if draft is not None:
             shape = self.cache.shape
@@ -176,6 +186,9 @@ class Engine:
         )
         self.stats = EngineStats()
         self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
+        # and genai-perf read to find the model version that served them
+        self.on_admit: Callable[[int], None] = lambda ns: None
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
@@ -190,8 +203,9 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids  # type: ignore[no-any-return]
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request, or refuse it at once with the numbers that did not fit."""
+    def add(self, prompt: list[int], params: SamplingParams, root: bytes = b"") -> Sequence:
+        """Queue a request, or refuse it at once with the numbers that did not fit. `root`:
+        its prefix cache key root (prefix.root_key: model, version, cache_salt)."""
         if self._closed:
             raise Unavailable("the engine is shutting down")
         limit = self.config.max_model_len
@@ -222,6 +236,7 @@ class Engine:
             sampler=Sampler(params, prompt, self.model.facts.vocab_size),
             detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
             reserve=reserve,
+            root=root,
         )
         try:
             self.scheduler.add(seq)
@@ -299,6 +314,9 @@ class Engine:
         log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
+        now = time.perf_counter_ns()
+        for seq in plan.admitted:
+            self.on_admit(now - seq.arrived_ns)
         for slot in plan.freed:
             if self.drafter is not None:
                 self.drafter.release(slot)
@@ -310,6 +328,8 @@ class Engine:
     ) -> None:
         """Run the plan: its prefill chunks, then its decode rows; accept each result."""
         self.stats.steps += 1
+        if plan.copies:
+            await loop.run_in_executor(self._pool, self._copy, plan.copies)
         for chunk in plan.prefill:
             await self._prefill(loop, chunk, joining=bool(plan.decode))
         decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
@@ -332,6 +352,7 @@ class Engine:
         )
         self._executed("prefill", 1, n, time.perf_counter_ns() - start)
         seq.computed = chunk.start + n
+        self.scheduler.computed(seq)
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
         if chunk.completes and not seq.cancelled:
@@ -345,8 +366,11 @@ class Engine:
         hi = max(s.slot for s in decoding) + 1
         ids = np.zeros((hi - lo, 1), np.int64)
         lengths = np.ones(hi - lo, np.int64)
-        # Rows between the decoding ones (free slots, prompts mid-prefill) run a dummy token
-        # written just past their own data, where their next real token will overwrite it.
+        # Rows between the decoding ones (free slots, prompts mid-prefill, retained prefixes)
+        # run a dummy token written just past their own data, where their next real token
+        # will overwrite it.
+        for slot in range(lo, hi):
+            lengths[slot - lo] = self.prefix.held_length(slot) + 1
         for seq in self.running:
             if lo <= seq.slot < hi:
                 lengths[seq.slot - lo] = seq.computed + 1
@@ -406,6 +430,12 @@ class Engine:
         seq.computed += max(emitted, 1)
         seq.drafted = min(seq.computed, length + k - 1)
 
+    def _copy(self, copies: tuple[scheduler.Copy, ...]) -> None:
+        """The plan's reused prefixes, row by row into their new slots (a memcpy)."""
+        for c in copies:
+            self.cache.copy_rows(c.src, c.dst, c.start, c.stop)
+            self.prefix.unpin(c.src)
+
     def cached_tokens(self) -> int:
         """Tokens in the cache over the generating sequences (what a decode run reads)."""
         return sum(s.computed for s in self.running if not s.prefilling)
@@ -438,7 +468,9 @@ class Engine:
         if reason is None:
             if piece:
                 # Running counts on every piece: what a stream cut here has sent.
-                seq.outputs.put_nowait(Output(piece, False, None, len(seq.prompt), len(seq.tokens)))
+                seq.outputs.put_nowait(
+                    Output(piece, False, None, len(seq.prompt), len(seq.tokens), None, seq.cached)
+                )
             return token
         self._finish(seq, reason, piece)
         return token
@@ -450,7 +482,7 @@ class Engine:
         if reason != CANCELLED:
             piece += seq.detok.finish()
         seq.outputs.put_nowait(
-            Output(piece, True, reason, len(seq.prompt), completion_tokens=len(seq.tokens))
+            Output(piece, True, reason, len(seq.prompt), len(seq.tokens), None, seq.cached)
         )
         self.stats.finished[reason] += 1
         self._leave(seq)
@@ -460,7 +492,7 @@ class Engine:
         seq.finish_reason = "error"
         self.stats.finished["error"] += 1
         seq.outputs.put_nowait(
-            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}")
+            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}", seq.cached)
         )
         self._leave(seq)
 

@@ -23,11 +23,13 @@ from common.step_graph import (
     META,
     NUM_LOGITS,
     SEQLENS,
+    TOP_IDS,
+    TOP_VALUES,
     TOTAL,
     past_names,
     present_names,
 )
-from worker.llm.cache import KVCache
+from worker.llm.cache import CacheShape, KVCache
 from worker.runtime import OnnxSession, RuntimeOptions
 
 
@@ -38,7 +40,11 @@ class GraphFacts:
     kv_heads: int
     head_dim: int
     vocab_size: int
-    max_positions: int
+    max_positions: int  # the model's context length: its RoPE table
+    kv_dtype: str = "float32"  # the KV cache's element type (worker/llm/cache.py)
+
+    def cache_shape(self, slots: int, max_len: int) -> CacheShape:
+        return CacheShape(self.layers, self.kv_heads, self.head_dim, slots, max_len, self.kv_dtype)
 
 
 class Model(Protocol):
@@ -68,9 +74,11 @@ class StepModel:
     def __init__(self, session: OnnxSession) -> None:
         self.session = session
         meta = session.session.get_modelmeta().custom_metadata_map
+        ints = [f for f in GraphFacts.__dataclass_fields__ if f != "kv_dtype"]
         try:
             self.facts = GraphFacts(
-                **{f: int(meta[META + f]) for f in GraphFacts.__dataclass_fields__}
+                **{f: int(meta[META + f]) for f in ints},
+                kv_dtype=meta.get(META + "kv_dtype", "float32"),
             )
         except KeyError as e:
             raise ValueError(
@@ -78,6 +86,10 @@ class StepModel:
                 "build it with `python -m quantize build-repository`"
             ) from e
         self.position_logits = meta.get(META + "num_logits_input") == "1"
+        self.top_k = 0  # the graph's own top-k width (0: it has none)
+        for out in session.session.get_outputs():
+            if out.name == TOP_IDS and isinstance(out.shape[-1], int):
+                self.top_k = out.shape[-1]
         f = self.facts
         self._past = [past_names(i) for i in range(f.layers)]
         self._present = [present_names(i) for i in range(f.layers)]
@@ -94,6 +106,20 @@ class StepModel:
         logits = self._run(cache, ids, lengths, lo, hi, 1)
         return logits[:, -1] if self.position_logits else logits
 
+    def run_top(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """As `run`, returning the graph's own top-k instead of the logits: (values [rows, k]
+        float32, largest first; ids [rows, k] int64). The logits never leave onnxruntime:
+        a greedy row takes ids[:, 0], a top-k row (k <= self.top_k) samples from these."""
+        if not self.top_k:
+            raise ValueError(f"{self.session.path}: the step graph has no top-k output")
+        io = self._binding(cache, lo, hi, 0)
+        self._feed(io, ids, lengths, 1)
+        self.session.session.run_with_iobinding(io)
+        values, top = io.get_outputs()[:2]  # then the cache, bound in place
+        return np.array(values.numpy()), np.array(top.numpy())
+
     def run_positions(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
     ) -> np.ndarray:
@@ -109,24 +135,29 @@ class StepModel:
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int, n: int
     ) -> np.ndarray:
         io = self._binding(cache, lo, hi, n)
+        self._feed(io, ids, lengths, n)
+        self.session.session.run_with_iobinding(io)
+        # a copy: the binding's output buffer is reused by the next run
+        return np.array(io.get_outputs()[0].numpy())
+
+    def _feed(self, io: ort.IOBinding, ids: np.ndarray, lengths: np.ndarray, n: int) -> None:
         io.bind_cpu_input(IDS, np.ascontiguousarray(ids, dtype=np.int64))
         io.bind_cpu_input(SEQLENS, (lengths - 1).astype(np.int32))
         io.bind_cpu_input(TOTAL, np.array(int(lengths.max()), dtype=np.int32))
         if self.position_logits:
             io.bind_cpu_input(NUM_LOGITS, np.array(n, dtype=np.int64))
-        self.session.session.run_with_iobinding(io)
-        # a copy: the binding's output buffer is reused by the next run
-        return np.array(io.get_outputs()[0].numpy())
 
     def _binding(self, cache: KVCache, lo: int, hi: int, n: int) -> ort.IOBinding:
         """One IO binding per row range (and count of positions with logits, whose output
         shape onnxruntime keeps), kept by the cache (whose memory it binds), with the cache
-        bound once: a step then rebinds only its small inputs."""
+        bound once: a step then rebinds only its small inputs. n = 0: the top-k outputs
+        instead of the logits."""
         key = (id(self), lo, hi, n)
         io = cache.bindings.get(key)
         if io is None:
             io = self.session.session.io_binding()
-            io.bind_output(LOGITS)  # first, so it is get_outputs()[0]
+            for name in (TOP_VALUES, TOP_IDS) if n == 0 else (LOGITS,):
+                io.bind_output(name)  # first, in this order, so get_outputs() starts with them
             for (pk, pv), (ok, ov), (k, v) in zip(
                 self._past, self._present, cache.views(lo, hi), strict=True
             ):

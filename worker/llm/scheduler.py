@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from common.errors import ResourceExhausted
+from worker.llm.prefix import PrefixCache
 
 
 @dataclass(eq=False, kw_only=True)
@@ -60,6 +61,8 @@ class Sequence:
     finish_reason: str | None = None
     cancelled: bool = False
     arrived_ns: int = field(default_factory=time.perf_counter_ns)
+    root: bytes = b""  # the prefix cache's key root: model, version, cache_salt
+    cached: int = 0  # prompt tokens the prefix cache served (copied or adopted, not prefilled)
 
     @property
     def prefilling(self) -> bool:
@@ -113,6 +116,17 @@ class Chunk(Generic[S]):
 
 
 @dataclass(frozen=True)
+class Copy:
+    """Rows start..stop-1 of slot `src` into slot `dst`: a reused prefix (worker/llm/prefix.py),
+    done before the step's runs."""
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class StepPlan(Generic[S]):
     cancelled: tuple[S, ...] = ()
     admitted: tuple[S, ...] = ()
@@ -120,10 +134,11 @@ class StepPlan(Generic[S]):
     decode: tuple[S, ...] = ()
     drafts: int = 0  # k > 0: the one decode row verifies k drafts
     freed: tuple[int, ...] = ()  # slots given back by the cancelled sequences
+    copies: tuple[Copy, ...] = ()  # cached prefixes to copy first
 
     @property
     def idle(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.copies
 
     @property
     def tokens(self) -> int:
@@ -139,6 +154,8 @@ class Scheduler(Generic[S]):
                 f"{config.prefill_chunk} must be >= 1"
             )
         self.room = room
+        # a room that also holds retained prefixes: admission reuses them (worker/llm/prefix.py)
+        self.prefix = room if isinstance(room, PrefixCache) else None
         self.config = config
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
@@ -154,7 +171,8 @@ class Scheduler(Generic[S]):
     def schedule(self) -> StepPlan[S]:
         cancelled, freed = self._drop_cancelled()
         admitted = []
-        while self.waiting and self._admit_one(self.waiting[0]):
+        copies: list[Copy] = []
+        while self.waiting and self._admit_one(self.waiting[0], copies):
             admitted.append(self.waiting.popleft())
         decode = tuple(s for s in self.running if not s.prefilling)
         drafts = self._drafts(decode)
@@ -163,7 +181,7 @@ class Scheduler(Generic[S]):
         budget -= len(decode) * (1 + drafts)
         prefill: list[Chunk[S]] = []
         for seq in self.running:
-            if not seq.prefilling:
+            if not seq.prefilling or not self._catch_up(seq, copies):
                 continue
             n = min(len(seq.prompt) - seq.computed, c.prefill_chunk, budget)
             if n < 1:
@@ -172,15 +190,51 @@ class Scheduler(Generic[S]):
                 n = 1  # the oldest prompt progresses whatever the budget
             prefill.append(Chunk(seq, seq.computed, n))
             budget -= n
-        return StepPlan(tuple(cancelled), tuple(admitted), tuple(prefill), decode, drafts, freed)
+        return StepPlan(
+            tuple(cancelled),
+            tuple(admitted),
+            tuple(prefill),
+            decode,
+            drafts,
+            freed,
+            tuple(copies),
+        )
 
-    def _admit_one(self, seq: S) -> bool:
-        """Give `seq` a slot and its reservation if the cache has room for them."""
+    def _admit_one(self, seq: S, copies: list[Copy]) -> bool:
+        """Give `seq` a slot and its reservation if the cache has room for them; with a
+        prefix cache, the longest cached prefix of its prompt comes with the slot."""
         if not self.room.fits(seq.reserve):
             return False
-        seq.slot = self.room.allocate(seq.reserve)
+        if self.prefix is None:
+            seq.slot = self.room.allocate(seq.reserve)
+        else:
+            match = self.prefix.lookup(seq.root, seq.prompt)
+            plan = self.prefix.admit(seq.reserve, seq.root, seq.prompt, match)
+            seq.slot = plan.slot
+            seq.computed = seq.cached = plan.cached
+            if plan.copy_from >= 0:
+                copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
         self.running.append(seq)
         return True
+
+    def _catch_up(self, seq: S, copies: list[Copy]) -> bool:
+        """Whether `seq` prefills this step: not while another sequence computes the block
+        it needs next (it copies that block once computed, extending its prefix)."""
+        p = self.prefix
+        if p is None:
+            return True
+        match = p.catch_up(seq.slot, seq.root, seq.prompt, seq.computed)
+        if match.tokens > seq.computed:
+            p.pin(match.slot)
+            copies.append(Copy(match.slot, seq.slot, seq.computed, match.tokens))
+            seq.cached += match.tokens - seq.computed
+            seq.computed = match.tokens
+        return not p.waits(seq.slot, seq.root, seq.prompt, seq.computed)
+
+    def computed(self, seq: S) -> None:
+        """The engine ran a prefill chunk of `seq`: its computed rows may be shared now."""
+        if self.prefix is not None and seq.slot >= 0:
+            self.prefix.computed(seq.slot, seq.prompt[: seq.computed])
 
     def _drafts(self, decode: tuple[S, ...]) -> int:
         """k for a lone decoding sequence: a verify run writes k + 1 tokens from its last one
@@ -209,5 +263,13 @@ class Scheduler(Generic[S]):
             return -1
         self.running.remove(seq)
         slot, seq.slot = seq.slot, -1
-        self.room.release(slot, seq.reserve)
+        if self.prefix is None:
+            self.room.release(slot, seq.reserve)
+            return slot
+        # a sequence that ended normally leaves its computed rows cached; one cancelled or
+        # failed (mid-prefill, maybe) leaves nothing anyone could be served
+        keep = not seq.cancelled and seq.finish_reason in ("stop", "length")
+        if keep:
+            self.prefix.computed(slot, seq.since(0)[: seq.computed])
+        self.prefix.release(slot, seq.reserve, keep)
         return slot

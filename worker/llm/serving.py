@@ -25,8 +25,7 @@ from common import llm_protocol, model_keys
 from common.errors import InvalidArgument
 from worker import token_metrics
 from worker.config import ConfigError, ModelSpec
-from worker.llm import sampling
-from worker.llm.cache import CacheShape
+from worker.llm import prefix, sampling
 from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
@@ -73,6 +72,7 @@ class LLMRequest:
     params: sampling.SamplingParams
     stream: bool
     exclude_input: bool
+    cache_salt: str = ""  # the request's cache_salt parameter: its own prefix cache partition
 
 
 def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
@@ -83,13 +83,14 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
                 f"model {spec.name!r}: parameter {key} must be a positive integer, got {p[key]!r}"
             )
     default = EngineConfig()
-    max_len = int(p.get(MAX_MODEL_LEN, default.max_model_len))
     seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
     f = model.facts
-    per_token = CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 1).bytes_per_token
+    per_token = f.cache_shape(1, 1).bytes_per_token
     budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
     if budget < 2:
         raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
+    # unset: the model's own context length (its graph's RoPE table), bounded by the budget
+    max_len = int(p.get(MAX_MODEL_LEN, min(f.max_positions, budget)))
     return EngineConfig(
         max_model_len=max_len,
         max_num_seqs=seqs,
@@ -97,7 +98,18 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
         prefill_chunk=int(p.get(PREFILL_CHUNK, default.prefill_chunk)),
         max_step_tokens=int(p.get(MAX_STEP_TOKENS, default.max_step_tokens)),
         max_waiting=spec.max_queue_size or default.max_waiting,
+        prefix_caching=_prefix_caching(spec),
     )
+
+
+def _prefix_caching(spec: ModelSpec) -> bool:
+    value = spec.parameters.get(model_keys.PREFIX_CACHING, "true").lower()
+    if value not in ("true", "false"):
+        raise ConfigError(
+            f"model {spec.name!r}: parameter {model_keys.PREFIX_CACHING} must be true or false, "
+            f"got {value!r}"
+        )
+    return value == "true"
 
 
 def draft_path(spec: ModelSpec, model_dir: Path) -> Path | None:
@@ -156,6 +168,7 @@ class LLMServing:
             params=params,
             stream=_flag(inputs, STREAM),
             exclude_input=_flag(inputs, EXCLUDE_INPUT) or llm_protocol.MESSAGES in inputs,
+            cache_salt=_salt(parameters),
         )
 
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
@@ -174,7 +187,8 @@ class LLMServing:
         return self.chat.render(messages)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
-        seq = self.engine.add(request.prompt, request.params)
+        root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
+        seq = self.engine.add(request.prompt, request.params, root)
         self.prompt_tokens += len(request.prompt)
         clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
@@ -204,6 +218,19 @@ def _text(array: np.ndarray, name: str = TEXT_INPUT) -> str:
         except UnicodeDecodeError as e:
             raise InvalidArgument(f"input {name!r} is not valid UTF-8: {e}") from None
     return str(item)
+
+
+def _salt(parameters: Mapping[str, Any]) -> str:
+    """The request's cache_salt (a string of at most MAX_CACHE_SALT characters), "" none."""
+    salt = parameters.get(llm_protocol.CACHE_SALT)
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or len(salt) > llm_protocol.MAX_CACHE_SALT:
+        raise InvalidArgument(
+            f"parameter {llm_protocol.CACHE_SALT!r}: a string of at most "
+            f"{llm_protocol.MAX_CACHE_SALT} characters expected"
+        )
+    return salt
 
 
 def _flag(inputs: dict[str, np.ndarray], name: str) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import KVCache
 from worker.llm.model import Model
 
 
@@ -35,7 +35,7 @@ class Drafter:
         f = config.model.facts
         self.model = config.model
         self.num_tokens = config.num_tokens
-        self.cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, slots, max_len), budget)
+        self.cache = KVCache(f.cache_shape(slots, max_len), budget)
         self.ns = 0  # time in the draft's runs
 
     def propose(self, pending: list[int], length: int, slot: int, k: int) -> list[int]:

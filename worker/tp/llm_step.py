@@ -2,7 +2,7 @@
 
 Rank 0 (the leader) runs the unchanged Engine with a `TPStepModel` as its model. Each
 `run(cache, ids, lengths, lo, hi)` checks the token ids, then broadcasts the step as one
-int64 array (the cache shape, lo/hi, slots freed since the last step, lengths, ids) and
+int64 array (the cache shape, lo/hi, the cache moves since the last step, lengths, ids) and
 every rank runs its segments of the step graph (quantize/llm_shard.py): its query and KV
 heads, its own KV cache — the same slots, only its KV heads — written in place by the
 attention op, an all-reduce after each attention and each MLP, and a gather of the
@@ -15,7 +15,9 @@ fails the sequences in it, and the next step runs as usual. Only a failed collec
 died or hung) fails the group (worker/tp/leader.py).
 
 The leader's cache is the engine's own; every other rank allocates its cache from the first
-step's shape and returns a slot's pages to the OS when the leader frees the slot.
+step's shape and replays the leader's cache moves before the step runs (KVCache.on_change:
+the prefix cache's copies of reused rows and its discards of freed or evicted ones), each
+rank on its own KV heads: the same prefix cache works in a group.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from worker.tp.runtime import ShardSet, Timing
 log = structlog.get_logger()
 
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
-_HEAD = 8  # slots, max_len, lo, hi, rows, new, released, budget
+_HEAD = 8  # slots, max_len, lo, hi, rows, new, cache moves, budget
+_OP = 5  # a cache move: (op, a, b, start, stop), worker/llm/cache.py's on_change
 
 
 class StepFailed(RuntimeError):
@@ -50,12 +53,18 @@ class StepFailed(RuntimeError):
 
 
 def pack(
-    shape: CacheShape, lo: int, hi: int, ids: np.ndarray, lengths: np.ndarray, released: list[int]
+    shape: CacheShape,
+    lo: int,
+    hi: int,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    ops: list[tuple[int, int, int, int, int]],
 ) -> np.ndarray:
     rows, new = ids.shape
-    head = [shape.slots, shape.max_len, lo, hi, rows, new, len(released), 0]
+    head = [shape.slots, shape.max_len, lo, hi, rows, new, len(ops), 0]
+    moves = [x for op in ops for x in op]
     return np.concatenate(
-        [np.asarray(head + released, np.int64), lengths.astype(np.int64), ids.reshape(-1)]
+        [np.asarray(head + moves, np.int64), lengths.astype(np.int64), ids.reshape(-1)]
     )
 
 
@@ -67,18 +76,22 @@ class Step:
     hi: int
     ids: np.ndarray
     lengths: np.ndarray
-    released: list[int]
+    ops: list[tuple[int, int, int, int, int]]
 
 
 def unpack(batch: np.ndarray) -> Step:
     slots, max_len, lo, hi, rows, new, n, _ = (int(x) for x in batch[:_HEAD])
-    at = _HEAD + n
-    released = [int(x) for x in batch[_HEAD:at]]
+    at = _HEAD + n * _OP
+    flat = [int(x) for x in batch[_HEAD:at]]
+    ops = [
+        (flat[i], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
+        for i in range(0, len(flat), _OP)
+    ]
     lengths = batch[at : at + rows]
     ids = batch[at + rows : at + rows + rows * new].reshape(rows, new)
     if hi - lo != rows or ids.size != rows * new:
         raise ValueError(f"malformed step: slots {lo}..{hi} for {rows} rows, {ids.size} ids")
-    return Step(slots, max_len, lo, hi, ids, lengths, released)
+    return Step(slots, max_len, lo, hi, ids, lengths, ops)
 
 
 class RankSteps:
@@ -143,8 +156,8 @@ class RankSteps:
             log.info("tp_cache_allocated", rank=self.rank, slots=step.slots, max_len=step.max_len)
         assert c is not None
         if self.owns_cache:
-            for slot in step.released:
-                c.discard(slot)
+            for op in step.ops:
+                c.apply(op)
         return c
 
     def step(self, group: TpGroup, batch: np.ndarray) -> np.ndarray | None:
@@ -264,7 +277,7 @@ class TPStepModel:
         self.index = index
         self.facts = rank.facts
         self.session = rank.sessions["first"]
-        self._released: deque[int] = deque()
+        self._ops: deque[tuple[int, int, int, int, int]] = deque()
         self._cache: KVCache | None = None
         self._lock = threading.Lock()
 
@@ -284,9 +297,9 @@ class TPStepModel:
         with self._lock:
             if self._cache is not cache:
                 self._cache = cache
-                cache.on_release = self._released.append
+                cache.on_change = self._ops.append
                 self.rank.attach(cache)
-            released = [self._released.popleft() for _ in range(len(self._released))]
-        batch = pack(cache.shape, lo, hi, ids, lengths, released)
+            ops = [self._ops.popleft() for _ in range(len(self._ops))]
+        batch = pack(cache.shape, lo, hi, ids, lengths, ops)
         (logits,) = self.leader.call(self.index, OP_STEP, 0, [batch])
         return logits

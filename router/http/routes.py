@@ -1,0 +1,269 @@
+"""The endpoints: OpenAI's /v1 and KServe v2's (Triton's) /v2, each a thin handler over
+router/http/calls.py (the dispatch path) and a codec (openai.py, tensors.py, pbjson.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import structlog
+
+from protos import grpc_service_pb2 as pb
+from router.http import openai, tensors
+from router.http.app import Handler, Out, Request
+from router.http.calls import MeshCalls
+from router.http.errors import HttpError
+from router.http.pbjson import to_json
+
+log = structlog.get_logger()
+
+JSON = "application/json"
+
+
+def _json(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+class Routes:
+    def __init__(self, calls: MeshCalls) -> None:
+        self.calls = calls
+        self.servicer = calls.servicer
+
+    def __call__(self, request: Request) -> Handler | None:
+        method, parts = request.method, [p for p in request.path.split("/") if p]
+        if parts[:1] == ["v1"]:
+            return self._openai(method, parts[1:])
+        if parts[:1] == ["v2"]:
+            return self._kserve(method, parts[1:])
+        return None
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def _openai(self, method: str, parts: list[str]) -> Handler | None:
+        if method == "POST" and parts == ["chat", "completions"]:
+            return self.chat
+        if method == "POST" and parts == ["completions"]:
+            return self.completion
+        if method == "POST" and parts == ["embeddings"]:
+            return self.embeddings
+        if method == "GET" and parts[:1] == ["models"] and len(parts) <= 2:
+            return self.models
+        return None
+
+    def _kserve(self, method: str, parts: list[str]) -> Handler | None:
+        if method == "GET" and parts in ([], ["health", "live"], ["health", "ready"]):
+            return self.server
+        if method == "POST" and parts == ["repository", "index"]:
+            return self.repository_index
+        if parts == ["models", "stats"] and method == "GET":
+            return self.stats
+        if parts[:1] != ["models"] or len(parts) < 2:
+            return None
+        rest = parts[2:]
+        if rest[:1] == ["versions"]:
+            rest = rest[2:]
+        if method == "GET" and rest in ([], ["ready"], ["config"], ["stats"]):
+            return {"": self.metadata, "ready": self.ready, "config": self.config}.get(
+                rest[0] if rest else "", self.stats
+            )
+        if method == "POST" and rest == ["infer"]:
+            return self.infer
+        if method == "POST" and rest in (["generate"], ["generate_stream"]):
+            return self.generate
+        return None
+
+    # -- OpenAI --------------------------------------------------------------------------------
+
+    async def chat(self, request: Request, out: Out) -> None:
+        await self._generation(request, out, chat=True)
+
+    async def completion(self, request: Request, out: Out) -> None:
+        await self._generation(request, out, chat=False)
+
+    async def _generation(self, request: Request, out: Out, chat: bool) -> None:
+        tenant = await self.calls.tenant(request.header("authorization"))
+        g = openai.generation(tensors.parse_json(request.body), chat)
+        rid = openai.new_id(chat)
+        raw = openai.worker_request(g, rid)
+        if not g.stream:
+
+            async def answer(reply: pb.ModelInferResponse) -> None:
+                await out.respond(200, _json(openai.answer(g, rid, reply)))
+
+            await self.calls.infer_answered(raw, tenant, answer)
+            return
+        chunks = openai.Chunks(g, rid)
+
+        async def piece(response: pb.ModelStreamInferResponse) -> None:
+            if response.error_message:
+                await self._stream_error(out, response)
+                return
+            if not out.started:
+                await out.start_events()
+            await out.event(chunks.events(response.infer_response))
+
+        await self.calls.stream(raw, tenant, piece)
+        await out.end_events()
+
+    @staticmethod
+    async def _stream_error(out: Out, response: pb.ModelStreamInferResponse) -> None:
+        """A stream's error: its HTTP status when nothing was sent yet, else a last event."""
+        error = HttpError.of_stream(response.error_message)
+        retry = response.infer_response.parameters.get("retry-after")
+        if retry is not None and retry.string_param:
+            error.headers = HttpError.of_retry(retry.string_param)
+        if not out.started:
+            await out.respond(error.status, error.openai(), headers=error.headers)
+            return
+        await out.event(openai.error_event(error))
+
+    async def embeddings(self, request: Request, out: Out) -> None:
+        tenant = await self.calls.tenant(request.header("authorization"))
+        e = openai.embedding(tensors.parse_json(request.body))
+
+        async def answer(reply: pb.ModelInferResponse) -> None:
+            await out.respond(200, _json(openai.embedding_answer(e, reply)))
+
+        await self.calls.infer_answered(openai.embedding_request(e, "embd"), tenant, answer)
+
+    async def models(self, request: Request, out: Out) -> None:
+        tenant = await self.calls.tenant(request.header("authorization"))
+        index = await self.calls.grpc(
+            self.servicer.RepositoryIndex,
+            pb.RepositoryIndexRequest(),
+            request.header("authorization"),
+        )
+        names = sorted({m.name for m in index.models if self.calls.allowed(tenant, m.name)})
+        cards = [{"id": n, "object": "model", "created": 0, "owned_by": "meshserve"} for n in names]
+        wanted = request.path.rstrip("/").split("/")[3:]
+        if wanted:
+            card = next((c for c in cards if c["id"] == wanted[0]), None)
+            if card is None:
+                raise HttpError(404, f"model {wanted[0][:64]!r} is not served", "model")
+            await out.respond(200, _json(card))
+            return
+        await out.respond(200, _json({"object": "list", "data": cards}))
+
+    # -- KServe v2 -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _model(request: Request) -> tuple[str, str]:
+        parts = [p for p in request.path.split("/") if p]
+        version = parts[4] if len(parts) > 4 and parts[3] == "versions" else ""
+        return parts[2], version
+
+    async def server(self, request: Request, out: Out) -> None:
+        authz = request.header("authorization")
+        if request.path.rstrip("/") == "/v2":
+            meta = await self.calls.grpc(
+                self.servicer.ServerMetadata, pb.ServerMetadataRequest(), authz
+            )
+            await out.respond(200, _json(to_json(meta)))
+            return
+        if request.path.endswith("live"):
+            await out.respond(200, b"")
+            return
+        ready = await self.calls.grpc(self.servicer.ServerReady, pb.ServerReadyRequest(), authz)
+        await out.respond(200 if ready.ready else 503, b"")
+
+    async def metadata(self, request: Request, out: Out) -> None:
+        name, version = self._model(request)
+        reply = await self.calls.grpc(
+            self.servicer.ModelMetadata,
+            pb.ModelMetadataRequest(name=name, version=version),
+            request.header("authorization"),
+        )
+        await out.respond(200, _json(to_json(reply)))
+
+    async def ready(self, request: Request, out: Out) -> None:
+        name, version = self._model(request)
+        reply = await self.calls.grpc(
+            self.servicer.ModelReady,
+            pb.ModelReadyRequest(name=name, version=version),
+            request.header("authorization"),
+        )
+        await out.respond(200 if reply.ready else 503, b"")
+
+    async def config(self, request: Request, out: Out) -> None:
+        name, version = self._model(request)
+        reply = await self.calls.grpc(
+            self.servicer.ModelConfig,
+            pb.ModelConfigRequest(name=name, version=version),
+            request.header("authorization"),
+        )
+        await out.respond(200, _json(to_json(reply.config)))
+
+    async def stats(self, request: Request, out: Out) -> None:
+        name, version = (
+            ("", "") if request.path.rstrip("/") == "/v2/models/stats" else self._model(request)
+        )
+        reply = await self.calls.grpc(
+            self.servicer.ModelStatistics,
+            pb.ModelStatisticsRequest(name=name, version=version),
+            request.header("authorization"),
+        )
+        await out.respond(200, _json(to_json(reply)))
+
+    async def repository_index(self, request: Request, out: Out) -> None:
+        reply = await self.calls.grpc(
+            self.servicer.RepositoryIndex,
+            pb.RepositoryIndexRequest(),
+            request.header("authorization"),
+        )
+        models = [to_json(m) for m in reply.models]
+        await out.respond(200, _json(models))
+
+    async def infer(self, request: Request, out: Out) -> None:
+        tenant = await self.calls.tenant(request.header("authorization"))
+        name, version = self._model(request)
+        doc, binary = tensors.split_body(request.body, request.header(tensors.HEADER_LENGTH))
+        message = tensors.infer_request(doc, binary, name, version)
+        every, named = tensors.wants_binary(doc)
+
+        async def answer(reply: pb.ModelInferResponse) -> None:
+            body, header_length = tensors.infer_response(reply, every, named)
+            if header_length is None:
+                await out.respond(200, body)
+            else:
+                await out.respond(
+                    200,
+                    body,
+                    "application/octet-stream",
+                    ((tensors.HEADER_LENGTH, str(header_length)),),
+                )
+
+        await self.calls.infer_answered(message.SerializeToString(), tenant, answer)
+
+    async def generate(self, request: Request, out: Out) -> None:
+        """Triton's generate extension: the body's keys are the model's inputs (one value
+        each), `parameters` the request's; generate_stream answers server-sent events."""
+        tenant = await self.calls.tenant(request.header("authorization"))
+        name, version = self._model(request)
+        streamed = request.path.rstrip("/").endswith("generate_stream")
+        message = tensors.generate_request(
+            tensors.parse_json(request.body), name, version, streamed
+        )
+        raw = message.SerializeToString()
+        if not streamed:
+
+            async def answer(reply: pb.ModelInferResponse) -> None:
+                await out.respond(200, _json(tensors.generate_response(reply)))
+
+            await self.calls.infer_answered(raw, tenant, answer)
+            return
+
+        async def piece(response: pb.ModelStreamInferResponse) -> None:
+            if response.error_message:
+                error = HttpError.of_stream(response.error_message)
+                if not out.started:
+                    await out.respond(error.status, error.kserve(), headers=error.headers)
+                else:
+                    await out.event(b"data: " + error.kserve() + b"\n\n")
+                return
+            if not out.started:
+                await out.start_events()
+            doc = tensors.generate_response(response.infer_response)
+            await out.event(b"data: " + _json(doc) + b"\n\n")
+
+        await self.calls.stream(raw, tenant, piece)
+        await out.end_events()

@@ -1,0 +1,132 @@
+"""quantize/checkpoint.py: the step graph's config from a checkpoint's own metadata, and
+refusals, at build time, naming the architecture, tensor type, key or tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_gguf
+import torch
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import save_file
+
+from quantize import checkpoint, evaluate, llm, llm_graph
+from quantize.checkpoint import CheckpointError
+from quantize.models import DecoderConfig, LlamaDecoder, greedy
+
+PROMPT = [5, 40, 41, 300, 7, 99]
+
+
+def test_gguf_metadata_becomes_the_config(tmp_path: Path) -> None:
+    qwen = checkpoint.load(tiny_gguf.write(tmp_path / "q.gguf", "qwen2", "Q8_0"))
+    assert qwen.architecture == "qwen2" and qwen.config.qkv_bias
+    assert not qwen.config.tie_embeddings and qwen.config.rope_theta == 1e6
+    assert qwen.config.eps == pytest.approx(1e-6) and qwen.config.context_length == 512
+    smol = checkpoint.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q4_1"))
+    assert smol.config.tie_embeddings and not smol.config.qkv_bias
+    assert (smol.config.heads, smol.config.kv_heads, smol.config.vocab_size) == (4, 2, 320)
+    assert smol.tensor_types["blk.0.ffn_up.weight"] == "Q4_1"
+
+
+def test_the_step_graph_defaults_to_the_model_context(tmp_path: Path) -> None:
+    ck = checkpoint.load(tiny_gguf.write(tmp_path / "l.gguf", "llama", "F16"))
+    path = llm_graph.save(llm.checkpoint_graph(ck), tmp_path / "model.onnx")
+    model = evaluate.step_model(path)
+    assert model.facts.max_positions == 512 and model.facts.kv_dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"arch": "gemma"}, "architecture 'gemma' is not served"),
+        ({"kinds": {"blk.1.ffn_down.weight": T.BF16}}, "'blk.1.ffn_down.weight' is BF16"),
+        ({"omit": ("feed_forward_length",)}, "'llama.feed_forward_length' is missing"),
+        ({"extra": {"rope.scaling.type": "yarn"}}, "rope.scaling.type 'yarn' is not served"),
+    ],
+)
+def test_what_we_do_not_serve_is_refused_by_name(tmp_path: Path, kwargs: dict, named: str) -> None:
+    path = tiny_gguf.write(tmp_path / "x.gguf", "llama", "Q4_0", **kwargs)
+    with pytest.raises(CheckpointError, match=named.replace("(", r"\(")):
+        checkpoint.load(path)
+
+
+def test_a_truncated_file_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tiny_gguf.write(tmp_path / "t.gguf", "llama", "Q8_0")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="t.gguf"):
+        checkpoint.load(path)
+
+
+HF_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_folder(folder: Path, model_type: str) -> tuple[Path, LlamaDecoder]:
+    """A random model saved as Hugging Face saves it (bf16 weights)."""
+    torch.manual_seed(0)
+    c = DecoderConfig(
+        vocab_size=320, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+        rope_theta=1e4, tie_embeddings=False, qkv_bias=model_type == "qwen2", context_length=256,
+    )  # fmt: skip
+    model = LlamaDecoder(c).eval()
+    for p in model.parameters():
+        p.data = p.data.bfloat16().float()  # what bf16 storage keeps
+    tensors = {}
+    for name, w in model.state_dict().items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            hf = f"model.layers.{parts[1]}.{HF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            hf = {"embed": "model.embed_tokens", "norm": "model.norm"}.get(parts[0], parts[0])
+            hf += "." + parts[-1]
+        tensors[hf] = w.bfloat16().contiguous()
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {
+        "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e4, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "vocab_size": 320,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    tiny = checkpoint.load(tiny_gguf.write(folder / "tok.gguf", "smollm", "F32"))
+    tiny.tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tok.gguf").unlink()
+    return folder, model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_hugging_face_folder_builds_the_same_model(tmp_path: Path, model_type: str) -> None:
+    folder, model = hf_folder(tmp_path / "hf", model_type)
+    ck = checkpoint.load(folder)
+    assert ck.config.qkv_bias == (model_type == "qwen2") and ck.config.context_length == 256
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(ck.state[name].numpy(), w.numpy(), err_msg=name)
+    graph = llm_graph.save(llm.checkpoint_graph(ck), tmp_path / "model.onnx")
+    ours = evaluate.greedy(evaluate.step_model(graph), ck.tokenizer, [PROMPT], 16)
+    assert ours[0] == greedy(model, torch.tensor([PROMPT]), 16)
+
+
+def test_a_hugging_face_config_we_do_not_serve_is_refused(tmp_path: Path) -> None:
+    folder, _ = hf_folder(tmp_path / "hf", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral3"}))
+    with pytest.raises(CheckpointError, match="model_type 'mistral3' is not served"):
+        checkpoint.load(folder)
+    del config["intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'intermediate_size' is missing"):
+        checkpoint.load(folder)

@@ -1,0 +1,153 @@
+"""The prefix cache's bookkeeping, without a model: index, reuse, claims, eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.llm.prefix import Match, PrefixCache, block_keys, root_key
+
+B = 4  # tokens per block, small so the arithmetic shows
+ROOT = root_key("m", "1")
+
+
+def finish(cache: PrefixCache, slot: int, tokens: list[int], reserve: int) -> None:
+    cache.computed(slot, tokens)
+    cache.release(slot, reserve, keep=True)
+
+
+def served(cache: PrefixCache, prompt: list[int], reserve: int = 20, root: bytes = ROOT):
+    match = cache.lookup(root, prompt)
+    assert cache.fits(reserve)
+    plan = cache.admit(reserve, root, prompt, match)
+    if plan.copy_from >= 0:
+        cache.unpin(plan.copy_from)  # the engine copied the rows
+    return match, plan
+
+
+def test_keys_chain_and_never_cross_roots() -> None:
+    a = block_keys(ROOT, list(range(9)), B)
+    assert len(a) == 2  # whole blocks only
+    assert block_keys(ROOT, [0, 1, 2, 3, 9, 9, 9, 9], B)[0] == a[0]
+    assert block_keys(ROOT, [9, 1, 2, 3, 4, 5, 6, 7], B)[1] != a[1]  # chained: block 0 differs
+    assert block_keys(a[0], list(range(9)), B, 1) == a[1:]
+    roots = {root_key("m", "1"), root_key("m", "2"), root_key("n", "1"), root_key("m", "1", "lora")}
+    roots.add(root_key("m", "1", salt="tenant-a"))
+    assert len(roots) == 5
+
+
+def test_a_finished_prompt_is_reused_to_the_token_and_the_last_token_runs() -> None:
+    cache = PrefixCache(4, 100, B)
+    first = list(range(10))
+    match, plan = served(cache, first)
+    assert match == Match(-1, 0) and plan.cached == 0
+    finish(cache, plan.slot, [*first, 50, 51], 20)  # prompt + generated rows computed
+    # the same prompt again: all but its last token
+    assert cache.lookup(ROOT, first) == Match(plan.slot, 9)
+    # a longer prompt sharing 11 tokens (mid-block: blocks 0, 1 and 3 tokens of block 2)
+    longer = [*first, 50, 77, 78, 79]
+    assert cache.lookup(ROOT, longer) == Match(plan.slot, 11)
+    # another model, version or salt finds nothing
+    for root in (root_key("m", "2"), root_key("m", "1", salt="t")):
+        assert cache.lookup(root, first) == Match(-1, 0)
+    assert cache.lookup(ROOT, [1, *first]) == Match(-1, 0)
+    assert cache.lookup(ROOT, first[:3]) == Match(-1, 0)  # less than one block
+
+
+def test_the_next_turn_adopts_the_slot_and_a_sharer_copies() -> None:
+    cache = PrefixCache(4, 200, B)
+    system = list(range(100, 112))  # 3 blocks
+    _, plan = served(cache, [*system, 1, 2])
+    finish(cache, plan.slot, [*system, 1, 2, 3], 20)
+    # the next turn covers every whole block the slot holds: adopted, no copy
+    match, turn = served(cache, [*system, 1, 2, 3, 4, 5])
+    assert turn.adopted and turn.slot == plan.slot and turn.copy_from == -1
+    assert turn.cached == 15 and cache.stats.adopted == 1
+    # while it runs, another conversation on the same system prompt copies its rows
+    cache.computed(turn.slot, [*system, 1, 2, 3, 4, 5])
+    match, other = served(cache, [*system, 9, 9])
+    assert (other.copy_from, other.cached, other.adopted) == (turn.slot, 12, False)
+    assert other.slot != turn.slot
+    assert cache.stats.hits == 2 and cache.stats.misses == 1
+
+
+def test_cancelled_mid_prefill_its_blocks_are_never_served() -> None:
+    cache = PrefixCache(2, 100, B)
+    prompt = list(range(20))
+    _, plan = served(cache, prompt)
+    cache.computed(plan.slot, prompt[:8])  # one chunk in
+    assert cache.lookup(ROOT, prompt).tokens == 8  # a running sharer may copy computed rows
+    cache.release(plan.slot, 20, keep=False)  # cancelled
+    assert cache.lookup(ROOT, prompt) == Match(-1, 0)
+    assert cache.free_slots == 2 and cache.retained_tokens == 0 and cache.reserved_tokens == 0
+
+
+def test_a_sharer_waits_for_the_claimed_block_then_catches_up() -> None:
+    cache = PrefixCache(4, 200, B)
+    prompt = list(range(30, 50))
+    _, a = served(cache, [*prompt, 1])
+    _, b = served(cache, [*prompt, 2])  # admitted in the same step: nothing cached yet
+    assert b.cached == 0
+    assert not cache.waits(a.slot, ROOT, [*prompt, 1], 0)  # the claimer computes
+    assert cache.waits(b.slot, ROOT, [*prompt, 2], 0)  # the sharer waits
+    cache.computed(a.slot, prompt[:8])
+    match = cache.catch_up(b.slot, ROOT, [*prompt, 2], 0)
+    assert match == Match(a.slot, 8)
+    assert cache.waits(b.slot, ROOT, [*prompt, 2], 8)  # block 2 still being computed by a
+    cache.release(a.slot, 20, keep=False)  # a is cancelled: b computes the rest itself
+    assert not cache.waits(b.slot, ROOT, [*prompt, 2], 8)
+    assert cache.stats.hits == 1 and cache.stats.misses == 1
+
+
+def test_eviction_is_lru_tail_first_and_never_reserved() -> None:
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(3, 60, B, discard=lambda slot, start: discarded.append((slot, start)))
+    system = list(range(8))
+    for turn in range(2):
+        prompt = [*system, *range(200 + 10 * turn, 208 + 10 * turn)]
+        _, plan = served(cache, prompt, reserve=20)
+        finish(cache, plan.slot, prompt, 20)
+    assert cache.retained_tokens == 32 and cache.reserved_tokens == 0
+    assert cache.fits(60)  # retained rows are free room
+    _, big = served(cache, [999] * 10, reserve=40)  # needs 40: evicts the oldest tails
+    assert cache.reserved_tokens + cache.retained_tokens <= 60
+    assert cache.stats.evicted_blocks >= 1
+    # the shared system prompt, touched by both turns, outlives their tails
+    assert cache.lookup(ROOT, [*system, 5, 5]).tokens == 8
+    assert discarded and all(start % B == 0 for _, start in discarded)
+    del big
+
+
+def test_the_budget_holds_under_random_traffic() -> None:
+    rng = random.Random(7)
+    cache = PrefixCache(4, 120, B)
+    running: list[tuple[int, list[int], int]] = []
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(2, 30))] for _ in range(12)]
+    for _ in range(400):
+        if running and (rng.random() < 0.5 or not cache.fits(40)):
+            slot, prompt, reserve = running.pop(rng.randrange(len(running)))
+            cache.computed(slot, prompt)
+            cache.release(slot, reserve, keep=rng.random() < 0.8)
+            continue
+        prompt = rng.choice(prompts)
+        reserve = len(prompt) + 10
+        if cache.fits(reserve):
+            match = cache.lookup(ROOT, prompt)
+            assert match.tokens < len(prompt)
+            plan = cache.admit(reserve, ROOT, prompt, match)
+            if plan.copy_from >= 0 and rng.random() < 0.7:
+                cache.unpin(plan.copy_from)  # else: the copy runs after the next admission
+            running.append((plan.slot, prompt, reserve))
+        assert cache.reserved_tokens + cache.retained_tokens <= 120
+        assert len({s for s, _, _ in running}) == len(running)  # no slot handed out twice
+    assert cache.stats.hits > 0 and cache.stats.evicted_blocks > 0
+
+
+def test_off_caches_nothing() -> None:
+    cache = PrefixCache(2, 100, B, enabled=False)
+    _, plan = served(cache, list(range(12)))
+    finish(cache, plan.slot, list(range(12)), 20)
+    assert cache.lookup(ROOT, list(range(12))) == Match(-1, 0) and cache.free_slots == 2
+    with pytest.raises(ValueError):
+        cache.release(plan.slot, 20)

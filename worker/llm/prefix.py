@@ -1,0 +1,374 @@
+"""The prefix cache: what the KV cache's slots hold, found by token-id blocks, kept while
+memory allows.
+
+A sequence's keys and values live in one slot, rows 0..n-1 (worker/llm/cache.py). When it
+finishes, its slot is not wiped: its rows stay **retained**, indexed, until their memory is
+needed. A new prompt looks up the longest prefix some slot holds, and starts from there:
+
+- **Index.** A prompt is cut into blocks of `block_tokens` token ids; block i's key is a
+  hash chained over block i-1's key and block i's ids (vLLM's scheme), starting from a root
+  that hashes the model, its version, an adapter and the request's `cache_salt`. So a match
+  of block i is a match of every token before it, and never crosses models, versions,
+  adapters or salts. BLAKE2b, 16 bytes: no collision to fear, and the slot's own token ids
+  are checked on every match anyway. Past the last whole block, the match extends token by
+  token against the holding slot's ids, so a prefix that ends mid-block (a conversation's
+  previous answer) is reused to the token.
+- **Reuse.** The match's rows are copied into the new sequence's slot (`Plan.copy`), or,
+  when the match covers everything a retained slot holds (the next turn of a conversation),
+  the new sequence adopts that slot and nothing moves. A wholly cached prompt still runs its
+  last token (its logits give the first generated token).
+- **Concurrent sharers.** A prompt's blocks are claimed by the first running sequence that
+  will compute them; a later sequence that needs a claimed block waits for it (`waits`)
+  instead of computing it again, then copies it: several conversations on one system
+  prompt prefill it once.
+- **Budget.** Running sequences reserve prompt + max_tokens, as before; retained rows are
+  never reserved. The memory held is reserved + retained tokens <= the budget, and
+  admission evicts retained blocks before it waits (`fits` counts them as free).
+- **Eviction.** LRU over the retained blocks, touched deepest first on a match, so the
+  oldest block is always the tail of some slot (a shared system prompt outlives the
+  conversations under it); evicting block i drops the slot's blocks from i on and returns
+  their whole pages to the OS. Only retained slots are evicted: a running sequence's rows
+  are never touched, and a source is pinned while it is being copied.
+- **Never served unfinished.** Only computed rows are indexed, when the engine says they
+  are computed; a sequence cancelled or failed mid-prefill drops its blocks and claims.
+
+Pure bookkeeping: the memory moves are the caller's (`discard`, and the plan's copies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+BLOCK_TOKENS = 16
+
+
+def root_key(model: str, version: str, adapter: str = "", salt: str = "") -> bytes:
+    """The chain's start: what a match must agree on besides the tokens."""
+    text = "\x1f".join((model, version, adapter, salt)).encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def block_keys(root: bytes, tokens: Sequence[int], block: int, start: int = 0) -> list[bytes]:
+    """The chained keys of the whole blocks of `tokens`; `start` > 0 continues a chain whose
+    last key is `root` (blocks from `start` on)."""
+    keys = []
+    parent = root
+    for b in range(start, len(tokens) // block):
+        ids = b"".join(t.to_bytes(4, "little") for t in tokens[b * block : (b + 1) * block])
+        parent = hashlib.blake2b(parent + ids, digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(eq=False)
+class Held:
+    """What one slot holds: the token ids of its valid rows, from position 0."""
+
+    slot: int
+    root: bytes
+    tokens: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # of its whole blocks
+    running: bool = True
+    reserve: int = 0  # tokens reserved while running
+    pins: int = 0  # copies from it in flight
+
+
+@dataclass(frozen=True)
+class Match:
+    slot: int  # the slot holding the prefix
+    tokens: int  # prompt tokens it holds (0: no match)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Admission's answer: the slot, and the rows to copy into it (copy_from -1: none)."""
+
+    slot: int
+    cached: int  # prompt tokens already in the slot once the copy is done
+    copy_from: int = -1
+    adopted: bool = False
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0  # admitted sequences that reused a prefix
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens not prefilled
+    adopted: int = 0  # hits that took the retained slot itself
+    evicted_blocks: int = 0
+
+
+class PrefixCache:
+    """The KV cache's room (slots, reservations) and what its slots hold. It answers the
+    scheduler's room questions (`fits`, `allocate`, `release`) as worker/llm/kv_budget.py
+    does, with retained slots counted as free room."""
+
+    def __init__(
+        self,
+        slots: int,
+        budget_tokens: int,
+        block_tokens: int = BLOCK_TOKENS,
+        discard: Callable[[int, int], None] | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.slots = slots
+        self.budget_tokens = budget_tokens
+        self.block = block_tokens
+        self.enabled = enabled
+        self.reserved_tokens = 0
+        self.retained_tokens = 0
+        self.stats = PrefixStats()
+        self._discard = discard  # (slot, start): give the pages of rows start.. back
+        self._free = list(range(slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._held: dict[int, Held] = {}
+        self._index: dict[bytes, dict[int, None]] = {}  # block key -> slots holding it
+        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # retained (slot, block)
+        self._claims: dict[bytes, int] = {}  # block key -> running slot that will compute it
+
+    # ---- the room ------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) + sum(1 for h in self._held.values() if self._evictable(h))
+
+    @property
+    def free_tokens(self) -> int:
+        return self.budget_tokens - self.reserved_tokens
+
+    def fits(self, tokens: int) -> bool:
+        """A free slot (or a retained one to evict) and the tokens free once every retained
+        block that may go has gone (a pinned one stays until its copy is done)."""
+        pinned = sum(len(h.tokens) for h in self._held.values() if not h.running and h.pins)
+        return self.free_slots > 0 and tokens <= self.free_tokens - pinned
+
+    def allocate(self, tokens: int) -> int:
+        return self.admit(tokens).slot
+
+    def admit(
+        self, tokens: int, root: bytes = b"", prompt: Sequence[int] = (), match: Match | None = None
+    ) -> Plan:
+        """A slot for a sequence that may grow to `tokens` (the caller checked `fits`), with
+        the prefix `match` (from `lookup`) in it once the plan's copy is done."""
+        if not self.fits(tokens):
+            raise ValueError(
+                f"no room for {tokens} tokens: {self.free_slots} free slots, "
+                f"{self.free_tokens} free tokens"
+            )
+        src = self._held.get(match.slot) if match is not None and match.tokens else None
+        # The match covers all a retained slot's whole blocks (a conversation's next turn),
+        # or no other slot is free: take the slot itself, nothing moves.
+        if (
+            src is not None
+            and match is not None
+            and self._evictable(src)
+            and (match.tokens >= len(src.keys) * self.block or not self._free)
+        ):
+            plan = self._adopt(src, match.tokens, tokens)
+            self._begin(src, root, prompt, match.tokens)
+            while self.retained_tokens > self.free_tokens:
+                self._evict_one()
+            return plan
+        if src is not None:
+            src.pins += 1  # not evicted before its copy is done (`unpin`)
+        while self.retained_tokens > self.free_tokens - tokens or not self._free:
+            self._evict_one()
+        self._free.sort(reverse=True)
+        slot = self._free.pop()
+        self.reserved_tokens += tokens
+        held = Held(slot, root, reserve=tokens)
+        self._held[slot] = held
+        cached = match.tokens if src is not None and match is not None else 0
+        self._count(cached)
+        self._begin(held, root, prompt, cached)
+        return Plan(slot, cached, src.slot if src is not None else -1)
+
+    def release(self, slot: int, tokens: int, keep: bool = False) -> None:
+        """A sequence that ended gives back its slot and reservation; `keep`: it finished
+        normally, and its indexed rows stay retained (else they are dropped now)."""
+        held = self._held.get(slot)
+        if held is None or not held.running:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.reserved_tokens -= tokens
+        self._unclaim(slot)
+        held.running = False
+        self.retained_tokens += len(held.tokens)
+        if keep and self.enabled and held.keys:
+            for b in range(len(held.keys) - 1, -1, -1):  # block 0 the most recent
+                self._lru[(slot, b)] = None
+        else:
+            self._drop_from(held, 0)
+
+    # ---- the index -----------------------------------------------------------------------
+
+    def lookup(self, root: bytes, prompt: Sequence[int]) -> Match:
+        """The longest prefix of `prompt` some slot holds, at most len(prompt) - 1 tokens
+        (the last one runs), and at least one whole block; Match(-1, 0) when none."""
+        if not self.enabled:
+            return Match(-1, 0)
+        best: Held | None = None
+        n = 0
+        for key in block_keys(root, prompt, self.block):
+            holders = self._index.get(key)
+            if not holders:
+                break
+            best = self._held[next(iter(holders))]
+            n += 1
+        if best is None:
+            return Match(-1, 0)
+        m = n * self.block
+        limit = min(len(best.tokens), len(prompt) - 1)
+        if best.tokens[:m] != list(prompt[:m]):
+            return Match(-1, 0)  # a collision: cannot happen with 16-byte hashes
+        while m < limit and best.tokens[m] == prompt[m]:
+            m += 1  # to the token, within the holder's rows
+        m = min(m, len(prompt) - 1)
+        if m <= 0:
+            return Match(-1, 0)
+        for b in range(min(n, -(-m // self.block)) - 1, -1, -1):
+            if (best.slot, b) in self._lru:
+                self._lru.move_to_end((best.slot, b))
+        return Match(best.slot, m)
+
+    def waits(self, slot: int, root: bytes, prompt: Sequence[int], computed: int) -> bool:
+        """Whether the sequence in `slot` should wait rather than compute its next block:
+        another running sequence claimed it and is computing it now."""
+        if not self.enabled or computed % self.block:
+            return False
+        b = computed // self.block
+        if (b + 1) * self.block > len(prompt) - 1:
+            return False
+        key = self._key_at(root, prompt, b)
+        holder = self._claims.get(key)
+        return holder is not None and holder != slot and key not in self._index
+
+    def computed(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's rows 0..len(tokens)-1 are computed (after a prefill chunk or a decode
+        step): their whole blocks join the index."""
+        held = self._held.get(slot)
+        if held is None or not self.enabled:
+            return
+        if len(tokens) < len(held.tokens):
+            return
+        held.tokens = list(tokens)
+        start = len(held.keys)
+        parent = held.keys[-1] if held.keys else held.root
+        for key in block_keys(parent, held.tokens, self.block, start):
+            held.keys.append(key)
+            self._index.setdefault(key, {})[slot] = None
+            if self._claims.get(key) == slot:
+                del self._claims[key]
+
+    def catch_up(self, slot: int, root: bytes, prompt: Sequence[int], computed: int) -> Match:
+        """A running sequence at `computed` whose next blocks another sequence computed
+        meanwhile (it waited for them): the match past `computed`, to copy; Match(-1, 0)
+        when there is nothing more."""
+        match = self.lookup(root, prompt)
+        if match.slot == slot or match.tokens <= computed:
+            return Match(-1, 0)
+        if computed == 0:  # counted a miss when admitted
+            self.stats.misses -= 1
+            self.stats.hits += 1
+        self.stats.cached_tokens += match.tokens - computed
+        return match
+
+    def pin(self, slot: int) -> None:
+        """A copy from `slot` is planned: it is not evicted until `unpin`."""
+        self._held[slot].pins += 1
+
+    def unpin(self, slot: int) -> None:
+        """A planned copy from `slot` is done."""
+        held = self._held.get(slot)
+        if held is not None and held.pins > 0:
+            held.pins -= 1
+
+    def held_length(self, slot: int) -> int:
+        """Valid rows of a retained slot (a decode run's dummy token for a row between the
+        decoding ones goes just past them), 0 for a free one."""
+        held = self._held.get(slot)
+        return len(held.tokens) if held is not None and not held.running else 0
+
+    def drop_all(self) -> None:
+        """Forget every retained block (a restart of the model)."""
+        for held in [h for h in self._held.values() if not h.running]:
+            self._drop_from(held, 0)
+
+    @property
+    def retained_blocks(self) -> int:
+        return len(self._lru)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _begin(self, held: Held, root: bytes, prompt: Sequence[int], cached: int) -> None:
+        """A sequence starts in `held` with `cached` prompt tokens: claim the rest."""
+        held.running, held.root = True, root
+        if not self.enabled:
+            return
+        for key in block_keys(root, prompt[: len(prompt) - 1], self.block)[cached // self.block :]:
+            if key not in self._index:
+                self._claims.setdefault(key, held.slot)
+
+    def _count(self, cached: int) -> None:
+        if cached:
+            self.stats.hits += 1
+            self.stats.cached_tokens += cached
+        else:
+            self.stats.misses += 1
+
+    def _adopt(self, src: Held, cached: int, tokens: int) -> Plan:
+        for b in range(len(src.keys)):
+            self._lru.pop((src.slot, b), None)
+        self.retained_tokens -= len(src.tokens)
+        keep_blocks = cached // self.block
+        for key in src.keys[keep_blocks:]:
+            self._unindex(key, src.slot)
+        src.keys = src.keys[:keep_blocks]
+        src.tokens = src.tokens[:cached]
+        src.reserve = tokens
+        self.reserved_tokens += tokens
+        self._count(cached)
+        self.stats.adopted += 1
+        return Plan(src.slot, cached, -1, adopted=True)
+
+    def _evictable(self, held: Held) -> bool:
+        return not held.running and not held.pins
+
+    def _evict_one(self) -> None:
+        for slot, b in self._lru:
+            held = self._held[slot]
+            if self._evictable(held):
+                self.stats.evicted_blocks += len(held.keys) - b
+                self._drop_from(held, b)
+                return
+        raise ValueError("no retained block to evict")  # fits() said there was room
+
+    def _drop_from(self, held: Held, b: int) -> None:
+        """Drop the slot's blocks from b on; a slot left empty is free again."""
+        for i in range(b, len(held.keys)):
+            self._lru.pop((held.slot, i), None)
+            self._unindex(held.keys[i], held.slot)
+        old = len(held.tokens)
+        self.retained_tokens -= old - min(old, b * self.block)
+        del held.keys[b:]
+        del held.tokens[b * self.block :]
+        if b == 0:
+            del self._held[held.slot]
+            self._free.append(held.slot)
+        if self._discard is not None:
+            self._discard(held.slot, b * self.block)
+
+    def _unindex(self, key: bytes, slot: int) -> None:
+        holders = self._index.get(key)
+        if holders is not None:
+            holders.pop(slot, None)
+            if not holders:
+                del self._index[key]
+
+    def _unclaim(self, slot: int) -> None:
+        for key in [k for k, s in self._claims.items() if s == slot]:
+            del self._claims[key]
+
+    def _key_at(self, root: bytes, prompt: Sequence[int], b: int) -> bytes:
+        return block_keys(root, prompt[: (b + 1) * self.block], self.block)[b]
