@@ -79,18 +79,6 @@ class Checkpoint:
         return model.eval()
 
 
-def load(path: Path) -> Checkpoint:
-    """A .gguf file or a Hugging Face folder."""
-    path = Path(path)
-    if path.is_dir():
-        from quantize import checkpoint_hf
-
-        return checkpoint_hf.load(path)
-    if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path)
-    raise CheckpointError(f"{path}: neither a .gguf file nor a folder with config.json")
-
-
 def check_config(c: DecoderConfig, where: str) -> None:
     """Shapes the step graph can serve (GroupQueryAttention on CPU: head_dim % 16 == 0)."""
     if c.hidden % c.heads:

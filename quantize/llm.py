@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 
 from common import model_keys
-from quantize import checkpoint, int4, llm_graph, pipeline, weights
+from quantize import checkpoint, checkpoints, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 
 MODEL = "smollm2"
@@ -122,7 +122,7 @@ def build_checkpoint(
 ) -> Path:
     """OUTPUT/<name>/ serving the checkpoint as stored (version 1). Without max_model_len,
     the worker serves the model's own context length, bounded by its KV budget."""
-    ck = checkpoint.load(path)
+    ck = checkpoints.load(path)
     proto = checkpoint_graph(ck, kv_dtype)
     params = dict(pipeline.source(MODEL).config)
     params.pop(MAX_MODEL_LEN)

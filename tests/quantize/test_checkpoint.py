@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import save_file
 
-from quantize import checkpoint, evaluate, llm, llm_graph
+from quantize import checkpoints, evaluate, llm, llm_graph
 from quantize.checkpoint import CheckpointError
 from quantize.models import DecoderConfig, LlamaDecoder, greedy
 
@@ -21,18 +21,18 @@ PROMPT = [5, 40, 41, 300, 7, 99]
 
 
 def test_gguf_metadata_becomes_the_config(tmp_path: Path) -> None:
-    qwen = checkpoint.load(tiny_gguf.write(tmp_path / "q.gguf", "qwen2", "Q8_0"))
+    qwen = checkpoints.load(tiny_gguf.write(tmp_path / "q.gguf", "qwen2", "Q8_0"))
     assert qwen.architecture == "qwen2" and qwen.config.qkv_bias
     assert not qwen.config.tie_embeddings and qwen.config.rope_theta == 1e6
     assert qwen.config.eps == pytest.approx(1e-6) and qwen.config.context_length == 512
-    smol = checkpoint.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q4_1"))
+    smol = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q4_1"))
     assert smol.config.tie_embeddings and not smol.config.qkv_bias
     assert (smol.config.heads, smol.config.kv_heads, smol.config.vocab_size) == (4, 2, 320)
     assert smol.tensor_types["blk.0.ffn_up.weight"] == "Q4_1"
 
 
 def test_the_step_graph_defaults_to_the_model_context(tmp_path: Path) -> None:
-    ck = checkpoint.load(tiny_gguf.write(tmp_path / "l.gguf", "llama", "F16"))
+    ck = checkpoints.load(tiny_gguf.write(tmp_path / "l.gguf", "llama", "F16"))
     path = llm_graph.save(llm.checkpoint_graph(ck), tmp_path / "model.onnx")
     model = evaluate.step_model(path)
     assert model.facts.max_positions == 512 and model.facts.kv_dtype == "float32"
@@ -50,7 +50,7 @@ def test_the_step_graph_defaults_to_the_model_context(tmp_path: Path) -> None:
 def test_what_we_do_not_serve_is_refused_by_name(tmp_path: Path, kwargs: dict, named: str) -> None:
     path = tiny_gguf.write(tmp_path / "x.gguf", "llama", "Q4_0", **kwargs)
     with pytest.raises(CheckpointError, match=named.replace("(", r"\(")):
-        checkpoint.load(path)
+        checkpoints.load(path)
 
 
 def test_a_truncated_file_is_refused_naming_it(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="t.gguf"):
-        checkpoint.load(path)
+        checkpoints.load(path)
 
 
 HF_NAMES = {
@@ -102,7 +102,7 @@ def hf_folder(folder: Path, model_type: str) -> tuple[Path, LlamaDecoder]:
         "tie_word_embeddings": False, "vocab_size": 320,
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
-    tiny = checkpoint.load(tiny_gguf.write(folder / "tok.gguf", "smollm", "F32"))
+    tiny = checkpoints.load(tiny_gguf.write(folder / "tok.gguf", "smollm", "F32"))
     tiny.tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tok.gguf").unlink()
     return folder, model
@@ -111,7 +111,7 @@ def hf_folder(folder: Path, model_type: str) -> tuple[Path, LlamaDecoder]:
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_a_hugging_face_folder_builds_the_same_model(tmp_path: Path, model_type: str) -> None:
     folder, model = hf_folder(tmp_path / "hf", model_type)
-    ck = checkpoint.load(folder)
+    ck = checkpoints.load(folder)
     assert ck.config.qkv_bias == (model_type == "qwen2") and ck.config.context_length == 256
     for name, w in model.state_dict().items():
         np.testing.assert_array_equal(ck.state[name].numpy(), w.numpy(), err_msg=name)
@@ -125,8 +125,8 @@ def test_a_hugging_face_config_we_do_not_serve_is_refused(tmp_path: Path) -> Non
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral3"}))
     with pytest.raises(CheckpointError, match="model_type 'mistral3' is not served"):
-        checkpoint.load(folder)
+        checkpoints.load(folder)
     del config["intermediate_size"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="'intermediate_size' is missing"):
-        checkpoint.load(folder)
+        checkpoints.load(folder)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tiny_gguf
 
-from quantize import checkpoint, evaluate, llm, llm_graph
+from quantize import checkpoints, evaluate, llm, llm_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_PYTHON = ROOT / "build" / "llamacpp-venv" / "bin" / "python"
@@ -49,7 +49,7 @@ def llamacpp_greedy(path: Path) -> dict:
 @pytest.mark.parametrize("architecture", list(tiny_gguf.ARCHITECTURES))
 def test_greedy_tokens_equal_llama_cpp(architecture: str, kind: str, tmp_path: Path) -> None:
     path = tiny_gguf.write(tmp_path / f"{architecture}-{kind}.gguf", architecture, kind)
-    ck = checkpoint.load(path)
+    ck = checkpoints.load(path)
     graph = llm_graph.save(llm.checkpoint_graph(ck, "float16"), tmp_path / "model.onnx")
     ours = evaluate.greedy(evaluate.step_model(graph), ck.tokenizer, PROMPTS, TOKENS)
     reference = llamacpp_greedy(path)
