@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,11 @@ def settled(store: Store, wait_s: float = 3.0) -> tuple[int, int]:
     return last
 
 
-async def deadlines(address: str, n: int, timeout: float, concurrency: int = 16) -> Counter:
+Call = Callable[[pb_grpc.GRPCInferenceServiceStub, int], Awaitable[None]]
+
+
+async def bounded_calls(address: str, n: int, concurrency: int, one: Call) -> Counter:
+    """n calls by `concurrency` callers, for 30 s at most; each call's outcome by code name."""
     codes: Counter[str] = Counter()
     it = iter(range(n))
     stop_at = time.monotonic() + 30
@@ -67,31 +72,7 @@ async def deadlines(address: str, n: int, timeout: float, concurrency: int = 16)
                 if time.monotonic() > stop_at:
                     return
                 try:
-                    await stub.ModelInfer(mlp_request(i), timeout=timeout)
-                    codes["OK"] += 1
-                except grpc.aio.AioRpcError as e:
-                    codes[e.code().name] += 1
-
-        await asyncio.gather(*(caller() for _ in range(concurrency)))
-    return codes
-
-
-async def cancels(address: str, n: int, after_s: float, concurrency: int = 8) -> Counter:
-    codes: Counter[str] = Counter()
-    it = iter(range(n))
-    stop_at = time.monotonic() + 30
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-
-        async def caller() -> None:
-            for i in it:
-                if time.monotonic() > stop_at:
-                    return
-                call = stub.ModelInfer(mlp_request(i), timeout=10)
-                await asyncio.sleep(after_s)
-                call.cancel()
-                try:
-                    await call
+                    await one(stub, i)
                     codes["OK"] += 1
                 except asyncio.CancelledError:
                     codes["CANCELLED"] += 1
@@ -100,6 +81,23 @@ async def cancels(address: str, n: int, after_s: float, concurrency: int = 8) ->
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
     return codes
+
+
+async def deadlines(address: str, n: int, timeout: float, concurrency: int = 16) -> Counter:
+    async def one(stub: pb_grpc.GRPCInferenceServiceStub, i: int) -> None:
+        await stub.ModelInfer(mlp_request(i), timeout=timeout)
+
+    return await bounded_calls(address, n, concurrency, one)
+
+
+async def cancels(address: str, n: int, after_s: float, concurrency: int = 8) -> Counter:
+    async def one(stub: pb_grpc.GRPCInferenceServiceStub, i: int) -> None:
+        call = stub.ModelInfer(mlp_request(i), timeout=10)
+        await asyncio.sleep(after_s)
+        call.cancel()
+        await call
+
+    return await bounded_calls(address, n, concurrency, one)
 
 
 async def odd_names(address: str, n: int, version: str, model: str = "mlp") -> Counter:
