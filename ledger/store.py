@@ -197,25 +197,10 @@ class Store(Database):
         tokens = counts[len(FIELDS) : len(FIELDS) + len(TOKEN_FIELDS)]
         cached = counts[len(FIELDS) + len(TOKEN_FIELDS) :]
         if any(cached):
-            sets = ", ".join(f"{f} = cache_usage.{f} + excluded.{f}" for f in CACHE_FIELDS)
-            cur.execute(
-                f"INSERT INTO cache_usage VALUES (?, ?, ?, ?) "
-                f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
-                (model, version, *cached),
-            )
-        sets = ", ".join(f"{f} = usage.{f} + excluded.{f}" for f in FIELDS)
-        cur.execute(
-            f"INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
-            f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
-            (model, version, *calls),
-        )
+            _add_counts(cur, "cache_usage", CACHE_FIELDS, (model, version), cached)
+        _add_counts(cur, "usage", FIELDS, (model, version), calls)
         if any(tokens):
-            sets = ", ".join(f"{f} = token_usage.{f} + excluded.{f}" for f in TOKEN_FIELDS)
-            cur.execute(
-                f"INSERT INTO token_usage VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                f"ON CONFLICT (model, version) DO UPDATE SET {sets}",
-                (model, version, *tokens),
-            )
+            _add_counts(cur, "token_usage", TOKEN_FIELDS, (model, version), tokens)
         revenue = calls[3] + (tokens[2] if tokens else 0)  # per call + per token
         cur.execute(
             "INSERT INTO usage_buckets VALUES (?, ?, ?, ?) ON CONFLICT (model, bucket) "
@@ -388,3 +373,15 @@ class Store(Database):
         with self.transaction() as cur:
             rows = cur.execute("SELECT router_id, after_seq, next_seq FROM gaps").all()
         return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+def _add_counts(
+    cur: Cursor, table: str, fields: Sequence[str], key: tuple[str, str], counts: list[int]
+) -> None:
+    """Add `counts` to the (model, version) row `key` of `table`, inserting it if new."""
+    sets = ", ".join(f"{f} = {table}.{f} + excluded.{f}" for f in fields)
+    marks = ", ".join("?" * (len(key) + len(counts)))
+    cur.execute(
+        f"INSERT INTO {table} VALUES ({marks}) ON CONFLICT (model, version) DO UPDATE SET {sets}",
+        (*key, *counts),
+    )
