@@ -67,18 +67,22 @@ bench: $(STUBS)
 # llama.cpp for benchmarks.llm, in its own venv (compiles llama.cpp: ~10 min on 2 cores, once).
 # The reference of tests/quantize/test_llamacpp_parity.py too, so `make test` builds it.
 # Not -march=native: a VM may report AMX that it does not let a process use (ggml's AMX
-# kernels then die of SIGILL), so the CPU features are named, AMX off.
+# kernels then die of SIGILL), so the CPU features are named, AMX off, and each AVX-512
+# extension only where /proc/cpuinfo names it (a CPU with avx512f need not have VNNI or VBMI).
 LLAMACPP_VENV := build/llamacpp-venv
-LLAMACPP_AVX512 := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
+cpu_has = $(if $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
 LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-	-DGGML_F16C=ON -DGGML_AVX512=$(LLAMACPP_AVX512) -DGGML_AVX512_VNNI=$(LLAMACPP_AVX512) \
-	-DGGML_AVX512_VBMI=$(LLAMACPP_AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-	-DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
+	-DGGML_F16C=ON -DGGML_AVX512=$(call cpu_has,avx512f) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
+	-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DLLAVA_BUILD=OFF
 llamacpp-venv: $(LLAMACPP_VENV)/bin/llama-cpp-stamp
 $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so a wheel
+	# cached from another build (another CPU's flags) would be reused and die of SIGILL.
 	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" \
-		$(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+		$(LLAMACPP_VENV)/bin/pip install --no-cache-dir 'llama-cpp-python[server]==0.3.36'
 	echo "$(LLAMACPP_CMAKE_ARGS)" > $@
 	touch $@
 

@@ -7,6 +7,7 @@ subprocess of that venv's interpreter."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def llamacpp_greedy(path: Path) -> dict:
         text=True,
         timeout=300,
         check=False,
+    )
+    assert done.returncode != -signal.SIGILL, (
+        f"{LLAMACPP_PYTHON} died of SIGILL: its llama.cpp was built for another CPU's "
+        "instructions; `rm -rf build/llamacpp-venv && make llamacpp-venv` rebuilds it"
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
