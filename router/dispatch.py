@@ -69,7 +69,8 @@ from router.billing import Piece
 from router.guard import OK, UNKNOWN, Admission, RequestGuard
 from router.policy import PREFIX_WEIGHT
 from router.prefix_index import PrefixIndex
-from router.registry import Registry, Replica
+from router.registry import Registry
+from router.replica import Replica
 from router.routing import Picker
 
 log = structlog.get_logger()

@@ -22,7 +22,7 @@ from common.mesh_state import now_ms
 from router import metrics, policy
 from router.affinity import Affinity
 from router.prefix_index import PrefixIndex, prompt_of, replica_key
-from router.registry import Replica
+from router.replica import Replica
 
 
 class Picker:

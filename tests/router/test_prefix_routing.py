@@ -14,7 +14,7 @@ from router import policy
 from router.dispatch import Dispatcher
 from router.policy import Candidate
 from router.prefix_index import PrefixIndex, prompt_of
-from router.registry import Replica
+from router.replica import Replica
 
 MODEL = "smollm2"
 SYSTEM = ("You are a helpful assistant. Answer briefly and cite the manual. " * 12).encode()
