@@ -20,12 +20,15 @@ Affinity: `preferred` (the replica that served the request's session before) is 
 long as it is a candidate with room; otherwise the policy decides as if there were none.
 
 "prefix" (cache-aware, for LLM replicas): one cost per replica, as NVIDIA Dynamo's KV router
-scores them: `weight x uncached prompt blocks + decode blocks`, the prompt blocks the replica
-does not hold yet (router/prefix_index.py's estimate) and the KV blocks its running
-sequences hold (its KV sample in blocks, plus this router's calls since the sample at the
-request's own size). The lowest cost wins, ties by p2c. A replica full or without KV room is
-out first, as for p2c, and a busy replica's decode blocks outweigh its cache: a hot prefix
-spreads over replicas once one is loaded by more than `weight x` the prefix's blocks. A
+scores them: `weight x uncached prompt blocks + decode blocks + load x prompt blocks`, the
+prompt blocks the replica does not hold yet (router/prefix_index.py's estimate), the KV
+blocks its running sequences hold (its KV sample in blocks), and its requests (`load`:
+waiting and running, with this router's calls since the sample) at the request's own size:
+a waiting sequence holds no KV yet, and a replica with a deep queue is far busier whatever
+its KV says. The lowest cost wins, ties by p2c. A replica full or without KV room is out
+first, as for p2c, and a busy replica's load outweighs its cache: a hot prefix spreads over
+replicas once one holds more than `weight x` the prefix's blocks of KV more, or about
+`weight` requests more, than another. A
 session's replica is scored as holding the whole prompt (affinity, the same cost). Where a
 candidate's load is unknown (no fresh sample: Redis lost, or not an LLM), it is p2c.
 """
@@ -138,8 +141,10 @@ def choose(
 
 
 def cost(c: Candidate, blocks: int, weight: float, preferred: str | None = None) -> float:
+    """weight x the prompt blocks to prefill + the KV blocks held + one prompt's blocks per
+    request the replica has (waiting sequences hold no KV yet, but each will take a turn)."""
     held = blocks if c.id == preferred else min(c.overlap, blocks)
-    return weight * (blocks - held) + (c.decode_blocks or 0)
+    return weight * (blocks - held) + (c.decode_blocks or 0) + c.load * max(blocks, 1)
 
 
 def _cheapest(

@@ -138,8 +138,7 @@ class Picker:
         sample = r.sample
         decode = None
         if sample is not None and sample.kv_total and now - sample.at_ms <= self.sample_max_age_ms:
-            since = sum(1 for t in r.inflight.values() if t > sample.at_ms)
-            decode = sample.kv_used // policy.TOKENS_PER_BLOCK + since * max(blocks, 1)
+            decode = sample.kv_used // policy.TOKENS_PER_BLOCK  # the calls since: in load
         return policy.Candidate(
             r.id,
             policy.load(

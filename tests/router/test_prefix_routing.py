@@ -85,6 +85,16 @@ def test_the_replica_holding_the_prefix_wins_until_load_outweighs_it() -> None:
     # a busy holder: its decode blocks outweigh weight x the 48 cached blocks
     busy = dataclasses.replace(holder, decode_blocks=int(policy.PREFIX_WEIGHT * 48) + 1)
     assert policy.choose("prefix", [busy, idle], rng, 0, blocks=blocks).id == "b"
+    # a deep queue of waiting sequences (they hold no KV yet): far busier, not picked
+    queued = dataclasses.replace(holder, load=8)
+    assert policy.choose("prefix", [queued, idle], rng, 0, blocks=blocks).id == "b"
+    # a few more requests than the other: the cache still wins
+    assert (
+        policy.choose(
+            "prefix", [dataclasses.replace(holder, load=3), idle], rng, 0, blocks=blocks
+        ).id
+        == "a"
+    )
     # full, or no KV room: out, whatever it holds
     full = dataclasses.replace(holder, kv_free=10)
     assert policy.choose("prefix", [full, idle], rng, 0, need=100, blocks=blocks).id == "b"
