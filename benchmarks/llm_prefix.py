@@ -10,14 +10,14 @@ same prompts (`loadtest --llm --conversations`):
   - multiturn: 4 conversations x 4 turns, each turn resending the history;
   - noshare: 16 requests on 16 different system prompts, the worker with the cache on and
     off (what the cache costs when nothing is shared).
-routing: two worker replicas (one thread each) behind the router, fresh for each policy:
-policy prefix (cache-aware) against p2c (KV-aware, the default before), p2c_depth
-(KV-blind) and p2c with session_id (affinity alone); the same trace on one replica for its
+routing: two worker replicas (one thread each), one router per policy over them: policy
+prefix (cache-aware) against p2c (KV-aware, the default before), p2c_depth (KV-blind) and
+p2c with session_id (affinity alone); the prefix runs' traces again on one replica for its
 hit rate. Two traces, prefixes spread evenly: "shared", conversations on 4 system prompts,
-each resending its history; "spread", single requests on as many system prompts. Each
-round of a trace has its own seed (new words: no round hits an earlier round's blocks),
-the same seeds for every policy. Per policy: hit rate, TTFT p90 and each replica's share of
-the requests (ModelStatistics successes).
+each resending its history; "spread", single requests on as many system prompts. Rounds
+outer, the policies in turn (rotated each round), every run with words of its own (a seed
+per run: none hits another's blocks). Per policy: hit rate, TTFT p90 (and prefix over p2c
+paired per round) and each replica's share of the requests (ModelStatistics successes).
 
 Medians over rounds; the verdict is computed from the numbers and a miss is written as a
 miss. The machine is shared with other work: its load average is recorded per part.
@@ -108,20 +108,27 @@ def worker(repo: Path, logs: Path, threads: int, redis_url: str | None = None) -
         w.stop(30)
 
 
-def measure(address: str, shape: dict, rounds: int, seeded: bool = False, **kw: object) -> dict:
-    """The trace `rounds` times (with `seeded`, round i under seed i); medians."""
+def measure(address: str, shape: dict, rounds: int, **kw: object) -> dict:
     runs = [
-        asyncio.run(
-            run(ConversationLoad(address, MODEL, max_tokens=32, **shape, **kw, seed=i * seeded))  # type: ignore[arg-type]
-        )
-        for i in range(rounds)
+        asyncio.run(run(ConversationLoad(address, MODEL, max_tokens=32, **shape, **kw)))  # type: ignore[arg-type]
+        for _ in range(rounds)
     ]
+    return summarize(runs, shape)
+
+
+def summarize(runs: list[dict], shape: dict) -> dict:
+    """Medians over the runs of one trace (and, where the runs have it, the requests each
+    replica served, summed)."""
     keys = ("wall_s", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "hit_rate")
     out: dict = {k: _median([r[k] for r in runs]) for k in keys}
     first = [r["per_turn"]["1"]["ttft_p50_s"] for r in runs]
     last = [r["per_turn"][str(shape["turns"])]["ttft_p50_s"] for r in runs]
     out |= {"first_turn_ttft_p50_s": _median(first), "last_turn_ttft_p50_s": _median(last)}
     out["errors"] = sum(sum(r["errors"].values()) for r in runs)
+    if all("per_replica" in r for r in runs):
+        split = [sum(x) for x in zip(*(r["per_replica"] for r in runs), strict=True)]
+        out["per_replica"] = split
+        out["max_share"] = round(max(split) / sum(split), 3) if sum(split) else None
     out["rounds"] = runs
     return out
 
@@ -161,6 +168,10 @@ def single(args: argparse.Namespace, logs: Path) -> dict:
 
 
 def routing(args: argparse.Namespace, logs: Path) -> dict:
+    """Rounds outer; in each, every policy in turn (the order rotated each round) on the same
+    two replicas, one router per policy; every run a trace of its own words (its seed), so
+    no run hits another's blocks and the machine's load falls on all policies alike. The
+    prefix runs' traces are then run on one replica, for its hit rate on the same trace."""
     from benchmarks.common import model_successes
 
     repository(args.repository)
@@ -169,41 +180,72 @@ def routing(args: argparse.Namespace, logs: Path) -> dict:
     processes.wait_redis(redis_port)
     url = f"redis://127.0.0.1:{redis_port}/0"
     out: dict = {"load_before": os.getloadavg(), "traces": TRACES}
+    names = [n for n, _, _ in ROUTER_POLICIES] + ["one_replica"]
+    runs: dict[str, dict[str, list[dict]]] = {n: {t: [] for t in TRACES} for n in names}
+
+    def seed(i: int, policy: int, trace: int) -> int:
+        return 1000 * i + 10 * policy + trace
+
+    def one_run(address: str, trace: str, s: int, sessions: bool = False) -> dict:
+        shape: dict = TRACES[trace]
+        load = ConversationLoad(address, MODEL, max_tokens=32, sessions=sessions, seed=s, **shape)
+        return asyncio.run(run(load))
+
     try:
-        with worker(args.repository, logs, 1) as one:
-            out["one_replica"] = {
-                t: measure(one, shape, args.rounds, seeded=True) for t, shape in TRACES.items()
-            }
-        for name, policy, sessions in ROUTER_POLICIES:
-            with (
-                worker(args.repository, logs, 1, url) as a,
-                worker(args.repository, logs, 1, url) as b,
-            ):
-                port = free_port()
-                router = processes.router_process(
-                    port, url, logs, "--policy", policy, "--no-accounting", "--no-auth"
-                ).start()
-                try:
-                    processes.wait_serving(f"127.0.0.1:{port}", router, timeout=60)
-                    out[name] = {}
-                    for trace, shape in TRACES.items():
+        with (
+            worker(args.repository, logs, 1, url) as a,
+            worker(args.repository, logs, 1, url) as b,
+            routers(url, logs) as addresses,
+        ):
+            for i in range(args.rounds):
+                k = i % len(ROUTER_POLICIES)
+                for name, _, sessions in ROUTER_POLICIES[k:] + ROUTER_POLICIES[:k]:
+                    j = names.index(name)
+                    for t, trace in enumerate(TRACES):
                         before = [model_successes(w, MODEL) for w in (a, b)]
-                        m = measure(
-                            f"127.0.0.1:{port}", shape, args.rounds, seeded=True, sessions=sessions
-                        )
-                        split = [
-                            model_successes(w, MODEL) - n
-                            for w, n in zip((a, b), before, strict=True)
-                        ]
-                        m["per_replica"] = split
-                        m["max_share"] = round(max(split) / sum(split), 3) if sum(split) else None
-                        out[name][trace] = m
-                finally:
-                    router.stop(10)
-            out[name]["load_after"] = os.getloadavg()
+                        r = one_run(addresses[name], trace, seed(i, j, t), sessions)
+                        after = [model_successes(w, MODEL) for w in (a, b)]
+                        r["per_replica"] = [x - y for x, y in zip(after, before, strict=True)]
+                        runs[name][trace].append(r)
+        out["load_after_routed"] = os.getloadavg()
+        with worker(args.repository, logs, 1) as one:
+            for i in range(args.rounds):
+                for t, trace in enumerate(TRACES):
+                    runs["one_replica"][trace].append(one_run(one, trace, seed(i, 0, t)))
     finally:
         redis.stop(10)
+    for name in names:
+        out[name] = {t: summarize(runs[name][t], TRACES[t]) for t in TRACES}
+    out["prefix_over_p2c_ttft_p90"] = {  # paired: the two runs of one round
+        t: _median(
+            [
+                _ratio(x["ttft_p90_s"], y["ttft_p90_s"])
+                for x, y in zip(runs["prefix"][t], runs["p2c"][t], strict=True)
+            ]
+        )
+        for t in TRACES
+    }
     return out
+
+
+@contextlib.contextmanager
+def routers(url: str, logs: Path) -> Iterator[dict[str, str]]:
+    """One router per policy over the same replicas: policy name -> address."""
+    started: list[processes.Process] = []
+    addresses: dict[str, str] = {}
+    try:
+        for name, policy, _ in ROUTER_POLICIES:
+            port = free_port()
+            router = processes.router_process(
+                port, url, logs, "--policy", policy, "--no-accounting", "--no-auth"
+            ).start()
+            started.append(router)
+            processes.wait_serving(f"127.0.0.1:{port}", router, timeout=60)
+            addresses[name] = f"127.0.0.1:{port}"
+        yield addresses
+    finally:
+        for router in started:
+            router.stop(10)
 
 
 def verdict(result: dict) -> list[str]:
@@ -265,10 +307,13 @@ def routing_verdict(r: dict, check: Callable[[str, float | None, float], None]) 
             check(
                 f"{trace}: {name} busiest replica's share", r[name][trace]["max_share"], MAX_SHARE
             )
+    paired = r.get("prefix_over_p2c_ttft_p90", {})
+    for t in TRACES:
+        check(f"{t}: TTFT p90 prefix / p2c, per round (median)", paired.get(t), NOISE)
     worse = [
         t
         for t in TRACES
-        if (x := _ratio(r["prefix"][t]["ttft_p90_s"], r["p2c"][t]["ttft_p90_s"])) is None
+        if (x := paired.get(t)) is None
         or x > NOISE
         or (r["prefix"][t]["max_share"] or 1) > MAX_SHARE
         or r["prefix"][t]["errors"]
