@@ -51,7 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--worker-ports", type=int, nargs="*", help="default: free ports")
     parser.add_argument("--redis-url", help="default: a private redis-server on a free port")
     parser.add_argument("--model-repository", type=Path, default=paths.build("models"))
-    parser.add_argument("--policy", default="p2c")
+    parser.add_argument(
+        "--policy", help="the router's balancing policy (default: the router's own, prefix)"
+    )
     parser.add_argument("--providers", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument(
         "--metrics-port",
@@ -119,7 +121,9 @@ class Launcher:
             self.mesh.add_worker(args.model_repository, *metrics, port=port)
         for spec in args.tp_group:
             self.mesh.add_worker(*tp_group(spec, args.tp_repository))
-        extra = ["--policy", args.policy, "--processes", str(args.router_processes)]
+        extra = ["--processes", str(args.router_processes)]
+        if args.policy:
+            extra += ["--policy", args.policy]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port)]
         if args.http_port:

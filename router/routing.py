@@ -97,7 +97,7 @@ class Picker:
             outcome = "new" if preferred is None else "hit" if chosen.id == preferred else "moved"
             metrics.AFFINITY.labels(outcome).inc()
             self.affinity.remember(model, session, chosen.id)
-        if self.policy == "p2c" and not chosen.has_room(need):
+        if self.policy in ("p2c", "prefix") and not chosen.has_room(need):
             metrics.KV_NO_ROOM.inc()  # every replica's cache was full: it waits there
         return by_id[chosen.id]
 

@@ -33,10 +33,10 @@ class RouterSettings(BaseSettings):
     )
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
     policy: Literal["prefix", "p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
-        "p2c",
-        description="prefix: cache-aware for LLM replicas (the prompt blocks a replica holds "
-        "against its load, one cost), p2c where loads are unknown; p2c is KV-aware for "
-        "replicas that report KV occupancy; p2c_depth ignores it",
+        "prefix",
+        description="prefix (the default): cache-aware for LLM replicas (the prompt blocks a "
+        "replica holds against its load, one cost), p2c for other models and where loads are "
+        "unknown; p2c is KV-aware for replicas that report KV occupancy; p2c_depth ignores it",
     )
     prefix_weight: float = Field(
         4.0,

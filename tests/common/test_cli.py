@@ -37,6 +37,7 @@ def test_flags_over_environment_over_defaults(monkeypatch: pytest.MonkeyPatch) -
 def test_router_negative_flags_and_choices() -> None:
     s = router_args(["--no-auth", "--no-accounting", "--policy", "p2c_depth"])
     assert (s.auth, s.accounting, s.policy) == (False, False, "p2c_depth")
+    assert router_args([]).policy == "prefix"  # the default (benchmarks/llm_prefix.py)
     with pytest.raises(SystemExit):
         router_args(["--policy", "fastest"])  # not a choice: argparse's exit 2
     with pytest.raises(SystemExit):
