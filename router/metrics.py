@@ -45,8 +45,7 @@ AFFINITY = Counter(
 )
 KV_NO_ROOM = Counter(
     "meshserve_router_kv_no_room",
-    "Picks (p2c, prefix) where no replica had KV room for an average request: it waits in a "
-    "queue",
+    "Picks (p2c, prefix) where no replica had KV room for an average request: it waits in a queue",
 )
 PREFIX_BLOCKS = Counter(
     "meshserve_router_prefix_blocks",
