@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quantize import __main__ as cli
-from quantize import distill, distill_text, evaluate, pipeline
+from quantize import distill, distill_text, evaluate, repository
 from quantize.recipes import DISTILLED_ENCODER_GATE, lookup
 from tests.quantize.conftest import tiny_minilm, tiny_smollm2
 
@@ -217,12 +217,12 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
     assert text["texts"] == distill_text.held_out(text["texts"])
 
     # what an accepted student gets: further versions after those the repository has
-    assert pipeline.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
+    assert repository.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
         1: "fp32",
         2: "encoder-copy",
         3: "encoder-distill-l1",
     }
-    assert pipeline.installed_versions(out, "minilm")[3] == "encoder-distill-l1"
+    assert repository.installed_versions(out, "minilm")[3] == "encoder-distill-l1"
     assert (out / "minilm" / "3" / "model.onnx").exists()
     student = json.loads((tmp_path / "cache/minilm/encoder-distill-l1/student.json").read_text())
     assert student["kept_layers"] == [1] and student["plan"]["steps"] == 0
