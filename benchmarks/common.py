@@ -1,13 +1,11 @@
-"""Helpers the benchmark scripts share: machine facts, processes, the load tool's loops,
-results."""
+"""Helpers the benchmark scripts share: processes, requests, CPU counters, results (the
+machine facts and the JSON file are loadtest/results.py's; the load loops are
+loadtest/calls.py's)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -16,35 +14,17 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnxruntime
 
+from common import paths
 from common.net import free_port as free_port  # re-exported
 from devmesh import processes
-from loadtest import runner as loadtest_runner
-from loadtest.runner import Load, measured
+from loadtest import results
+from loadtest.results import machine as machine  # re-exported
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "onnxruntime": onnxruntime.__version__,
-        "platform": platform.platform(),
-    }
+RESULTS = paths.results()
 
 
 def wait_ready(address: str, timeout: float = 60) -> None:
@@ -91,52 +71,9 @@ def infer_request(model: str, name: str, array: np.ndarray, datatype: str) -> pb
     return request
 
 
-async def closed_loop(
-    address: str,
-    request: pb.ModelInferRequest,
-    concurrency: int,
-    seconds: float,
-    warmup: float = 1.0,
-    max_requests: int = 1_000_000,
-) -> dict:
-    """`concurrency` callers, each sending the next request when the last one answers
-    (the load tool's closed loop; HDR percentiles, errors by status code)."""
-    load = Load(address, [request.SerializeToString()], seconds, warmup, 30.0, max_requests)
-    return measured(await loadtest_runner.closed_loop(load, concurrency))
-
-
 def write_result(name: str, payload: dict) -> Path:
-    """results/<name>.json; a number that is not finite (no measurement) is written as null,
-    which every JSON parser reads (Infinity and NaN are not JSON)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
-    return path
-
-
-def _finite(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-async def open_loop(
-    address: str,
-    request: pb.ModelInferRequest,
-    rate: float,
-    seconds: float,
-    warmup: float = 1.0,
-    timeout: float = 30.0,
-    seed: int = 0,
-) -> dict:
-    """Poisson arrivals at `rate` per second, latency from each arrival's scheduled time
-    (the load tool's open loop: no coordinated omission)."""
-    load = Load(address, [request.SerializeToString()], seconds, warmup, timeout)
-    return measured(await loadtest_runner.open_loop(load, rate, seed=seed))
+    """results/<name>.json (loadtest/results.py: non-finite numbers as null)."""
+    return results.write_json(RESULTS / f"{name}.json", payload)
 
 
 def model_successes(address: str, model: str) -> int:

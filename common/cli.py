@@ -68,5 +68,13 @@ def parse(
         description=f"{description} Every flag can also be set as {prefix}<FLAG>.",
     )
     add_flags(parser, settings)
-    args = parser.parse_args(list(argv))
-    return settings(**{k: v for k, v in vars(args).items() if v is not None})
+    return from_args(settings, parser.parse_args(list(argv)))
+
+
+def from_args(settings: type[S], args: argparse.Namespace) -> S:
+    """The settings from the flags add_flags() declared that were given, over the
+    environment over the defaults (a subcommand's parser: its own flags are the fields)."""
+    given = {
+        k: getattr(args, k) for k in settings.model_fields if getattr(args, k, None) is not None
+    }
+    return settings(**given)
