@@ -4,12 +4,13 @@ loadtest/calls.py's)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -39,6 +40,28 @@ def wait_ready(address: str, timeout: float = 60) -> None:
                 pass
             time.sleep(0.1)
     raise TimeoutError(f"{address} not ready after {timeout}s")
+
+
+async def wait_http(host: str, port: int, path: str, timeout_s: float, alive: Callable) -> None:
+    """Until GET `path` answers 200 (a server that exited while starting raises)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited while starting")
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            )
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            if b" 200 " in status:
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"http://{host}:{port}{path} not ready after {timeout_s}s")
 
 
 def spawn(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -103,3 +126,52 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return total / ticks
+
+
+def rss_tree_mb(pid: int) -> float | None:
+    """Resident MB of a process and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            if p == pid:
+                return None
+        todo += children.get(p, [])
+    return round(total / 1024, 1)
+
+
+class RssSampler:
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.samples, self.task = pid, [], None  # type: ignore[var-annotated]
+
+    async def _loop(self) -> None:
+        while True:
+            if self.pid is not None and (v := rss_tree_mb(self.pid)) is not None:
+                self.samples.append(v)
+            await asyncio.sleep(0.5)
+
+    def __enter__(self) -> RssSampler:
+        self.task = asyncio.get_running_loop().create_task(self._loop())  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def report(self) -> dict:
+        if self.pid is None:
+            return {"unavailable": "external server: pid unknown"}
+        if not self.samples:
+            return {}
+        return {"start": self.samples[0], "peak": max(self.samples), "end": self.samples[-1]}

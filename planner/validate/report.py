@@ -29,6 +29,10 @@ def _pct(x: float | None) -> str:
     return "unbounded" if x is None else f"{x:+.0%}"
 
 
+def _share(x: float | None) -> str:
+    return "unbounded" if x is None else f"{x:.0%}"  # null in JSON: a queue that never settles
+
+
 def _ms(x: float | None) -> str:
     return "unbounded" if x is None else f"{x:.1f}"  # the queue never settles
 
@@ -57,7 +61,7 @@ def _row(c: dict) -> list[object]:
 def _verdicts(s: dict) -> str:
     def verdict(m: dict, label: str) -> str:
         return f"{label}: " + ", ".join(
-            f"{k} median |error| {m[f'median_abs_{k}_error']:.0%} (target "
+            f"{k} median |error| {_share(m[f'median_abs_{k}_error'])} (target "
             f"{s['targets'][k]:.0%}: {'met' if m['met'][k] else 'missed'})"
             for k in ("throughput", "p99")
         )

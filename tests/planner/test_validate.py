@@ -93,3 +93,8 @@ def test_section_names_the_command_and_flips_with_the_misses() -> None:
     for row in r["configurations"]:
         row["explanation"] = []
     assert "No misses." in report.section(r)
+    # a queue that never settles: an unbounded p99 is written as null (loadtest/results.py)
+    r["configurations"][0]["served"].update(p99_ms=None, p99_error=None)
+    r["summary"]["served"]["median_abs_p99_error"] = None
+    text = report.section(r)
+    assert "unbounded (unbounded)" in text and "p99 median |error| unbounded" in text
