@@ -2,11 +2,12 @@
 
 python -m ledger run --redis-url URL [--db sqlite:///build/ledger.db] [--config FILE.toml]
 python -m ledger report [--db URL] [--config FILE.toml] [--model M] [--json] [--plot FILE.png]
+
+Each command's flags are derived from its settings (ledger/settings.py) by common/cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import signal
@@ -14,13 +15,12 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 from prometheus_client import Gauge, start_http_server
 from redis.exceptions import RedisError
 
-from common import logging
+from common import cli, logging
 from common.outage import Outage
 from common.redis_auth import read_password
 from ledger import config as ledger_config
@@ -28,7 +28,7 @@ from ledger import report
 from ledger.consumer import Consumer
 from ledger.economics import Economics
 from ledger.restarts import RestartLog
-from ledger.settings import LedgerSettings
+from ledger.settings import LedgerCommon, LedgerSettings, ReportSettings
 from ledger.store import Store
 
 log = structlog.get_logger()
@@ -159,64 +159,49 @@ def run(settings: LedgerSettings) -> int:
     return 0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m ledger",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="move the routers' counters into the durable ledger")
-    p_run.add_argument("--redis-url")
-    p_run.add_argument(
-        "--redis-password-file", type=Path, help="else MESHSERVE_LEDGER_REDIS_PASSWORD"
-    )
-    p_run.add_argument("--interval-seconds", type=float)
-    p_run.add_argument("--tenants-reconcile-seconds", type=float)
-    p_run.add_argument("--metrics-port", type=int)
-    p_run.add_argument("--log-level")
-    p_report = sub.add_parser("report", help="economics per model")
-    p_report.add_argument("--model")
-    p_report.add_argument("--json", action="store_true")
-    p_report.add_argument(
-        "--tenants", action="store_true", help="revenue, calls, tokens and cost per tenant"
-    )
-    p_report.add_argument("--plot", type=Path, help="write a PNG of revenue vs T and cost per call")
-    for p in (p_run, p_report):
-        p.add_argument("--db")
-        p.add_argument("--config", type=Path)
-    return parser.parse_args(argv)
+COMMANDS: dict[str, tuple[type[LedgerCommon], str]] = {
+    "run": (LedgerSettings, "move the routers' counters into the durable ledger"),
+    "report": (ReportSettings, "economics per model"),
+}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = {
-        k: v for k, v in vars(args).items() if v is not None and k in LedgerSettings.model_fields
-    }
-    settings = LedgerSettings(**overrides)
+def parse_args(argv: Sequence[str]) -> LedgerCommon:
+    """LedgerSettings for `run`, ReportSettings for `report`."""
+    _, settings = cli.parse_command(COMMANDS, argv, prog="python -m ledger", description=__doc__)
+    assert isinstance(settings, LedgerCommon)
+    return settings
+
+
+def print_report(settings: ReportSettings) -> int:
+    config = ledger_config.load(settings.config)
+    store = Store(settings.db)
+    if settings.tenants:
+        usage = report.by_tenant(store, config)
+        if settings.as_json:
+            print(json.dumps([u.as_dict() for u in usage], indent=2))
+        else:
+            print(report.tenant_text(usage))
+        return 0
+    rows = report.build(store, config, settings.model)
+    notices = RestartLog(store, settings.interval_seconds).notices()
+    if settings.as_json:
+        print(json.dumps([e.as_dict() for e in rows], indent=2))
+    else:
+        print("\n".join([report.text(rows), *notices]))
+    if settings.plot:
+        report.plot(store, config, rows, settings.plot)
+        print(f"plot: {settings.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(sys.argv[1:] if argv is None else argv)
     logging.configure(settings.log_level, settings.log_json)
     try:
-        if args.command == "run":
+        if isinstance(settings, LedgerSettings):
             return run(settings)
-        config = ledger_config.load(settings.config)
-        store = Store(settings.db)
-        if args.tenants:
-            usage = report.by_tenant(store, config)
-            if args.json:
-                print(json.dumps([u.as_dict() for u in usage], indent=2))
-            else:
-                print(report.tenant_text(usage))
-            return 0
-        rows = report.build(store, config, args.model)
-        notices = RestartLog(store, settings.interval_seconds).notices()
-        if args.json:
-            print(json.dumps([e.as_dict() for e in rows], indent=2))
-        else:
-            print("\n".join([report.text(rows), *notices]))
-        if args.plot:
-            report.plot(store, config, rows, args.plot)
-            print(f"plot: {args.plot}", file=sys.stderr)
-        return 0
+        assert isinstance(settings, ReportSettings)
+        return print_report(settings)
     except ledger_config.LedgerConfigError as e:
         print(f"meshserve ledger: {e}", file=sys.stderr)
         return 2

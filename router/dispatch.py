@@ -69,7 +69,8 @@ from router.billing import Piece
 from router.guard import OK, UNKNOWN, Admission, RequestGuard
 from router.policy import PREFIX_WEIGHT
 from router.prefix_index import PrefixIndex
-from router.registry import Registry, Replica
+from router.registry import Registry
+from router.replica import Replica
 from router.routing import Picker
 
 log = structlog.get_logger()
@@ -131,7 +132,8 @@ class Dispatcher:
         raw: bytes | None = None,
     ) -> Replica:
         """One of `replicas` (of `model`) by the policy (see router.routing)."""
-        return self.picker.pick(replicas, model, session, raw)
+        live = self.registry.replicas if self.registry is not None else None
+        return self.picker.pick(replicas, model, session, raw, live)
 
     # -- one request -----------------------------------------------------------------------
 

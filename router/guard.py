@@ -32,7 +32,7 @@ from router import billing, metrics
 from router.accounting import NO_TOKENS, Accounting, Receipt, Tokens
 from router.auth import Tenant
 from router.billing import Piece
-from router.registry import Replica
+from router.replica import Replica
 
 OK = grpc.StatusCode.OK
 UNKNOWN = "_unknown_"  # the one label and ledger version for what the mesh does not serve

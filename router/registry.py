@@ -8,13 +8,13 @@ flight to it finish. Every `poll_s` (1 s), and on each (re)subscription for what
 published while it was not listening, it reads every registration and depth, as it did 20
 times a second before: the cost of an idle mesh no longer grows with polls.
 
-One `Replica` per registered worker, with the one gRPC channel the router reuses for it, the
-worker's last depth sample, the router's own in-flight calls to it, and its ejection state.
-A worker missing from Redis is dropped only after it has been missing for the registry TTL,
-counted from the later of its last sighting and Redis's return after an outage: a Redis that
-comes back empty (after an outage of any length) must not empty the mesh before the
-workers' next heartbeat. A dropped replica's calls in flight are cancelled at once, so the
-dispatcher can retry them elsewhere instead of waiting on a worker that stopped.
+One `Replica` (router/replica.py) per registered worker; its ejection, stall probes and
+re-admission are router/replica_health.py's. A worker missing from Redis is dropped only
+after it has been missing for the registry TTL, counted from the later of its last sighting
+and Redis's return after an outage: a Redis that comes back empty (after an outage of any
+length) must not empty the mesh before the workers' next heartbeat. A dropped replica's
+calls in flight are cancelled at once, so the dispatcher can retry them elsewhere instead of
+waiting on a worker that stopped.
 
 What Redis holds is checked before it is used: a registration that does not parse as a
 WorkerInfo, or that prices a model differently from the replicas already serving it, is
@@ -29,12 +29,10 @@ import contextlib
 import itertools
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from common import mesh_state, redis_conn, tls
@@ -42,45 +40,13 @@ from common.errors import MeshError, NotFound, Unavailable, clip
 from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
 from router import metrics
+from router.replica import Replica
+from router.replica_health import HOUSEKEEPING_S, ReplicaHealth
 
 log = structlog.get_logger()
 
-HOUSEKEEPING_S = 0.05  # ejected replicas' health checks, stalled replicas' probes
 MAX_LEFT = 10_000  # models remembered as served once (see Registry.unserved)
 LEAVE_GRACE_S = 30.0  # for the calls in flight to a worker that deregistered (it drains)
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
-STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-
-
-@dataclass(eq=False)
-class Replica:
-    info: WorkerInfo
-    channel: grpc.aio.Channel
-    info_json: str = ""  # as read from Redis: unchanged text needs no second parse
-    sample: DepthSample | None = None
-    inflight: dict[int, int] = field(default_factory=dict)  # call token -> start unix ms
-    last_seen: float = field(default_factory=time.monotonic)
-    ejected_until: float = 0.0
-    backoff_s: float = 0.0
-    checking: bool = False
-    dropped: bool = False  # left the registry
-    calls: set = field(default_factory=set)  # grpc.aio calls in flight to it
-    abandoned: set = field(default_factory=set)  # of those, the ones the registry cancelled
-    probed_at: float = 0.0  # last health probe of a replica that looked stalled
-    heard_at: float = 0.0  # last response from it on a call (monotonic)
-
-    def __post_init__(self) -> None:
-        # Bytes in, bytes out: the request is forwarded as it came.
-        self.infer = self.channel.unary_unary(INFER_METHOD)
-        self.stream = self.channel.stream_stream(STREAM_METHOD)
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def ejected(self) -> bool:
-        return time.monotonic() < self.ejected_until
 
 
 class Registry:
@@ -103,9 +69,7 @@ class Registry:
         self.channel_credentials = channel_credentials  # mutual TLS to the workers
         self.poll_s = poll_s
         self.ttl_s = ttl_s
-        self.eject_base_s = eject_base_s
-        self.eject_max_s = eject_max_s
-        self.stall_s = stall_s
+        self.health = ReplicaHealth(self.redis, self._spawn, eject_base_s, eject_max_s, stall_s)
         self.replicas: dict[str, Replica] = {}
         self.left: dict[str, float] = {}  # model -> when its last replica known here left
         self.redis_state = Outage(
@@ -145,8 +109,7 @@ class Registry:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            self._check_ejected()
-            self._check_stalled()
+            self.health.check(self.replicas.values())
 
     async def _listen(self) -> None:
         """Apply the workers' registry events as they come; subscribe again after a Redis
@@ -335,16 +298,8 @@ class Registry:
         metrics.forget_replica(worker_id)
         log.info("replica_left", worker=worker_id, reason=reason, inflight=len(replica.calls))
         if abandon:
-            self._abandon(replica)
+            replica.abandon()
         await replica.channel.close(grace=1.0 if abandon else LEAVE_GRACE_S)
-
-    @staticmethod
-    def _abandon(replica: Replica) -> None:
-        """Cancel the calls in flight to a replica that stopped answering: the dispatcher
-        sees them as UNAVAILABLE and retries them elsewhere."""
-        for call in list(replica.calls):
-            replica.abandoned.add(call)
-            call.cancel()
 
     def unserved(self, model: str, version: str = "") -> MeshError:
         """The error for a call no replica can take: UNAVAILABLE for a model whose last
@@ -376,93 +331,5 @@ class Registry:
         replica.inflight.pop(token, None)
 
     def eject(self, replica: Replica, reason: str) -> None:
-        replica.backoff_s = min(
-            self.eject_max_s, replica.backoff_s * 2 if replica.backoff_s else self.eject_base_s
-        )
-        replica.ejected_until = time.monotonic() + replica.backoff_s
-        log.warning(
-            "replica_ejected", worker=replica.id, reason=reason, backoff_s=replica.backoff_s
-        )
-
-    def _check_ejected(self) -> None:
-        now = time.monotonic()
-        for replica in self.replicas.values():
-            if replica.backoff_s and not replica.checking and now >= replica.ejected_until:
-                replica.checking = True
-                task = asyncio.get_running_loop().create_task(self._health_check(replica))
-                self._checks.add(task)
-                task.add_done_callback(self._checks.discard)
-
-    def _check_stalled(self) -> None:
-        """A replica with calls in flight whose depth sample stopped moving (a worker
-        publishes one every 100 ms; a stopped or wedged process does not) gets a health
-        probe, at most once per `stall_s`; no answer within it ejects the replica and
-        abandons its calls at once, rather than after the registry TTL."""
-        now, now_unix_ms = time.monotonic(), now_ms()
-        for replica in self.replicas.values():
-            if (
-                replica.calls
-                and not replica.checking
-                and not replica.backoff_s
-                and now - replica.probed_at >= self.stall_s
-                and (
-                    replica.sample is None
-                    or now_unix_ms - replica.sample.at_ms > self.stall_s * 1000
-                )
-            ):
-                replica.checking = True
-                replica.probed_at = now
-                task = asyncio.get_running_loop().create_task(self._probe(replica))
-                self._checks.add(task)
-                task.add_done_callback(self._checks.discard)
-
-    async def _probe(self, replica: Replica) -> None:
-        began = time.monotonic()
-        try:
-            stub = health_pb2_grpc.HealthStub(replica.channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.stall_s)
-            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if not healthy:
-                healthy = await self._busy_not_stalled(replica, began)
-        except grpc.aio.AioRpcError:
-            healthy = await self._busy_not_stalled(replica, began)
-        finally:
-            replica.checking = False
-        if not healthy and not replica.dropped:
-            self.eject(replica, "stalled: no depth sample and no health answer")
-            self._abandon(replica)
-
-    async def _busy_not_stalled(self, replica: Replica, began: float) -> bool:
-        """A probe that timed out may only mean a busy loop here or there (a burst of a
-        thousand streams): the replica is alive if it answered a call since the probe began
-        or has published a depth sample within the stall window, read from Redis now."""
-        if replica.heard_at >= began:
-            return True
-        try:
-            raw = await self.redis.get(mesh_state.depth_key(replica.id))
-        except (RedisError, OSError):
-            return False
-        if raw is None:
-            return False
-        try:
-            sample = DepthSample.decode(raw)
-        except ValueError:
-            return False
-        return now_ms() - sample.at_ms <= self.stall_s * 1000
-
-    async def _health_check(self, replica: Replica) -> None:
-        """Re-admit an ejected replica once its gRPC health check says SERVING."""
-        try:
-            stub = health_pb2_grpc.HealthStub(replica.channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            healthy = False
-        finally:
-            replica.checking = False
-        if healthy:
-            replica.backoff_s = 0.0
-            replica.ejected_until = 0.0
-            log.info("replica_readmitted", worker=replica.id)
-        else:
-            self.eject(replica, "health check failed")
+        """A call to it failed: no new calls for a backoff (router/replica_health.py)."""
+        self.health.eject(replica, reason)

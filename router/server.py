@@ -1,10 +1,15 @@
-"""The router process: registry, dispatcher and accounting behind one gRPC endpoint."""
+"""The router process: registry, dispatcher and accounting behind one gRPC endpoint.
+
+`serve` reads down as its steps: refuse an open --no-auth, build the parts (`build`), start
+them, serve gRPC (and HTTP), wait for a signal, drain."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import grpc
 import structlog
 from prometheus_client import start_http_server
 
@@ -22,9 +27,19 @@ from router.settings import RouterSettings
 log = structlog.get_logger()
 
 
-async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = None) -> None:
-    router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
-    http_host = settings.http_host or settings.host
+@dataclass
+class Parts:
+    """The router's parts, built from its settings before anything serves."""
+
+    registry: Registry
+    accounting: Accounting
+    auth: Auth | None
+    dispatcher: Dispatcher
+    mesh_credentials: grpc.ChannelCredentials | None  # mutual TLS to the workers
+
+
+def refuse_open_no_auth(settings: RouterSettings, http_host: str) -> None:
+    """--no-auth serves 127.0.0.1 only (make run)."""
     if not settings.auth and settings.http_port and not rpc.is_loopback(http_host):
         raise ValueError(
             f"--no-auth is for make run on 127.0.0.1 only; refusing to serve HTTP on "
@@ -35,6 +50,24 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
             f"--no-auth is for make run on 127.0.0.1 only; refusing to serve {settings.host} "
             "without API keys"
         )
+
+
+def build_auth(settings: RouterSettings, password: str | None) -> Auth | None:
+    """API keys and per-tenant limits from Redis; None (loudly) with --no-auth."""
+    if settings.auth:
+        redis = redis_conn.connect_async(
+            settings.redis_url, password=password, timeout_s=0.5, connect_timeout_s=0.5
+        )
+        return Auth(redis, Limiter(redis), settings.auth_cache_seconds)
+    log.warning(
+        "AUTH_OFF_ANYONE_WHO_REACHES_THIS_PORT_IS_TRUSTED",
+        address=f"{settings.host}:{settings.port}",
+        note="API keys, per-tenant limits and tenant billing are off (make run only)",
+    )
+    return None
+
+
+def build(settings: RouterSettings, router_id: str) -> Parts:
     password = read_password(settings.redis_password, settings.redis_password_file)
     mesh_credentials = (
         tls.channel_credentials(settings.mesh_ca, settings.mesh_cert, settings.mesh_key)
@@ -62,19 +95,9 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         commit=settings.accounting_commit,
         max_unwritten=settings.accounting_max_unwritten,
     )
-    auth = None
-    if settings.auth:
-        redis = redis_conn.connect_async(
-            settings.redis_url, password=password, timeout_s=0.5, connect_timeout_s=0.5
-        )
-        auth = Auth(redis, Limiter(redis), settings.auth_cache_seconds)
+    auth = build_auth(settings, password)
+    if auth is not None:
         accounting.charge = auth.charge
-    else:
-        log.warning(
-            "AUTH_OFF_ANYONE_WHO_REACHES_THIS_PORT_IS_TRUSTED",
-            address=f"{settings.host}:{settings.port}",
-            note="API keys, per-tenant limits and tenant billing are off (make run only)",
-        )
     dispatcher = Dispatcher(
         registry,
         accounting if settings.accounting else None,
@@ -89,8 +112,43 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         prefix_weight=settings.prefix_weight,
         prefix_index_blocks=settings.prefix_index_blocks,
     )
+    return Parts(registry, accounting, auth, dispatcher, mesh_credentials)
+
+
+def server_credentials(settings: RouterSettings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert and settings.tls_key:
+        return tls.server_credentials(settings.tls_cert, settings.tls_key)
+    return None
+
+
+def http_server(
+    settings: RouterSettings, http_host: str, servicer: RouterServicer, parts: Parts
+) -> HttpServer:
+    return HttpServer(
+        front_door(
+            servicer,
+            parts.dispatcher,
+            parts.auth,
+            settings.http_max_body_bytes,
+            settings.http_body_timeout_seconds,
+        ),
+        http_host,
+        settings.http_port,
+        reuse_port=settings.shared_port,
+        tls_cert=settings.tls_cert if settings.tls_key else None,
+        tls_key=settings.tls_key if settings.tls_cert else None,
+        header_timeout_s=settings.http_header_timeout_seconds,
+    )
+
+
+async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = None) -> None:
+    router_id = settings.router_id or f"router-{settings.host}-{settings.port}-{os.getpid()}"
+    http_host = settings.http_host or settings.host
+    refuse_open_no_auth(settings, http_host)
+    parts = build(settings, router_id)
+    registry, auth = parts.registry, parts.auth
     await registry.start()
-    accounting.start()
+    parts.accounting.start()
     if auth is not None:
         auth.limiter.start()
 
@@ -100,32 +158,13 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     server, health = rpc.new_server(
         settings.max_message_bytes, reflection, reuse_port=settings.shared_port
     )
-    servicer = RouterServicer(registry, dispatcher, auth)
+    servicer = RouterServicer(registry, parts.dispatcher, auth)
     server.add_generic_rpc_handlers((handler(servicer),))
-    credentials = (
-        tls.server_credentials(settings.tls_cert, settings.tls_key)
-        if settings.tls_cert and settings.tls_key
-        else None
-    )
+    credentials = server_credentials(settings)
     port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
     await server.start()
-    http = None
-    if settings.http_port:
-        http = HttpServer(
-            front_door(
-                servicer,
-                dispatcher,
-                auth,
-                settings.http_max_body_bytes,
-                settings.http_body_timeout_seconds,
-            ),
-            http_host,
-            settings.http_port,
-            reuse_port=settings.shared_port,
-            tls_cert=settings.tls_cert if settings.tls_key else None,
-            tls_key=settings.tls_key if settings.tls_cert else None,
-            header_timeout_s=settings.http_header_timeout_seconds,
-        )
+    http = http_server(settings, http_host, servicer, parts) if settings.http_port else None
+    if http is not None:
         await http.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host)
@@ -140,7 +179,7 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         policy=settings.policy,
         auth=settings.auth,
         tls=credentials is not None,
-        mesh_tls=mesh_credentials is not None,
+        mesh_tls=parts.mesh_credentials is not None,
         reflection=reflection,
         replicas=sorted(registry.replicas),
         metrics=f"{settings.metrics_host}:{settings.metrics_port}"
@@ -155,7 +194,7 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     if http is not None:
         await http.stop(settings.grace_seconds)
     await server.stop(settings.grace_seconds)
-    await accounting.close()  # last flush of the usage totals
+    await parts.accounting.close()  # last flush of the usage totals
     if auth is not None:
         await auth.limiter.close()
         await auth.redis.aclose()

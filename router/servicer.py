@@ -22,7 +22,8 @@ from protos import grpc_service_pb2_grpc as pb_grpc
 from router.aggregate import sum_statistics
 from router.auth import Auth, Tenant
 from router.dispatch import Dispatcher
-from router.registry import Registry, Replica
+from router.registry import Registry
+from router.replica import Replica
 from router.streams import StreamForwarder
 
 log = structlog.get_logger()

@@ -11,7 +11,8 @@ from prometheus_client import REGISTRY
 
 from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
 from router.dispatch import Dispatcher
-from router.registry import Registry, Replica
+from router.registry import Registry
+from router.replica import Replica
 
 MODEL = "smollm2"
 
