@@ -132,7 +132,8 @@ class Dispatcher:
         raw: bytes | None = None,
     ) -> Replica:
         """One of `replicas` (of `model`) by the policy (see router.routing)."""
-        return self.picker.pick(replicas, model, session, raw)
+        live = self.registry.replicas if self.registry is not None else None
+        return self.picker.pick(replicas, model, session, raw, live)
 
     # -- one request -----------------------------------------------------------------------
 

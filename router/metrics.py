@@ -55,7 +55,14 @@ PREFIX_BLOCKS = Counter(
 )
 PREFIX_FALLBACK = Counter(
     "meshserve_router_prefix_fallback",
-    "Picks of policy prefix made by p2c: a candidate's load unknown (no fresh sample)",
+    "Picks of LLM prompts by policy prefix made by p2c: a candidate's load unknown (no fresh "
+    "sample: Redis lost, or samples stale)",
+)
+PREFIX_HELD = LoopGauge(
+    "meshserve_router_prefix_index_blocks",
+    "Prompt blocks the router's prefix index believes the replica holds (policy prefix); "
+    "dropped when the replica restarts or leaves",
+    ["worker"],
 )
 # Per replica, from its last depth sample; a replica's series is removed when it leaves the
 # registry, so the labels are the replicas the router knows now.

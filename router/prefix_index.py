@@ -14,7 +14,8 @@ works the same way). What it may get wrong, and why that is fine:
 - another router sent the prefix: underestimated, routed as a miss (balanced by load).
 
 A restarted replica holds nothing: entries are keyed by replica id and start time, and
-`forget` drops a replica's entries when the router sees it restart or leave. The index is
+`forget` drops a replica's entries when the router sees it restart (a new start time) or
+leave the registry. The index is
 an LRU of at most `max_blocks` block keys (each with the few replicas that hold it), and a
 prompt counts at most `max_prompt_blocks` blocks: bounded memory whatever clients send.
 """
@@ -71,6 +72,7 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.max_prompt_blocks = max_prompt_blocks
         self._blocks: OrderedDict[bytes, dict[str, None]] = OrderedDict()
+        self._held: dict[str, int] = {}  # replica key -> blocks it holds here
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -106,12 +108,15 @@ class PrefixIndex:
         for key in keys:
             holders = self._blocks.get(key)
             if holders is None:
-                self._blocks[key] = {replica: None}
+                self._blocks[key] = holders = {}
             else:
-                holders[replica] = None
                 self._blocks.move_to_end(key)
+            if replica not in holders:
+                holders[replica] = None
+                self._held[replica] = self._held.get(replica, 0) + 1
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            for r in self._blocks.popitem(last=False)[1]:
+                self._drop_held(r)
 
     def forget(self, replica: str) -> int:
         """Drop every entry of one replica (it restarted or left); how many blocks it held."""
@@ -123,7 +128,19 @@ class PrefixIndex:
                 n += 1
                 if not holders:
                     del self._blocks[key]
+        self._held.pop(replica, None)
         return n
 
     def holders(self) -> set[str]:
-        return {r for h in self._blocks.values() for r in h}
+        return set(self._held)
+
+    def held(self) -> dict[str, int]:
+        """Replica key -> how many blocks the index says it holds."""
+        return dict(self._held)
+
+    def _drop_held(self, replica: str) -> None:
+        n = self._held[replica] - 1
+        if n:
+            self._held[replica] = n
+        else:
+            del self._held[replica]

@@ -5,13 +5,17 @@ depth and KV sample, if fresh, and the router's own calls in flight to it), refu
 every replica is at its max queue, and applies session affinity (router/affinity.py). The
 policy itself is a pure function (router/policy.py). For policy "prefix" it also reads the
 request's prompt (its bytes, as router/prefix_index.py parses them), scores each replica's
-overlap from the index, and records the prompt's blocks as held by the replica it picked; a
-replica seen with a new start time restarted empty, and its entries go.
+overlap from the index, and records the prompt's blocks as held by the replica it picked. A
+replica seen with a new start time restarted empty, and one gone from the registry holds
+nothing here any more: the entries of both go at the next pick (`live`, the registry's
+replicas, tells; the pool a pick is given leaves out the ejected and the tried). A model
+whose replicas publish no KV occupancy (not an LLM) is not read for a prompt: p2c decides.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from common.errors import ResourceExhausted
 from common.mesh_state import now_ms
@@ -48,17 +52,20 @@ class Picker:
         model: str,
         session: str | None = None,
         raw: bytes | None = None,
+        live: Mapping[str, Replica] | None = None,
     ) -> Replica:
         """One of `replicas` (of `model`) by the policy; the replica that served `session`
         before while it has room (see policy.choose, router.affinity); `raw`: the request's
-        bytes (policy "prefix" reads its prompt)."""
+        bytes (policy "prefix" reads its prompt); `live`: every replica the registry knows
+        now, by id (default: `replicas`)."""
         now = now_ms()
         keys: list[bytes] = []
         if self.policy == "prefix" and raw is not None:
-            self._notice_restarts(replicas)
-            found = prompt_of(raw)
-            if found is not None:
-                keys = self.index.keys(model, *found)
+            self._notice_restarts(live if live is not None else {r.id: r for r in replicas})
+            if any(r.sample is not None and r.sample.kv_total for r in replicas):
+                found = prompt_of(raw)
+                if found is not None:
+                    keys = self.index.keys(model, *found)
         by_id = {r.id: r for r in replicas}
         fresh = [
             r.sample
@@ -101,20 +108,29 @@ class Picker:
         chosen: policy.Candidate,
         keys: list[bytes],
     ) -> None:
-        if any(c.decode_blocks is None for c in open_):
-            metrics.PREFIX_FALLBACK.inc()
         if keys:
+            if any(c.decode_blocks is None for c in open_):
+                metrics.PREFIX_FALLBACK.inc()
             metrics.PREFIX_BLOCKS.labels("total").inc(len(keys))
             metrics.PREFIX_BLOCKS.labels("matched").inc(min(chosen.overlap, len(keys)))
             self.index.record(keys, _key(replica))
+            by_worker = dict.fromkeys(self._started, 0)
+            for key, n in self.index.held().items():  # any instance of the id: a check
+                worker = key.rsplit("@", 1)[0]
+                by_worker[worker] = by_worker.get(worker, 0) + n
+            for worker, n in by_worker.items():
+                metrics.PREFIX_HELD.labels(worker).set(n)
 
-    def _notice_restarts(self, replicas: list[Replica]) -> None:
-        for r in replicas:
-            before = self._started.get(r.id)
-            if before != r.info.started_ms:
-                if before is not None:
-                    self.index.forget(replica_key(r.id, before))
-                self._started[r.id] = r.info.started_ms
+    def _notice_restarts(self, live: Mapping[str, Replica]) -> None:
+        """Forget the entries of replicas that restarted (a new start time) or left."""
+        for worker, started in list(self._started.items()):
+            r = live.get(worker)
+            if r is None or r.info.started_ms != started:
+                self.index.forget(replica_key(worker, started))
+                del self._started[worker]
+                metrics.PREFIX_HELD.remove(worker)
+        for r in live.values():
+            self._started.setdefault(r.id, r.info.started_ms)
 
     def _candidate(
         self, r: Replica, model: str, now: int, overlap: int = 0, blocks: int = 0

@@ -138,3 +138,38 @@ def test_a_restarted_replica_loses_its_entries_and_redis_loss_is_p2c() -> None:
     # samples stale (Redis lost): still answers, by p2c over the router's own calls
     stale = [replica("a", fresh=False), replica("b", fresh=False)]
     assert d.pick(stale, MODEL, raw=raw).id in {"a", "b"}
+
+
+def test_a_replica_that_left_or_restarted_is_forgotten_at_the_next_pick() -> None:
+    """The pool a pick gets leaves out ejected and tried replicas; the registry's replicas
+    (`live`) say which left: only those lose their entries."""
+    picker = dispatcher().picker
+    a, b = replica("a"), replica("b")
+    live = {"a": a, "b": b}
+    for i in range(6):  # distinct prompts: both replicas end up holding some
+        picker.pick([a, b], MODEL, raw=request(b"Prompt %d " % i + SYSTEM), live=live)
+    held = picker.index.held()
+    assert set(held) == {"a@1", "b@1"}
+    # b ejected (not in the pool) but still registered: it keeps its entries
+    picker.pick([a], MODEL, raw=request(b"x" * 200), live=live)
+    assert picker.index.held()["b@1"] == held["b@1"]
+    # b left the registry: gone
+    picker.pick([a], MODEL, raw=request(b"y" * 200), live={"a": a})
+    assert "b@1" not in picker.index.held() and len(picker.index) > 0
+    # a came back as a new process (same id, new start time): its old entries go
+    again = replica("a", started_ms=7)
+    picker.pick([again], MODEL, raw=request(b"z" * 200), live={"a": again})
+    assert set(picker.index.held()) == {"a@7"}
+    assert picker.index.held()["a@7"] == len(picker.index.keys(MODEL, b"z" * 200))
+
+
+def test_a_model_without_kv_samples_is_not_read_for_a_prompt() -> None:
+    """Policy prefix over replicas that publish no KV occupancy (not an LLM): p2c, and the
+    request's bytes are not parsed for a prompt (nothing is recorded)."""
+    picker = dispatcher().picker
+    a, b = replica("a"), replica("b")
+    for r in (a, b):
+        r.sample = DepthSample(0, now_ms())  # depth only: kv_total 0
+    for _ in range(4):
+        assert picker.pick([a, b], MODEL, raw=request(SYSTEM)).id in {"a", "b"}
+    assert len(picker.index) == 0
