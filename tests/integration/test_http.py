@@ -28,7 +28,7 @@ from devmesh import toy_models
 from devmesh.processes import ROOT
 from devmesh.testing import Mesh, mlp_config
 from ledger.store import Store
-from quantize import llm, pipeline
+from quantize import llm, pipeline, repository
 
 pytestmark = pytest.mark.slow
 CACHE = ROOT / "build" / "quantize"
@@ -41,7 +41,7 @@ def build_repository(root: Path) -> Path:
     built from the packaged weights (cached in build/quantize after the first build)."""
     toy_models.write(root / "mlp", toy_models.mlp(), mlp_config(max_batch=32))
     pipeline.export_model("minilm", CACHE)
-    pipeline.install_model("minilm", [], CACHE, root)
+    repository.install_model("minilm", [], CACHE, root)
     llm.build(root, llm.DEFAULT_RECIPE, CACHE)
     return root
 
