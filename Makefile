@@ -58,7 +58,7 @@ bench: $(STUBS)
 	$(BIN)/python -m benchmarks.tp
 	$(BIN)/python -m benchmarks.llm $(LLM_BENCH_ARGS)
 	$(BIN)/python -m benchmarks.llm_prefix
-	$(BIN)/python -m benchmarks.planner
+	$(BIN)/python -m planner validate
 	$(BIN)/python -m benchmarks.tenants
 	$(BIN)/python -m benchmarks.http_stack
 	$(BIN)/python -m benchmarks.http_edge

@@ -1,50 +1,31 @@
-"""Helpers the benchmark scripts share: machine facts, processes, the load tool's loops,
-results."""
+"""Helpers the benchmark scripts share: processes, requests, CPU counters, results (the
+machine facts and the JSON file are loadtest/results.py's; the load loops are
+loadtest/calls.py's)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
-import math
 import os
-import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
-import onnxruntime
 
+from common import paths
 from common.net import free_port as free_port  # re-exported
 from devmesh import processes
-from loadtest import runner as loadtest_runner
-from loadtest.runner import Load, measured
+from loadtest import results
+from loadtest.results import machine as machine  # re-exported
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "onnxruntime": onnxruntime.__version__,
-        "platform": platform.platform(),
-    }
+RESULTS = paths.results()
 
 
 def wait_ready(address: str, timeout: float = 60) -> None:
@@ -59,6 +40,28 @@ def wait_ready(address: str, timeout: float = 60) -> None:
                 pass
             time.sleep(0.1)
     raise TimeoutError(f"{address} not ready after {timeout}s")
+
+
+async def wait_http(host: str, port: int, path: str, timeout_s: float, alive: Callable) -> None:
+    """Until GET `path` answers 200 (a server that exited while starting raises)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited while starting")
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            )
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            if b" 200 " in status:
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"http://{host}:{port}{path} not ready after {timeout_s}s")
 
 
 def spawn(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -91,52 +94,9 @@ def infer_request(model: str, name: str, array: np.ndarray, datatype: str) -> pb
     return request
 
 
-async def closed_loop(
-    address: str,
-    request: pb.ModelInferRequest,
-    concurrency: int,
-    seconds: float,
-    warmup: float = 1.0,
-    max_requests: int = 1_000_000,
-) -> dict:
-    """`concurrency` callers, each sending the next request when the last one answers
-    (the load tool's closed loop; HDR percentiles, errors by status code)."""
-    load = Load(address, [request.SerializeToString()], seconds, warmup, 30.0, max_requests)
-    return measured(await loadtest_runner.closed_loop(load, concurrency))
-
-
 def write_result(name: str, payload: dict) -> Path:
-    """results/<name>.json; a number that is not finite (no measurement) is written as null,
-    which every JSON parser reads (Infinity and NaN are not JSON)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
-    return path
-
-
-def _finite(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-async def open_loop(
-    address: str,
-    request: pb.ModelInferRequest,
-    rate: float,
-    seconds: float,
-    warmup: float = 1.0,
-    timeout: float = 30.0,
-    seed: int = 0,
-) -> dict:
-    """Poisson arrivals at `rate` per second, latency from each arrival's scheduled time
-    (the load tool's open loop: no coordinated omission)."""
-    load = Load(address, [request.SerializeToString()], seconds, warmup, timeout)
-    return measured(await loadtest_runner.open_loop(load, rate, seed=seed))
+    """results/<name>.json (loadtest/results.py: non-finite numbers as null)."""
+    return results.write_json(RESULTS / f"{name}.json", payload)
 
 
 def model_successes(address: str, model: str) -> int:
@@ -166,3 +126,52 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return total / ticks
+
+
+def rss_tree_mb(pid: int) -> float | None:
+    """Resident MB of a process and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            if p == pid:
+                return None
+        todo += children.get(p, [])
+    return round(total / 1024, 1)
+
+
+class RssSampler:
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.samples, self.task = pid, [], None  # type: ignore[var-annotated]
+
+    async def _loop(self) -> None:
+        while True:
+            if self.pid is not None and (v := rss_tree_mb(self.pid)) is not None:
+                self.samples.append(v)
+            await asyncio.sleep(0.5)
+
+    def __enter__(self) -> RssSampler:
+        self.task = asyncio.get_running_loop().create_task(self._loop())  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def report(self) -> dict:
+        if self.pid is None:
+            return {"unavailable": "external server: pid unknown"}
+        if not self.samples:
+            return {}
+        return {"start": self.samples[0], "peak": max(self.samples), "end": self.samples[-1]}

@@ -27,13 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import readings
-from benchmarks.common import RESULTS, closed_loop, infer_request, machine
+from benchmarks.common import RESULTS, infer_request, machine
 from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from ledger import config as ledger_config
 from ledger import report
 from ledger.store import Store
+from loadtest.calls import closed_loop
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 CONFIG = (

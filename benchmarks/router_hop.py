@@ -48,11 +48,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import ROOT, closed_loop, free_port, infer_request, machine, write_result
+from benchmarks.common import ROOT, free_port, infer_request, machine, write_result
 from benchmarks.idle import export
 from common import llm_protocol as proto
 from devmesh import toy_models
 from devmesh.processes import LocalMesh, Process, router_process, wait_serving
+from loadtest.calls import closed_loop
 from protos import grpc_service_pb2 as pb
 from quantize import llm as llm_model
 

@@ -1,6 +1,6 @@
 """Render benchmarks/README.md from benchmarks/results/*.json (run by `make bench`): it only
 joins; each benchmark renders its own section next to its run (`section(result)` in
-benchmarks/<module>.py)."""
+benchmarks/<module>.py; the planner's validation in planner/validate/report.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-# result file (results/<name>.json) -> the benchmark module that renders it, in page order
+# result file (results/<name>.json) -> the module that renders it (benchmarks.<value> unless
+# the value names a package), in page order
 SECTIONS: dict[str, str] = {
     "worker": "worker",
     "router": "router",
@@ -26,7 +27,7 @@ SECTIONS: dict[str, str] = {
     "llm_speculative": "llm_speculative",
     "llm_speculative_fp32": "llm_speculative",
     "llm_genai_perf": "llm_genai_perf",
-    "planner": "planner",
+    "planner": "planner.validate.report",
     "tenants": "tenants",
     "router_scale": "router_scale",
     "idle": "idle",
@@ -47,9 +48,11 @@ def render(results: Path = RESULTS) -> str:
     ]
     machine_noted = False
     for name, module in SECTIONS.items():
+        renderer = importlib.import_module(module if "." in module else f"benchmarks.{module}")
         path = results / f"{name}.json"
         if not path.exists():
-            parts.append(f"## {name}\n\nnot run yet: `python -m benchmarks.{name}`")
+            command = getattr(renderer, "COMMAND", f"python -m {renderer.__name__}")
+            parts.append(f"## {name}\n\nnot run yet: `{command}`")
             continue
         result = json.loads(path.read_text())
         if not machine_noted:
@@ -59,7 +62,7 @@ def render(results: Path = RESULTS) -> str:
                 f"onnxruntime {m['onnxruntime']}, {m['platform']}."
             )
             machine_noted = True
-        parts.append(importlib.import_module(f"benchmarks.{module}").section(result))
+        parts.append(renderer.section(result))
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

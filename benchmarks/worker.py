@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (
-    closed_loop,
     free_port,
     infer_request,
     machine,
@@ -32,6 +31,7 @@ from benchmarks.common import (
 )
 from benchmarks.readings import table
 from devmesh import toy_models
+from loadtest.calls import closed_loop
 
 DELAY_500US = "max_batch_size: 64\ndynamic_batching { max_queue_delay_microseconds: 500 }\n"
 CONFIGS = {

@@ -70,7 +70,9 @@ def _env_note(settings: type[BaseSettings], env_prefix: str = "") -> str:
     return f"Every flag can also be set as {prefix}<FLAG>."
 
 
-def _given(settings: type[S], args: argparse.Namespace) -> S:
+def from_args(settings: type[S], args: argparse.Namespace) -> S:
+    """The settings from the flags add_flags() declared that were given, over the
+    environment over the defaults (also for a parser of one's own, e.g. a subcommand)."""
     return settings(
         **{k: v for k, v in vars(args).items() if v is not None and k in settings.model_fields}
     )
@@ -86,7 +88,7 @@ def parse(
         description=f"{description} {_env_note(settings, env_prefix)}",
     )
     add_flags(parser, settings)
-    return _given(settings, parser.parse_args(list(argv)))
+    return from_args(settings, parser.parse_args(list(argv)))
 
 
 def parse_command(
@@ -111,4 +113,4 @@ def parse_command(
         add_flags(p, settings)
     args = parser.parse_args(list(argv))
     command = args._command
-    return command, _given(commands[command][0], args)
+    return command, from_args(commands[command][0], args)

@@ -33,3 +33,11 @@ def build_dir() -> Path:
 def build(*parts: str) -> Path:
     """A default location under build_dir(): build("models"), build("quantize", "reports")."""
     return build_dir().joinpath(*parts)
+
+
+def results(*parts: str) -> Path:
+    """Where measured runs write their result files: benchmarks/results of a checkout
+    (the benchmarks and `python -m planner validate`), else build_dir()/results."""
+    root = source_root()
+    base = root / "benchmarks" / "results" if root is not None else build_dir() / "results"
+    return base.joinpath(*parts)

@@ -1,4 +1,4 @@
-"""python -m planner probe | calibrate | diagnose | plan
+"""python -m planner probe | calibrate | diagnose | plan | validate
 
 python -m planner probe [--output build/planner/profile.json] [--mesh]
 python -m planner calibrate --model M [--model-repository DIR] [--version V] [--max-batch B]
@@ -7,10 +7,13 @@ python -m planner diagnose --model-repository DIR --profile P [--batch 1 8 64] [
                            [--concurrency N] [--plot roofline.png] [--json]
 python -m planner plan --model M --qps Q --p99-ms L [--context C --max-tokens K] --profile P
                        --price-per-hour H [--model-repository DIR] [--json]
+python -m planner validate [--seconds 5] [--skip-llm] [--reanalyse] [--results DIR]
 
 A profile is H200, H100, A100, L4, `local` (what `probe` wrote) or a profile JSON file.
 `calibrate` serves one encoder version through a one-worker mesh on this machine and writes the
 local profile fitted to it (planner/serving.py), for `plan --profile FILE --recipe R`.
+`validate` predicts, then measures, each checked configuration through router + workers on
+this machine and writes benchmarks/results/planner.json (planner/validate/).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common import logging, paths
+from pydantic import ValidationError
+
+from common import cli, logging, paths
 from planner import probe as probing
 from planner import profiles
 from planner.analysis import DECODER, AnalysisError, analyse_repository
@@ -31,6 +36,7 @@ from planner.plan import Plan, Workload, plan
 from planner.plot import roofline_png
 from planner.roofline import diagnose
 from planner.serving import calibrate_serving, served_profile
+from planner.validate.configs import ValidateSettings
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -176,6 +182,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.best is not None else 1
 
 
+def _validate(args: argparse.Namespace) -> int:
+    settings = cli.from_args(ValidateSettings, args)
+    from planner.validate.run import validate  # the mesh, the load tool, quantize: on demand
+
+    validate(settings)
+    return 0
+
+
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = kind(text)
@@ -222,16 +236,30 @@ def parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--recipe", nargs="+", help="only these recipes")
     pl.add_argument("--json", action="store_true")
+    v = sub.add_parser(
+        "validate",
+        help="the predictions against this machine's mesh (benchmarks/results/planner.json)",
+        description="Predict, then measure, each checked configuration through router + "
+        "workers on this machine (planner/validate/). Every flag can also be set as "
+        "MESHSERVE_PLANNER_VALIDATE_<FLAG>.",
+    )
+    cli.add_flags(v, ValidateSettings)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.configure("warning")
-    commands = {"probe": _probe, "calibrate": _calibrate, "diagnose": _diagnose, "plan": _plan}
+    commands = {
+        "probe": _probe,
+        "calibrate": _calibrate,
+        "diagnose": _diagnose,
+        "plan": _plan,
+        "validate": _validate,
+    }
     try:
         return commands[args.command](args)
-    except (AnalysisError, profiles.ProfileError) as e:
+    except (AnalysisError, profiles.ProfileError, ValidationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,7 @@ from rich.progress import (
 )
 
 from common import paths
-from quantize import pipeline
+from quantize import pipeline, repository
 from quantize.recipes import RECIPES, distill_recipe
 
 console = Console(stderr=True)
@@ -177,7 +177,7 @@ def distill(args: argparse.Namespace) -> int:
     for v in verdicts:
         console.print(f"report: {args.reports / args.model / v.recipe.name}.md")
     if accepted:
-        versions = pipeline.add_versions(args.model, accepted, args.cache, args.output)
+        versions = repository.add_versions(args.model, accepted, args.cache, args.output)
         console.print(
             f"{args.output / args.model}: " + ", ".join(f"{v}={lab}" for v, lab in versions.items())
         )
@@ -310,7 +310,7 @@ def build_repository(args: argparse.Namespace) -> int:
             versions[model] = step(
                 bar,
                 f"install {model} into {args.output}",
-                pipeline.install_model,
+                repository.install_model,
                 model,
                 accepted,
                 args.cache,

@@ -37,7 +37,17 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-BLOCK = 32
+from quantize.blocks import (
+    BLOCK,
+    Blocks,
+    pack4,
+    q4_0_blocks,
+    q4_1_blocks,
+    q8_0_blocks,
+    rtn_blocks,
+)
+from quantize.gguf_index import gguf_names, gguf_types
+
 MS_DOMAIN = "com.microsoft"
 
 Q4_1 = "q4_1-exact"  # 4-bit codes straight from the GGUF grid, residual added back
@@ -52,255 +62,6 @@ OTHERWISE = {"int8": INT8, "int4": INT4, "keep": KEPT}
 
 class QuantizeError(Exception):
     """A weight named after a GGUF tensor did not come out as that tensor's type."""
-
-
-@dataclass
-class Blocks:
-    """w[k, n] = scales[n, b] * (codes[n, b, j] - zero_points[n, b]) + residual[n, b],
-    k = b*block + j."""
-
-    bits: int
-    codes: np.ndarray  # uint8 [N, nb, block]
-    scales: np.ndarray  # float32 [N, nb]
-    zero_points: np.ndarray | None  # uint8 [N, nb]; None = 2**(bits-1)
-    residual: np.ndarray | None = None  # float32 [N, nb]; None = 0
-
-    def dequantize(self) -> np.ndarray:
-        """The [K, N] weights these blocks stand for (float32 arithmetic)."""
-        zp = self.zero_points if self.zero_points is not None else 2 ** (self.bits - 1)
-        w = self.scales[..., None] * (
-            self.codes.astype(np.float32) - np.asarray(zp, np.float32)[..., None]
-        )
-        if self.residual is not None:
-            w = w + self.residual[..., None]
-        n, nb, block = self.codes.shape
-        return w.reshape(n, nb * block).T.astype(np.float32)  # type: ignore[no-any-return]
-
-
-def _blocks(w: np.ndarray, block: int) -> np.ndarray | None:
-    """[K, N] -> [N, K/block, block], or None when K is not a multiple of block."""
-    k, n = w.shape
-    if k % block:
-        return None
-    return np.ascontiguousarray(w.T).reshape(n, k // block, block)
-
-
-def q4_1_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
-    """The Q4_1 decomposition of w [K, N] if every block is d*q + m exactly, else None."""
-    x = _blocks(w, block)
-    if x is None:
-        return None
-    lo, hi = x.min(-1), x.max(-1)
-    d = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
-    m = lo.astype(np.float16).astype(np.float32)
-    if not np.array_equal(m, lo):
-        return None
-    safe = np.where(d == 0, np.float32(1), d)
-    q = np.rint((x - m[..., None]) / safe[..., None])
-    if q.min() < 0 or q.max() > 15:
-        return None
-    if not np.array_equal(d[..., None] * q.astype(np.float32) + m[..., None], x):
-        return None
-    z = np.clip(np.rint(-m / safe), 0, 15)
-    z = np.where(d == 0, 0, z).astype(np.float32)
-    residual = (m + d * z).astype(np.float32)
-    return Blocks(4, q.astype(np.uint8), d, z.astype(np.uint8), residual)
-
-
-def q8_0_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
-    """The Q8_0 decomposition of w [K, N] if every block is d*q exactly, else None."""
-    x = _blocks(w, block)
-    if x is None:
-        return None
-    amax = np.abs(x).max(-1)
-    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
-    safe = np.where(d == 0, np.float32(1), d)
-    q = np.rint(x / safe[..., None])
-    if q.min() < -127 or q.max() > 127:
-        return None
-    if not np.array_equal(q.astype(np.float32) * d[..., None], x):
-        return None
-    return Blocks(8, (q + 128).astype(np.uint8), d, None)
-
-
-def q4_0_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
-    """The Q4_0 decomposition of w [K, N] if every block is d*(q - 8) exactly, else None.
-    llama.cpp picks d = -x/8 for the block's x of largest magnitude (d may be negative),
-    so that x has code 0; MatMulNBits' default 4-bit zero point is that 8."""
-    x = _blocks(w, block)
-    if x is None:
-        return None
-    at = np.abs(x).argmax(-1)
-    extreme = np.take_along_axis(x, at[..., None], -1)[..., 0]
-    d = (-extreme / np.float32(8)).astype(np.float32)
-    if not np.array_equal(d.astype(np.float16).astype(np.float32), d):
-        return None
-    safe = np.where(d == 0, np.float32(1), d)
-    q = np.rint(x / safe[..., None]) + 8
-    if q.min() < 0 or q.max() > 15:
-        return None
-    if not np.array_equal(d[..., None] * (q.astype(np.float32) - 8), x):
-        return None
-    return Blocks(4, q.astype(np.uint8), d, None)
-
-
-def rtn_blocks(w: np.ndarray, bits: int, block: int = BLOCK) -> Blocks:
-    """Round to nearest: symmetric for 8 bits (as Q8_0), asymmetric (as Q4_1) for 4."""
-    k, n = w.shape
-    pad = -k % block
-    x = _blocks(np.pad(w, ((0, pad), (0, 0))), block)
-    assert x is not None
-    if bits == 8:
-        d = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
-        safe = np.where(d == 0, np.float32(1), d)
-        q = np.clip(np.rint(x / safe[..., None]), -127, 127)
-        return Blocks(8, (q + 128).astype(np.uint8), d, None)
-    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
-    d = ((hi - lo) / np.float32(15)).astype(np.float32)
-    safe = np.where(d == 0, np.float32(1), d)
-    z = np.clip(np.rint(-lo / safe), 0, 15)
-    q = np.clip(np.rint(x / safe[..., None]) + z[..., None], 0, 15)
-    return Blocks(4, q.astype(np.uint8), d, z.astype(np.uint8))
-
-
-def _pack4(values: np.ndarray) -> np.ndarray:
-    """uint8 values 0..15 along the last axis -> two per byte, the first in the low nibble."""
-    if values.shape[-1] % 2:
-        values = np.concatenate([values, np.zeros_like(values[..., :1])], axis=-1)
-    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
-
-
-# ---- naming: which GGUF tensor an initializer stands for ---------------------------------
-
-_TORCH_TO_GGUF = {
-    "q": ("attn_q",),
-    "k": ("attn_k",),
-    "v": ("attn_v",),
-    "qkv": ("attn_q", "attn_k", "attn_v"),  # the step graph's packed projection
-    "o": ("attn_output",),
-    "gate": ("ffn_gate",),
-    "up": ("ffn_up",),
-    "gate_up": ("ffn_gate", "ffn_up"),  # the step graph's fused MLP input
-    "down": ("ffn_down",),
-}
-_TORCH_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(q|k|v|qkv|o|gate|up|gate_up|down)\.weight$")
-
-
-def gguf_names(initializer: str) -> tuple[str, ...]:
-    """The GGUF tensors an initializer is named after (GGUF or our torch names; a fused
-    weight stands for several, its rows in their order); () if none."""
-    name = initializer.removesuffix("_transposed").removesuffix(".T")
-    if re.fullmatch(r"blk\.\d+\.\w+\.weight|token_embd\.weight|output\.weight", name):
-        return (name,)
-    if name in ("embed.weight", "lm_head.weight"):
-        return ("token_embd.weight" if name == "embed.weight" else "output.weight",)
-    found = _TORCH_LAYER.search(name)
-    if found:
-        return tuple(f"blk.{found.group(1)}.{t}.weight" for t in _TORCH_TO_GGUF[found.group(2)])
-    return ()
-
-
-def gguf_name(initializer: str) -> str | None:
-    """The GGUF tensor an initializer is named after, if any (the first of a fused one)."""
-    names = gguf_names(initializer)
-    return names[0] if names else None
-
-
-@dataclass(frozen=True)
-class GGUFTensor:
-    kind: str  # Q4_1, Q8_0, F32, ...
-    shape: tuple[int, ...]  # numpy order: [out, in] for a weight
-    start: int  # byte offset in the file
-    nbytes: int
-
-    def raw(self, path: Path) -> np.ndarray:
-        """The tensor's bytes, [rows, bytes per row], as gguf.quants.dequantize takes them."""
-        data = np.fromfile(path, np.uint8, count=self.nbytes, offset=self.start)
-        return data.reshape(self.shape[0], -1) if len(self.shape) > 1 else data
-
-
-_SCALAR = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-
-
-def gguf_index(gguf_path: Path) -> dict[str, GGUFTensor]:
-    """Name -> type, shape and place of every tensor in a GGUF (v2/v3) file, read from its
-    header alone (gguf.GGUFReader also parses every vocabulary string: ~30 s here)."""
-    import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(gguf_path, "rb") as f:
-        buf = f.read(64 << 20)  # header + metadata (the tensor data is not read)
-    pos = 0
-
-    def take(fmt: str) -> int | float:
-        nonlocal pos
-        (value,) = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return value  # type: ignore[no-any-return]
-
-    def string() -> str:
-        nonlocal pos
-        n = int(take("Q"))
-        pos += n
-        return buf[pos - n : pos].decode()
-
-    def skip(kind: int) -> None:
-        nonlocal pos
-        if kind == 8:
-            string()
-        elif kind == 9:
-            item, count = int(take("I")), int(take("Q"))
-            if item in _SCALAR:
-                pos += struct.calcsize(_SCALAR[item]) * count
-            else:
-                for _ in range(count):
-                    skip(item)
-        else:
-            take(_SCALAR[kind])
-
-    if buf[:4] != b"GGUF":
-        raise ValueError(f"{gguf_path} is not a GGUF file")
-    pos = 8
-    tensors, kvs = int(take("Q")), int(take("Q"))
-    alignment = 32
-    for _ in range(kvs):
-        key, kind = string(), int(take("I"))
-        if key == "general.alignment":
-            alignment = int(take(_SCALAR[kind]))
-        else:
-            skip(kind)
-    infos = []
-    for _ in range(tensors):
-        name = string()
-        dims = [int(take("Q")) for _ in range(int(take("I")))]
-        kind, offset = GGMLQuantizationType(int(take("I"))), int(take("Q"))
-        infos.append((name, dims, kind, offset))
-    data = -(-pos // alignment) * alignment
-    out = {}
-    for name, dims, kind, offset in infos:
-        block, size = GGML_QUANT_SIZES[kind]
-        count = int(np.prod(dims))
-        shape = tuple(reversed(dims))
-        out[name] = GGUFTensor(kind.name, shape, data + offset, count // block * size)
-    return out
-
-
-def gguf_types(gguf_path: Path) -> dict[str, str]:
-    """GGUF tensor name -> its type name (Q4_1, Q8_0, F32, ...)."""
-    return {name: t.kind for name, t in gguf_index(gguf_path).items()}
 
 
 _EXPECTED = {"Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_0": Q4_0}
@@ -381,6 +142,24 @@ class _Graph:
         return node.input[0], np.ascontiguousarray(array.T), node
 
 
+def _wanted(
+    source: str, types: dict[str, str], otherwise: str
+) -> tuple[str | None, str | None, str]:
+    """For weight `source`: the GGUF tensor it is named after, the exact codec that
+    tensor's type demands (None: no exact grid required), and what it becomes otherwise."""
+    gnames = gguf_names(source)
+    if gnames == ("output.weight",) and "output.weight" not in types:
+        gnames = ("token_embd.weight",)  # tied embeddings: the lm_head is token_embd
+    kinds = {types.get(n, "") for n in gnames}
+    gname = gnames[0] if gnames else None
+    # a fused weight is exact only when every part is of one type (else: as any F16)
+    expected = _EXPECTED.get(kinds.pop()) if len(kinds) == 1 else None
+    policy = OTHERWISE[otherwise]
+    if gname in types and expected is None and policy == INT4:
+        policy = INT8  # F16/F32/K-quant tensors in the GGUF: not pushed below 8 bits
+    return gname, expected, policy
+
+
 def quantize_matmuls(
     model: onnx.ModelProto,
     *,
@@ -418,16 +197,7 @@ def quantize_matmuls(
             new_nodes.append(node)
             continue
         source, w, transpose = found
-        gnames = gguf_names(source)
-        if gnames == ("output.weight",) and "output.weight" not in types:
-            gnames = ("token_embd.weight",)  # tied embeddings: the lm_head is token_embd
-        kinds = {types.get(n, "") for n in gnames}
-        gname = gnames[0] if gnames else None
-        # a fused weight is exact only when every part is of one type (else: as any F16)
-        expected = _EXPECTED.get(kinds.pop()) if len(kinds) == 1 else None
-        policy = OTHERWISE[otherwise]
-        if gname in types and expected is None and policy == INT4:
-            policy = INT8  # F16/F32/K-quant tensors in the GGUF: not pushed below 8 bits
+        gname, expected, policy = _wanted(source, types, otherwise)
         codec, blocks = _decompose(w, block_size, policy, expected)
         if expected is not None and blocks is None:
             raise QuantizeError(
@@ -483,14 +253,14 @@ def _matmulnbits(
     accuracy_level: int,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     k, n = shape
-    codes = _pack4(blocks.codes) if blocks.bits == 4 else blocks.codes
+    codes = pack4(blocks.codes) if blocks.bits == 4 else blocks.codes
     inits = [
         numpy_helper.from_array(codes, f"{prefix}_Q{blocks.bits}"),
         numpy_helper.from_array(blocks.scales.astype(np.float32), f"{prefix}_scales"),
     ]
     if blocks.zero_points is not None:
         zp = blocks.zero_points
-        zp = _pack4(zp) if blocks.bits == 4 else zp
+        zp = pack4(zp) if blocks.bits == 4 else zp
         inits.append(numpy_helper.from_array(zp.reshape(-1), f"{prefix}_zero_points"))
     out = helper.make_node(
         "MatMulNBits",

@@ -22,6 +22,7 @@ import onnx
 from common import model_keys
 from quantize import checkpoint, checkpoints, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
+from quantize.repository import llm_config_text
 
 MODEL = "smollm2"
 DEFAULT_RECIPE = "decoder-int8-weight-only"
@@ -36,7 +37,7 @@ def config_text(name: str, label: str, max_model_len: int) -> str:
         name=name,
         config={**pipeline.source(MODEL).config, MAX_MODEL_LEN: str(max_model_len)},
     )
-    return pipeline.llm_config_text(source, {1: label})
+    return llm_config_text(source, {1: label})
 
 
 def gate(recipe_name: str, cache: Path, reports: Path) -> tuple[dict, list[str]]:
@@ -137,7 +138,7 @@ def build_checkpoint(
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(ck.tokenizer_config, indent=2) + "\n")
         llm_graph.save(proto, tmp / "1" / MODEL_FILE)
         label = f"{AS_STORED}-{ck.architecture}"
-        (tmp / "config.pbtxt").write_text(pipeline.llm_config_text(source, {1: label}))
+        (tmp / "config.pbtxt").write_text(llm_config_text(source, {1: label}))
 
     pipeline._staged(output / name, write)
     return output / name

@@ -1,4 +1,5 @@
-"""The steps behind the CLI: export, quantize, evaluate + gate, build the repository.
+"""The steps behind the CLI: export, quantize, evaluate + gate (installing the accepted
+versions as a model repository: quantize/repository.py).
 
 Intermediate files live in a cache folder (default build/quantize): CACHE/<model>/fp32/ and
 CACHE/<model>/<recipe>/, each with model.onnx and tokenizer.json. Every file is written
@@ -17,12 +18,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from google.protobuf import text_format
 from tokenizers import Tokenizer
 
 from common import model_keys
-from common.model_config import config_text as write_config
-from protos import model_config_pb2 as mc
 from quantize import distill, distill_text, encoder_graph, evaluate, llm_graph, report, weights
 from quantize.models import BertEncoder, LlamaDecoder
 from quantize.recipes import DECODER, ENCODER, RECIPES, Recipe, lookup
@@ -364,93 +362,6 @@ def evaluate_model(
     )
     report.write(reports / name, recipe.name, body)
     return Verdict(name, recipe, metrics, failures, body)
-
-
-def config_text(model: Source, versions: dict[int, str]) -> str:
-    if model.kind == DECODER:
-        return llm_config_text(model, versions)
-    params = {
-        **model.config,
-        model_keys.TOKENIZER: TOKENIZER_FILE,
-        **{f"meshserve.version.{v}": label for v, label in versions.items()},
-    }
-    return write_config(
-        model.name,
-        model.max_batch_size,
-        model.max_queue_delay_us,
-        params,
-        all_versions=True,
-        platform="onnxruntime_onnx",
-    )
-
-
-def llm_config_text(model: Source, versions: dict[int, str]) -> str:
-    """A decoder as the LLM engine serves it: decoupled, Triton's vLLM-backend tensors
-    (completed by the worker), no batch dimension (the engine batches sequences)."""
-    config = mc.ModelConfig(name=model.name, platform="onnxruntime_onnx", max_batch_size=0)
-    config.model_transaction_policy.decoupled = True
-    if len(versions) > 1:
-        config.version_policy.all.SetInParent()
-    params = {
-        **model.config,
-        model_keys.TOKENIZER: TOKENIZER_FILE,
-        **{f"meshserve.version.{v}": label for v, label in versions.items()},
-    }
-    for key, value in params.items():
-        config.parameters[key].string_value = value
-    return text_format.MessageToString(config)
-
-
-def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> dict[int, str]:
-    """Write OUTPUT/<name>/ (fp32 as version 1, accepted recipes after it) in one rename."""
-    model = source(name)
-    versions = {1: FP32, **{i + 2: r for i, r in enumerate(accepted)}}
-
-    def write(tmp: Path) -> None:
-        shutil.copy(artifact_for(cache, name, FP32).tokenizer, tmp / TOKENIZER_FILE)
-        for version, label in versions.items():
-            (tmp / str(version)).mkdir()
-            src = artifact_for(cache, name, label).model
-            try:  # a hard link when the cache is on the same disk: no second copy
-                (tmp / str(version) / MODEL_FILE).hardlink_to(src)
-            except OSError:
-                shutil.copy(src, tmp / str(version) / MODEL_FILE)
-        (tmp / "config.pbtxt").write_text(config_text(model, versions))
-
-    _staged(output / name, write)
-    return versions
-
-
-def installed_versions(output: Path, name: str) -> dict[int, str]:
-    """{version: label} of OUTPUT/<name>/ as its config.pbtxt records them; {} if absent."""
-    path = output / name / "config.pbtxt"
-    if not path.exists():
-        return {}
-    config = text_format.Parse(path.read_text(), mc.ModelConfig())
-    prefix = model_keys.VERSION_LABEL
-    return {
-        int(k.removeprefix(prefix)): v.string_value
-        for k, v in config.parameters.items()
-        if k.startswith(prefix)
-    }
-
-
-def add_versions(name: str, labels: list[str], cache: Path, output: Path) -> dict[int, str]:
-    """OUTPUT/<name>/ with `labels` as further versions after those it already has (one
-    rename, as install_model); nothing is written when `labels` adds nothing."""
-    have = installed_versions(output, name)
-    new = [label for label in labels if label not in have.values()]
-    if have and not new:
-        return have
-    keep = [have[v] for v in sorted(have) if have[v] != FP32]
-    for label in keep:
-        if not artifact_for(cache, name, label).exists():
-            raise BuildError(
-                f"{output / name} has version {label!r}, which is not in the cache {cache}; "
-                "rebuild it there (python -m quantize build-repository) or choose another "
-                "--output"
-            )
-    return install_model(name, keep + new, cache, output)
 
 
 def summary(verdicts: list[Verdict], versions: dict[str, dict[int, str]]) -> dict:

@@ -5,12 +5,15 @@ python -m loadtest --llm --model M --conversations N --turns K [--think-time S]
 
 LLM load over ModelStreamInfer with Triton's vLLM-backend tensors (text_input, stream,
 sampling_parameters, exclude_input_in_output -> text_output): meshserve's engine, or
-Triton's vLLM backend. Per request: TTFT, inter-token latency, end-to-end latency, tokens/s;
-p50/p90/p99 from HDR histograms; errors by gRPC code or stream error message. Tokens come
-from the server's usage (final-response parameters prompt_tokens/completion_tokens, or
-num_*_tokens outputs with --return-token-counts), else from --tokenizer. Each point warms
-up (--warmup), starts requests for --duration seconds or --max-requests, then waits for
-those in flight (each bounded by --timeout).
+Triton's vLLM backend; or, with --api openai, over an OpenAI completions server's SSE
+(llama.cpp's llama-server), timed the same way. Per request: TTFT (to the first non-empty
+piece), inter-token latency, end-to-end latency, tokens/s; p50/p90/p99 from HDR histograms;
+errors by gRPC code or stream error message. Tokens come from the server's usage
+(final-response parameters prompt_tokens/completion_tokens, or num_*_tokens outputs with
+--return-token-counts), else from --tokenizer; --count-tokens tokenizer re-tokenizes every
+prompt and returned text instead, so two servers are counted alike. Each point warms up
+(--warmup), starts requests for --duration seconds or --max-requests, then waits for those
+in flight (each bounded by --timeout).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from common import tls
 from loadtest import plots
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop, open_loop
+from loadtest.llm.stats import COUNTS
 from loadtest.runner import measured, progress_printer
 
 
@@ -60,6 +64,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tokenizer",
         type=Path,
         help="tokenizer.json: exact synthetic lengths, and token counts when the server gives none",
+    )
+    parser.add_argument(
+        "--count-tokens",
+        choices=COUNTS,
+        default="server",
+        help="server: the server's usage, else --tokenizer; tokenizer: always --tokenizer",
     )
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument(
@@ -101,6 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--label", default="", help="names the series in plots and JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
+    if args.count_tokens == "tokenizer" and args.tokenizer is None:
+        parser.error("--count-tokens tokenizer needs --tokenizer")
     if args.max_tokens < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         parser.error("--max-tokens and --prompt-len must be >= 1")
     if args.duration <= 0 or args.warmup < 0 or args.timeout <= 0 or args.max_requests < 1:
@@ -156,6 +168,7 @@ def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
         credentials=tls.channel_credentials(args.ca) if args.ca else None,
         api_key=os.environ.get(API_KEY_VARIABLE),
         api=args.api,
+        count_tokens=args.count_tokens,
     )
     return load, {**described, "sampling": {**sampling, "max_tokens": args.max_tokens}}
 

@@ -49,6 +49,8 @@ class LLMLoad:
     credentials: grpc.ChannelCredentials | None = None  # TLS (common.tls)
     api_key: str | None = None  # sent as `authorization: Bearer <key>` (the router's tenants)
     api: str = "triton"  # triton: ModelStreamInfer; openai: POST /v1/completions, SSE
+    # server: the server's usage, else `tokenizer`; tokenizer: always `tokenizer` (stats.py)
+    count_tokens: str = "server"
 
     def requests(self) -> list[tuple[pb.ModelInferRequest | bytes, str]]:
         """One request per prompt, built once; the run cycles through them."""
@@ -73,7 +75,7 @@ class LLMLoad:
 class _Run:
     def __init__(self, load: LLMLoad, label: str, progress: Progress | None) -> None:
         self.load, self.label, self.progress = load, label, progress
-        self.recorder = LLMRecorder(load.tokenizer)
+        self.recorder = LLMRecorder(load.tokenizer, load.count_tokens)
         self.requests = itertools.cycle(load.requests())
         self.streams: Streams | openai.OpenAIStreams
         if load.api == "openai":

@@ -18,9 +18,13 @@ window. What each means:
   requests is not overstated; an open loop's quiet stretches are not left out);
   `throughput_rps` is requests over the same span.
 - `prompt_tokens` / `completion_tokens`: per request, from the server's usage when present
-  (`token_source` counts "server", "tokenizer" and "pieces" requests).
+  (`token_source` counts "server", "tokenizer" and "pieces" requests); with
+  `count="tokenizer"` always from the tokenizer, re-tokenizing the prompt and the returned
+  text, so servers that count differently (or not at all) are counted alike.
 - `per_request`: each measured request's start (s after the first), TTFT, e2e, tokens,
-  pieces and finish reason, or its error.
+  pieces and finish reason, or its error; and its own `itl_ms`, (last piece - first piece)
+  / (its tokens after the first piece: completion tokens - 1 unless the server counted the
+  first piece), the mean of its gaps per token as `itl_ms` above weighs them.
 - `errors`: by gRPC status code, or "stream: <message>" for an error sent on the stream
   (numbers folded to N so one failure mode is one key). Failed requests are in no
   latency and no token count.
@@ -71,9 +75,17 @@ def latency(r: Recorder) -> dict:
     return {key.removesuffix("_ms"): s[key] for key in (*LATENCY_KEYS, "mean_ms", "max_ms")}
 
 
+COUNTS = ("server", "tokenizer")  # whose token counts: the server's usage first, or ours
+
+
 class LLMRecorder:
-    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, count: str = "server") -> None:
+        if count not in COUNTS:
+            raise ValueError(f"count: expected one of {COUNTS}, got {count!r}")
+        if count == "tokenizer" and tokenizer is None:
+            raise ValueError("count='tokenizer' needs a tokenizer")
         self.tokenizer = tokenizer
+        self.trust_server = count == "server"
         self.ttft, self.itl, self.e2e = Recorder(), Recorder(), Recorder()
         self.stream_tps = Counts(scale=1000)
         self.prompt_tokens, self.completion_tokens = Counts(), Counts()
@@ -103,7 +115,7 @@ class LLMRecorder:
         self.count += 1
         self.output_tokens += tokens
         self.pieces += len(out.pieces)
-        prompt_tokens = out.prompt_tokens
+        prompt_tokens = out.prompt_tokens if self.trust_server else None
         if prompt_tokens is None and self.tokenizer is not None:
             prompt_tokens = count_tokens(self.tokenizer, prompt)
         if prompt_tokens is not None:
@@ -119,6 +131,7 @@ class LLMRecorder:
         self._itl(out, tokens, source)
         row.update(
             ttft_ms=round((out.pieces[0] - out.start) * 1000, 3) if out.pieces else None,
+            itl_ms=_request_itl_ms(out.pieces, tokens - self._first_piece_tokens(out)),
             e2e_ms=round(e2e * 1000, 3),
             prompt_tokens=prompt_tokens,
             completion_tokens=tokens,
@@ -127,15 +140,21 @@ class LLMRecorder:
         )
 
     def _completion_tokens(self, out: Outcome) -> tuple[int, str]:
-        if out.completion_tokens is not None:
+        if out.completion_tokens is not None and self.trust_server:
             return out.completion_tokens, "server"
         if self.tokenizer is not None:
             return count_tokens(self.tokenizer, out.text), "tokenizer"
         return len(out.pieces), "pieces"
 
+    def _server_counted_pieces(self, out: Outcome) -> bool:
+        return self.trust_server and bool(out.pieces) and len(out.piece_tokens) == len(out.pieces)
+
+    def _first_piece_tokens(self, out: Outcome) -> int:
+        return out.piece_tokens[0] if self._server_counted_pieces(out) else 1
+
     def _itl(self, out: Outcome, tokens: int, source: str) -> None:
         gaps = [b - a for a, b in zip(out.pieces, out.pieces[1:], strict=False)]
-        if len(out.piece_tokens) == len(out.pieces):  # the server counted every piece
+        if self._server_counted_pieces(out):
             for gap, n in zip(gaps, out.piece_tokens[1:], strict=True):
                 for _ in range(max(1, n)):
                     self.itl.ok(gap / max(1, n))
@@ -176,3 +195,11 @@ class LLMRecorder:
                 for row in sorted(self.rows, key=lambda row: row["start_s"])
             ],
         }
+
+
+def _request_itl_ms(pieces: list[float], after_first: int) -> float | None:
+    """One request's mean inter-token latency: (last piece - first) / the tokens after the
+    first piece; None with fewer than two pieces or no token after the first."""
+    if len(pieces) < 2 or after_first < 1:
+        return None
+    return round((pieces[-1] - pieces[0]) / after_first * 1000, 3)

@@ -28,7 +28,7 @@ from devmesh import toy_models
 from devmesh.processes import ROOT
 from devmesh.testing import Mesh, mlp_config
 from ledger.store import Store
-from quantize import llm, pipeline
+from quantize import llm, pipeline, repository
 
 pytestmark = pytest.mark.slow
 CACHE = ROOT / "build" / "quantize"
@@ -41,7 +41,7 @@ def build_repository(root: Path) -> Path:
     built from the packaged weights (cached in build/quantize after the first build)."""
     toy_models.write(root / "mlp", toy_models.mlp(), mlp_config(max_batch=32))
     pipeline.export_model("minilm", CACHE)
-    pipeline.install_model("minilm", [], CACHE, root)
+    repository.install_model("minilm", [], CACHE, root)
     llm.build(root, llm.DEFAULT_RECIPE, CACHE)
     return root
 
@@ -91,15 +91,8 @@ def test_openai_sdk_chat_stream_completion_embeddings_models(served) -> None:  #
     assert len(text) > 20 and chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.completion_tokens == 24
     assert chat.usage.prompt_tokens > 20  # the system prompt the template adds, and the story
-    # Again: now a prefix-cache hit (the whole prompt cached, its last token rerun). A hit's
-    # greedy text can differ from a cold prefill's at a near-tie (the cached rows were computed
-    # in one prefill chunk, the rerun token alone): an open defect of the prefix cache, so the
-    # stream below is compared with a call that hits the cache as it does.
-    chat = client.chat.completions.create(
-        model="smollm2", messages=story, max_tokens=24, temperature=0
-    )
-    text = chat.choices[0].message.content or ""
-    # Streamed: the same greedy text piece by piece, usage last, then [DONE].
+    # Streamed, and now a prefix-cache hit (the whole prompt cached but its last two tokens):
+    # the cold call's greedy text, token for token, piece by piece, usage last, then [DONE].
     stream = client.chat.completions.create(
         model="smollm2",
         messages=story,
@@ -114,6 +107,8 @@ def test_openai_sdk_chat_stream_completion_embeddings_models(served) -> None:  #
     assert streamed == text
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 24
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == chat.usage.prompt_tokens - 2
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     completion = client.completions.create(
         model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0

@@ -102,6 +102,63 @@ def test_ttft_itl_and_tokens_per_second() -> None:
     assert rows[3]["error"] == "DEADLINE_EXCEEDED" and rows[0]["ttft_ms"] == pytest.approx(100)
 
 
+def test_each_request_row_has_its_own_mean_itl() -> None:
+    r = LLMRecorder()
+    r.add(outcome(0.0, [0.1, 0.2, 0.4], 0.5, completion_tokens=3), "p")  # 0.3 s / 2 tokens
+    r.add(outcome(1.0, [1.1, 1.4], 1.4, piece_tokens=[2, 2], completion_tokens=4), "p")
+    r.add(outcome(2.0, [2.1], 2.1, completion_tokens=1), "p")  # one piece: no ITL
+    rows = r.summary()["per_request"]
+    assert rows[0]["itl_ms"] == pytest.approx(150)
+    assert rows[1]["itl_ms"] == pytest.approx(150)  # 0.3 s over the 2 tokens after the first piece
+    assert rows[2]["itl_ms"] is None
+
+
+class Words:
+    """A tokenizer that counts words (what LLMRecorder asks of one)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True):  # type: ignore[no-untyped-def]
+        class Encoding:
+            ids = text.split()
+
+        return Encoding()
+
+
+def test_counting_by_tokenizer_ignores_the_servers_counts() -> None:
+    words = Words()
+    served = LLMRecorder(words)  # type: ignore[arg-type]
+    ours = LLMRecorder(words, count="tokenizer")  # type: ignore[arg-type]
+    for r in (served, ours):
+        out = Outcome(0.0, 0.5, [0.1, 0.3], text="one two three four five")
+        out.completion_tokens, out.prompt_tokens, out.piece_tokens = 2, 9, [1, 1]
+        r.add(out, "a short prompt")
+    s, o = served.summary(), ours.summary()
+    assert (s["output_tokens"], s["prompt_tokens_total"], s["token_source"]) == (
+        2,
+        9,
+        {"server": 1},
+    )
+    assert (o["output_tokens"], o["prompt_tokens_total"], o["token_source"]) == (
+        5,
+        3,
+        {"tokenizer": 1},
+    )
+    assert o["per_request"][0]["itl_ms"] == pytest.approx(50)  # 0.2 s over 4 tokens
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        LLMRecorder(count="tokenizer")
+    with pytest.raises(ValueError, match="count: expected one of"):
+        LLMRecorder(words, count="usage")  # type: ignore[arg-type]
+
+
+def test_cli_count_tokens_by_tokenizer_needs_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest.llm import cli
+
+    argv = ["--llm", "--model", "m", "--prompt-len", "4", "--max-tokens", "2"]
+    with pytest.raises(SystemExit):
+        cli.parse_args([*argv, "--count-tokens", "tokenizer"])
+    assert "--count-tokens tokenizer needs --tokenizer" in capsys.readouterr().err
+    assert cli.parse_args(argv).count_tokens == "server"
+
+
 def test_without_usage_or_tokenizer_pieces_stand_for_tokens() -> None:
     r = LLMRecorder()
     r.add(outcome(0.0, [0.1, 0.3], 0.3), "p")

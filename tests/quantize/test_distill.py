@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quantize import __main__ as cli
-from quantize import distill, distill_text, evaluate, pipeline
+from quantize import distill, distill_loss, distill_text, evaluate, repository
 from quantize.recipes import DISTILLED_ENCODER_GATE, lookup
 from tests.quantize.conftest import tiny_minilm, tiny_smollm2
 
@@ -75,10 +75,10 @@ def test_a_student_identical_to_its_teacher_has_no_loss_and_relations_are_distri
     rows = distill.tokenize(loaded.tokenizer, TEXTS[:4], 16)
     ids, mask = distill.batch_at(rows, replace(distill.plan_for("encoder", 1), batch=4), 0)
     every = list(range(teacher.config.layers))  # type: ignore[union-attr, arg-type]
-    loss = distill.encoder_loss(teacher, teacher, every, ids, mask, 1.0, 1.0)  # type: ignore[arg-type]
+    loss = distill_loss.encoder_loss(teacher, teacher, every, ids, mask, 1.0, 1.0)  # type: ignore[arg-type]
     assert float(loss) == pytest.approx(0.0, abs=1e-5)
-    _, _, last = distill.encoder_states(teacher, ids, mask)  # type: ignore[arg-type]
-    r = distill.relations(teacher.layers[-1], last, mask)  # type: ignore[arg-type, index]
+    _, _, last = distill_loss.encoder_states(teacher, ids, mask)  # type: ignore[arg-type]
+    r = distill_loss.relations(teacher.layers[-1], last, mask)  # type: ignore[arg-type, index]
     assert r.shape[:2] == (2, 4) and r.shape[-1] == r.shape[-2] == ids.shape[1]
     torch.testing.assert_close(r.exp().sum(-1), torch.ones(r.shape[:-1]))
     assert bool((mask == 0).any())  # rows of other lengths: padding, which gets no weight
@@ -217,12 +217,12 @@ def test_the_gate_refuses_an_undertrained_student_and_writes_nothing(
     assert text["texts"] == distill_text.held_out(text["texts"])
 
     # what an accepted student gets: further versions after those the repository has
-    assert pipeline.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
+    assert repository.add_versions("minilm", ["encoder-distill-l1"], tmp_path / "cache", out) == {
         1: "fp32",
         2: "encoder-copy",
         3: "encoder-distill-l1",
     }
-    assert pipeline.installed_versions(out, "minilm")[3] == "encoder-distill-l1"
+    assert repository.installed_versions(out, "minilm")[3] == "encoder-distill-l1"
     assert (out / "minilm" / "3" / "model.onnx").exists()
     student = json.loads((tmp_path / "cache/minilm/encoder-distill-l1/student.json").read_text())
     assert student["kept_layers"] == [1] and student["plan"]["steps"] == 0

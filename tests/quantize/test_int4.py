@@ -1,4 +1,5 @@
-"""quantize/int4.py: GGUF Q4_1 / Q8_0 blocks become MatMulNBits without a second rounding.
+"""quantize/int4.py (with quantize/blocks.py and quantize/gguf_index.py): GGUF Q4_1 / Q8_0
+blocks become MatMulNBits without a second rounding.
 
 The tolerance stated here: weights are reproduced bit for bit (max |dW| = 0), and a
 MatMulNBits graph computed in float (accuracy_level 0) matches x @ W to 1e-5 of |x @ W|.
@@ -17,7 +18,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize, quantize
 from onnx import TensorProto, helper, numpy_helper
 
-from quantize import int4
+from quantize import gguf_index, int4
 
 RNG = np.random.default_rng(0)
 
@@ -144,11 +145,11 @@ def test_a_tied_lm_head_is_checked_against_token_embd(monkeypatch: pytest.Monkey
 
 
 def test_gguf_names() -> None:
-    assert int4.gguf_name("blk.7.ffn_down.weight") == "blk.7.ffn_down.weight"
-    assert int4.gguf_name("layers.7.down.weight") == "blk.7.ffn_down.weight"
-    assert int4.gguf_name("model.layers.2.k.weight") == "blk.2.attn_k.weight"
-    assert int4.gguf_name("lm_head.weight") == "output.weight"
-    assert int4.gguf_name("val_108") is None
+    assert gguf_index.gguf_name("blk.7.ffn_down.weight") == "blk.7.ffn_down.weight"
+    assert gguf_index.gguf_name("layers.7.down.weight") == "blk.7.ffn_down.weight"
+    assert gguf_index.gguf_name("model.layers.2.k.weight") == "blk.2.attn_k.weight"
+    assert gguf_index.gguf_name("lm_head.weight") == "output.weight"
+    assert gguf_index.gguf_name("val_108") is None
 
 
 def shipped_gguf() -> Path:
@@ -162,7 +163,7 @@ def test_smollm2_layer_from_the_shipped_gguf_is_reproduced() -> None:
     """The real file: every Q4_1 tensor of one layer plus (4,096 rows of) the Q8_0
     token_embd as a tied lm_head, named as a graph built from the GGUF names them."""
     path = shipped_gguf()
-    index = int4.gguf_index(path)
+    index = gguf_index.gguf_index(path)
     assert sum(t.kind == "Q4_1" for t in index.values()) == 210
     names = [n for n in index if n.startswith("blk.0.") and index[n].kind == "Q4_1"]
     assert len(names) == 7

@@ -11,12 +11,16 @@ needed. A new prompt looks up the longest prefix some slot holds, and starts fro
   of block i is a match of every token before it, and never crosses models, versions,
   adapters or salts. BLAKE2b, 16 bytes: no collision to fear, and the slot's own token ids
   are checked on every match anyway. Past the last whole block, the match extends token by
-  token against the holding slot's ids, so a prefix that ends mid-block (a conversation's
-  previous answer) is reused to the token.
+  token against the holding slot's ids, so a prefix that ends mid-block (a prompt that
+  another extends) is reused to the token.
+- **Exact.** A hit changes no token: only prompt rows are kept (computed in runs of >= 2
+  tokens, which give bit-equal rows however the prompt was chunked), never generated rows
+  (computed one per run, which onnxruntime rounds differently: worker/llm/scheduler.py's
+  MIN_CHUNK), and a wholly cached prompt still runs its last two tokens (`RERUN`) in one
+  run, as a cold prefill computes them; their logits give the first generated token.
 - **Reuse.** The match's rows are copied into the new sequence's slot (`Plan.copy`), or,
-  when the match covers everything a retained slot holds (the next turn of a conversation),
-  the new sequence adopts that slot and nothing moves. A wholly cached prompt still runs its
-  last token (its logits give the first generated token).
+  when the match covers everything a retained slot holds (the next turn of a conversation:
+  its previous prompt), the new sequence adopts that slot and nothing moves.
 - **Concurrent sharers.** A prompt's blocks are claimed by the first running sequence that
   will compute them; a later sequence that needs a claimed block waits for it (`waits`)
   instead of computing it again, then copies it: several conversations on one system
@@ -43,6 +47,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 BLOCK_TOKENS = 16
+# A prompt's last tokens that always run, even when cached: two, in one run, as in a cold
+# prefill (scheduler.MIN_CHUNK: a prompt token never runs alone)
+RERUN = 2
 
 
 def root_key(model: str, version: str, adapter: str = "", salt: str = "") -> bytes:
@@ -198,34 +205,40 @@ class PrefixCache:
         if keep and self.enabled and held.keys:
             for b in range(len(held.keys) - 1, -1, -1):  # block 0 the most recent
                 self._lru[(slot, b)] = None
+            if self._discard is not None:  # the rows past what is kept (generated ones)
+                self._discard(slot, len(held.tokens))
         else:
             self._drop_from(held, 0)
 
     # ---- the index -----------------------------------------------------------------------
 
     def lookup(self, root: bytes, prompt: Sequence[int]) -> Match:
-        """The longest prefix of `prompt` some slot holds, at most len(prompt) - 1 tokens
-        (the last one runs), and at least one whole block; Match(-1, 0) when none."""
+        """The longest prefix of `prompt` some slot holds, at most len(prompt) - 2 tokens
+        (the last two run, in one run, as they would cold: scheduler.MIN_CHUNK), and at
+        least one whole block; Match(-1, 0) when none."""
         if not self.enabled:
             return Match(-1, 0)
-        best: Held | None = None
+        last: dict[int, None] = {}
         n = 0
         for key in block_keys(root, prompt, self.block):
             holders = self._index.get(key)
             if not holders:
                 break
-            best = self._held[next(iter(holders))]
+            last = holders
             n += 1
-        if best is None:
-            return Match(-1, 0)
-        m = n * self.block
-        limit = min(len(best.tokens), len(prompt) - 1)
-        if best.tokens[:m] != list(prompt[:m]):
-            return Match(-1, 0)  # a collision: cannot happen with 16-byte hashes
-        while m < limit and best.tokens[m] == prompt[m]:
-            m += 1  # to the token, within the holder's rows
-        m = min(m, len(prompt) - 1)
-        if m <= 0:
+        best: Held | None = None
+        m = 0
+        for slot in last:  # of the slots holding the last block: the longest match
+            held, k = self._held[slot], n * self.block
+            if held.tokens[:k] != list(prompt[:k]):
+                continue  # a collision: cannot happen with 16-byte hashes
+            limit = min(len(held.tokens), len(prompt) - RERUN)
+            while k < limit and held.tokens[k] == prompt[k]:
+                k += 1  # to the token, within the holder's rows
+            if best is None or k > m:
+                best, m = held, k
+        m = min(m, len(prompt) - RERUN)
+        if best is None or m <= 0:
             return Match(-1, 0)
         for b in range(min(n, -(-m // self.block)) - 1, -1, -1):
             if (best.slot, b) in self._lru:

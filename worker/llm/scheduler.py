@@ -25,7 +25,9 @@ One step, in order:
    chunk per step, never by a whole prompt; the budget is sized from measurement so that a
    step with a chunk takes at most about two decode steps (docs/llm.md). With no sequence
    decoding there is no stream to stall, and a prompt gets `prefill_chunk` tokens at once.
-   The oldest prompt always gets at least one token, so it progresses whatever the budget.
+   The oldest prompt always gets a chunk, so it progresses whatever the budget. A chunk is
+   never one token, nor leaves one token for the next (`chunk_tokens`): a prompt token is
+   computed the same way however the prompt was split, so a prefix-cache hit changes nothing.
 
 How a prefix cache hooks in: admission is one small function, `_admit_one(seq)`, that asks
 the cache for room and takes a slot. A prefix step sits right before the room is asked for:
@@ -80,6 +82,27 @@ class Sequence:
 
 
 S = TypeVar("S", bound=Sequence)
+
+# A prompt token is never computed in a run of one new token (unless the prompt is one token):
+# onnxruntime's CPU GroupQueryAttention rounds a one-token run differently from the same
+# token inside a longer run (3e-8 at layer 0), and the int8 MatMulNBits of a quantized graph
+# amplify that to 0.1-0.6 in the KV cache and the logits. Runs of >= 2 tokens are bit-equal
+# whatever their sizes, so a prompt's keys, values and first token are the same however it
+# was chunked, cached or batched (docs/llm.md, "Exact by construction").
+MIN_CHUNK = 2
+
+
+def chunk_tokens(remaining: int, limit: int) -> int:
+    """How many of a prompt's `remaining` tokens one chunk takes within `limit`: never one
+    alone, and never so many that one is left alone; 0 when `limit` allows none."""
+    if remaining < MIN_CHUNK:
+        return remaining if limit >= remaining else 0  # a one-token prompt: nothing to match
+    n = min(remaining, limit)
+    if n < MIN_CHUNK:
+        return 0
+    if remaining - n == 1:
+        n = n - 1 if n > MIN_CHUNK else remaining
+    return n
 
 
 class Room(Protocol):
@@ -148,10 +171,10 @@ class StepPlan(Generic[S]):
 
 class Scheduler(Generic[S]):
     def __init__(self, room: Room, config: SchedulerConfig) -> None:
-        if config.max_step_tokens < 1 or config.prefill_chunk < 1:
+        if config.max_step_tokens < 1 or config.prefill_chunk < MIN_CHUNK:
             raise ValueError(
-                f"max_step_tokens {config.max_step_tokens} and prefill_chunk "
-                f"{config.prefill_chunk} must be >= 1"
+                f"max_step_tokens {config.max_step_tokens} must be >= 1 and prefill_chunk "
+                f"{config.prefill_chunk} >= {MIN_CHUNK} (a prompt token never runs alone)"
             )
         self.room = room
         # a room that also holds retained prefixes: admission reuses them (worker/llm/prefix.py)
@@ -183,11 +206,11 @@ class Scheduler(Generic[S]):
         for seq in self.running:
             if not seq.prefilling or not self._catch_up(seq, copies):
                 continue
-            n = min(len(seq.prompt) - seq.computed, c.prefill_chunk, budget)
+            n = chunk_tokens(len(seq.prompt) - seq.computed, min(c.prefill_chunk, budget))
             if n < 1:
                 if prefill:
                     break
-                n = 1  # the oldest prompt progresses whatever the budget
+                n = chunk_tokens(len(seq.prompt) - seq.computed, 2)  # the oldest progresses
             prefill.append(Chunk(seq, seq.computed, n))
             budget -= n
         return StepPlan(
@@ -266,10 +289,11 @@ class Scheduler(Generic[S]):
         if self.prefix is None:
             self.room.release(slot, seq.reserve)
             return slot
-        # a sequence that ended normally leaves its computed rows cached; one cancelled or
-        # failed (mid-prefill, maybe) leaves nothing anyone could be served
+        # a sequence that ended normally leaves its prompt's rows cached (its generated rows
+        # were computed one token per run, which a cold prefill of them would not match:
+        # MIN_CHUNK); one cancelled or failed (mid-prefill, maybe) leaves nothing to serve
         keep = not seq.cancelled and seq.finish_reason in ("stop", "length")
         if keep:
-            self.prefix.computed(slot, seq.since(0)[: seq.computed])
+            self.prefix.computed(slot, seq.prompt[: seq.computed])
         self.prefix.release(slot, seq.reserve, keep)
         return slot

@@ -37,14 +37,14 @@ def test_keys_chain_and_never_cross_roots() -> None:
     assert len(roots) == 5
 
 
-def test_a_finished_prompt_is_reused_to_the_token_and_the_last_token_runs() -> None:
+def test_a_finished_prompt_is_reused_to_the_token_and_its_last_two_tokens_run() -> None:
     cache = PrefixCache(4, 100, B)
     first = list(range(10))
     match, plan = served(cache, first)
     assert match == Match(-1, 0) and plan.cached == 0
     finish(cache, plan.slot, [*first, 50, 51], 20)  # prompt + generated rows computed
-    # the same prompt again: all but its last token
-    assert cache.lookup(ROOT, first) == Match(plan.slot, 9)
+    # the same prompt again: all but its last two tokens (they run together, as cold)
+    assert cache.lookup(ROOT, first) == Match(plan.slot, 8)
     # a longer prompt sharing 11 tokens (mid-block: blocks 0, 1 and 3 tokens of block 2)
     longer = [*first, 50, 77, 78, 79]
     assert cache.lookup(ROOT, longer) == Match(plan.slot, 11)

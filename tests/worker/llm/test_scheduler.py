@@ -10,7 +10,7 @@ import pytest
 
 from common.errors import ResourceExhausted
 from worker.llm.kv_budget import KVBudget
-from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan, chunk_tokens
 
 _ids = itertools.count(1)
 
@@ -110,7 +110,32 @@ def test_the_oldest_prompt_progresses_when_decode_rows_take_the_whole_budget() -
     sched.add(late)
     plan = sched.schedule()
     assert len(plan.decode) == 5
-    assert [(c.seq, c.tokens) for c in plan.prefill] == [(late, 1)]
+    assert [(c.seq, c.tokens) for c in plan.prefill] == [(late, 2)]  # never one token alone
+
+
+def test_no_chunk_is_one_token_nor_leaves_one_behind() -> None:
+    """A prompt token never runs alone (scheduler.MIN_CHUNK): whatever the budget left by
+    the decode rows, every chunk of a prompt of >= 2 tokens has >= 2 tokens."""
+    assert [chunk_tokens(r, limit) for r, limit in [(10, 9), (10, 1), (3, 2), (2, 5), (1, 5)]] == [
+        8, 0, 3, 2, 1,
+    ]  # fmt: skip
+    for step in range(1, 12):
+        sched, _ = make(slots=8, step=step, chunk=7)
+        streams = [seq(2) for _ in range(3)]
+        for s in streams:
+            sched.add(s)
+        run(sched.schedule())
+        prompts = [seq(n) for n in (2, 3, 9, 17, 33)]
+        for s in prompts:
+            sched.add(s)
+        sizes = []
+        for _ in range(200):
+            plan = sched.schedule()
+            sizes += [c.tokens for c in plan.prefill]
+            run(plan)
+            if all(not s.prefilling for s in prompts):
+                break
+        assert all(not s.prefilling for s in prompts) and min(sizes) >= 2, (step, sizes)
 
 
 def test_admission_waits_in_order_for_slots_and_budget() -> None:

@@ -1,0 +1,58 @@
+"""What a measured run's result file holds besides its numbers: the machine it ran on, the
+JSON written so every parser reads it, and its rows as a Markdown table. The benchmarks
+(benchmarks/common.py) and the planner's validation (planner/validate/) write theirs
+through this.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+import onnxruntime
+
+
+def machine() -> dict:
+    """The CPU model, cores, Python, onnxruntime and platform of this machine."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    """`payload` as indented JSON at `path`; a number that is not finite (no measurement)
+    is written as null, which every JSON parser reads (Infinity and NaN are not JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
