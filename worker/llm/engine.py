@@ -5,33 +5,15 @@ One loop owns the model, the cache and every sequence. Each iteration decides, t
 1. `schedule()` returns a StepPlan (worker/llm/scheduler.py): who was cancelled or
    admitted, which prompts prefill how many tokens, which sequences decode, all within the
    step's token budget;
-2. the plan runs: one prefill run per chunk (onnxruntime's GroupQueryAttention on CPU
-   takes several new tokens for one row only), then one decode run for every decoding row:
-   rows of different lengths share one run, each attending to its own cache;
-3. the results are accepted: each sequence samples, detokenizes and gets its new text; a
-   chunk that ends its prompt gives the first token; a finished sequence leaves at once and
-   frees its cache.
+2. the plan runs (worker/llm/step.py): its cache copies, one prefill run per chunk, one
+   decode run for every decoding row (or a speculative verify run for a lone one);
+3. the results are accepted (worker/llm/generation.py): each sequence samples, detokenizes
+   and gets its new text; a chunk that ends its prompt gives the first token; a finished
+   sequence leaves at once and frees its cache.
 
-Model runs go to one thread (onnxruntime releases the GIL), so gRPC keeps being served while
-a step computes; sampling and detokenizing run on the event loop between steps.
-
-With a draft model (speculative decoding, worker/llm/speculative.py), step 4 becomes, while
-one sequence is decoding: the draft proposes k tokens, greedily; the target scores the last
-token and the k drafts in one run (logits at all k + 1 positions); the sequence then samples
-position by position with its own sampler, keeping tokens while they equal the drafts, and
-ends with the first that differs (or the bonus token after k hits). With several sequences
-decoding, the plain batched step runs: onnxruntime's GroupQueryAttention on CPU takes
-several new tokens over a cache for one row only, so a verify run cannot batch rows, and
-separate runs per row would read the target's weights once per row where one decode step
-reads them once for all (vLLM, too, turns speculation off above a batch size).
-
-Every emitted token is the target's own choice, so greedy output is the target's, token for
-token. For sampled sequences this exact-match rule is the rejection-sampling rule of
-Leviathan et al. / Chen et al. for a greedy (one-hot) draft: a draft token d is kept with
-probability p(d), and on a miss the token comes from p without d, renormalized; it draws one
-random number per emitted token, as without a draft, so a seeded request gives the same
-text with or without one (but for float noise: a verify run's logits are computed for k + 1
-positions at once).
+This module is the engine's face: requests are admitted (`add`, refused at once with the
+numbers that did not fit), streamed (`stream`, leaving early cancels) and cancelled, and the
+loop runs the steps.
 """
 
 from __future__ import annotations
@@ -39,13 +21,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass
 
-import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
@@ -53,15 +31,25 @@ from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm import scheduler
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
-from worker.llm.model import Model, VerifyingModel
+from worker.llm.generation import (
+    CANCELLED,
+    EOS_TOKENS,
+    LENGTH,
+    STOP,
+    EngineStats,
+    Output,
+    Results,
+    Sequence,
+)
+from worker.llm.model import Model
 from worker.llm.prefix import PrefixCache
 from worker.llm.sampling import Sampler, SamplingParams
 from worker.llm.speculative import DraftConfig, Drafter
+from worker.llm.step import OnExecution, StepRunner
 
 log = structlog.get_logger()
 
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
-EOS_TOKENS = ("<|im_end|>", "<|endoftext|>", "</s>")
+__all__ = ["CANCELLED", "LENGTH", "STOP", "Engine", "EngineConfig", "Output", "Sequence"]
 
 
 @dataclass(frozen=True)
@@ -75,46 +63,31 @@ class EngineConfig:
     prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
 
 
-@dataclass
-class Output:
-    text: str  # new text since the previous output
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None  # the run failed: the sequence ends without more text
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-@dataclass(eq=False, kw_only=True)
-class Sequence(scheduler.Sequence):
-    """A scheduled sequence with what generating needs: its sampler, its detokenizer and
-    the queue its outputs go to."""
-
-    params: SamplingParams
-    sampler: Sampler
-    detok: Detokenizer
-    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_runs: int = 0
-    prefill_tokens: int = 0
-    decode_runs: int = 0
-    decode_tokens: int = 0
-    decode_batches: Counter[int] = field(default_factory=Counter)  # rows -> decode runs
-    joined_running: int = 0  # sequences that began decoding while others were decoding
-    finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
-    rejected: int = 0
-    draft_tokens: int = 0  # proposed by the draft model (k per speculative step)
-    accepted_tokens: int = 0  # drafts the target kept
-    draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+def positions_limit(model: Model, config: EngineConfig, draft: DraftConfig | None) -> int:
+    """The positions a run may use (the RoPE tables of the target and its draft), checked
+    against the config; a draft that cannot serve this target is refused here."""
+    facts = model.facts
+    positions = [facts.max_positions]
+    if draft is not None:
+        positions.append(draft.model.facts.max_positions)
+        if draft.model.facts.vocab_size != facts.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.model.facts.vocab_size}) is not the "
+                f"target's ({facts.vocab_size})"
+            )
+        if not getattr(model, "position_logits", False):
+            raise ValueError(
+                "the target's step graph returns the last position's logits only; a draft "
+                "needs one built with all_positions (quantize/llm_graph.py)"
+            )
+        if draft.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens {draft.num_tokens}: must be >= 1")
+    if config.max_model_len > min(positions):
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the graph's RoPE table of "
+            f"{min(positions)} positions"
+        )
+    return min(positions)
 
 
 class Engine:
@@ -123,30 +96,11 @@ class Engine:
         model: Model,
         tokenizer: Tokenizer,
         config: EngineConfig,
-        on_execution=None,  # type: ignore[no-untyped-def]
+        on_execution: OnExecution | None = None,
         draft: DraftConfig | None = None,
     ) -> None:
+        positions = positions_limit(model, config, draft)
         facts = model.facts
-        positions = [facts.max_positions]
-        if draft is not None:
-            positions.append(draft.model.facts.max_positions)
-            if draft.model.facts.vocab_size != facts.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({draft.model.facts.vocab_size}) is not the "
-                    f"target's ({facts.vocab_size})"
-                )
-            if not getattr(model, "position_logits", False):
-                raise ValueError(
-                    "the target's step graph returns the last position's logits only; a draft "
-                    "needs one built with all_positions (quantize/llm_graph.py)"
-                )
-            if draft.num_tokens < 1:
-                raise ValueError(f"num_speculative_tokens {draft.num_tokens}: must be >= 1")
-        if config.max_model_len > min(positions):
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the graph's RoPE table of "
-                f"{min(positions)} positions"
-            )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -154,13 +108,8 @@ class Engine:
         budget = min(config.kv_cache_tokens, config.max_num_seqs * config.max_model_len)
         row = facts.kv_heads * facts.head_dim
         itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
-        self.cache = KVCache(
-            facts.cache_shape(
-                config.max_num_seqs,
-                page_aligned(config.max_model_len, row, itemsize=itemsize),
-            ),
-            budget,
-        )
+        max_len = page_aligned(config.max_model_len, row, itemsize=itemsize)
+        self.cache = KVCache(facts.cache_shape(config.max_num_seqs, max_len), budget)
         # the cache's room: slots and reservations, and the prefixes its slots keep
         self.prefix = PrefixCache(
             config.max_num_seqs,
@@ -171,8 +120,7 @@ class Engine:
         self.cache.room = self.prefix
         self.drafter = None
         if draft is not None:
-            shape = self.cache.shape
-            self.drafter = Drafter(draft, shape.slots, shape.max_len, budget)
+            self.drafter = Drafter(draft, self.cache.shape.slots, self.cache.shape.max_len, budget)
         self.scheduler: scheduler.Scheduler[Sequence] = scheduler.Scheduler(
             self.cache.room,
             scheduler.SchedulerConfig(
@@ -181,19 +129,31 @@ class Engine:
                 max_waiting=config.max_waiting,
                 num_speculative_tokens=draft.num_tokens if draft is not None else 0,
                 # positions a run may write to (a draft writes up to k past a length)
-                position_limit=min(self.cache.shape.max_len, *positions),
+                position_limit=min(self.cache.shape.max_len, positions),
             ),
         )
         self.stats = EngineStats()
-        self.on_execution = on_execution  # (kind, rows, tokens, ns) for Triton statistics
+        self.results = Results(self.eos, config.max_model_len, self.stats, self._leave)
+        self.runner = StepRunner(
+            model, self.cache, self.prefix, self.scheduler, self.drafter, self.results, self.stats
+        )
+        self.runner.on_execution = on_execution
         # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
         # and genai-perf read to find the model version that served them
         self.on_admit: Callable[[int], None] = lambda ns: None
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
         self._closed = False
         self._task: asyncio.Task | None = None
+
+    @property
+    def on_execution(self) -> OnExecution | None:
+        """Told (kind, rows, tokens, ns) of every model run, for Triton's statistics."""
+        return self.runner.on_execution
+
+    @on_execution.setter
+    def on_execution(self, callback: OnExecution | None) -> None:
+        self.runner.on_execution = callback
 
     # ---- the API the servicer uses -------------------------------------------------------
 
@@ -288,8 +248,8 @@ class Engine:
         if self._task is not None:
             await self._task
         for seq in [*self.waiting, *self.running]:
-            self._finish(seq, CANCELLED)
-        self._pool.shutdown(wait=True)
+            self.results.finish(seq, CANCELLED)
+        self.runner.pool.shutdown(wait=True)
         self.cache.close()
         if self.drafter is not None:
             self.drafter.close()
@@ -297,7 +257,6 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._closed:
             plan = self.schedule()
             self._cancelled(plan)
@@ -306,11 +265,11 @@ class Engine:
                 await self._wake.wait()
                 continue
             try:
-                await self._step(loop, plan)
+                await self.runner.run(plan)
             except Exception as e:  # a failed run fails the sequences in it, not the worker
                 log.exception("llm_step_failed")
                 for seq in list(self.running):
-                    self._fail(seq, e)
+                    self.results.fail(seq, e)
         log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
@@ -321,180 +280,11 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.release(slot)
         for seq in plan.cancelled:
-            self._finish(seq, CANCELLED)
-
-    async def _step(
-        self, loop: asyncio.AbstractEventLoop, plan: scheduler.StepPlan[Sequence]
-    ) -> None:
-        """Run the plan: its prefill chunks, then its decode rows; accept each result."""
-        self.stats.steps += 1
-        if plan.copies:
-            await loop.run_in_executor(self._pool, self._copy, plan.copies)
-        for chunk in plan.prefill:
-            await self._prefill(loop, chunk, joining=bool(plan.decode))
-        decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
-        if not decoding:
-            return
-        if plan.drafts:
-            await self._speculate(loop, decoding[0], plan.drafts)
-            return
-        await self._decode(loop, decoding)
-
-    async def _prefill(
-        self, loop: asyncio.AbstractEventLoop, chunk: scheduler.Chunk[Sequence], joining: bool
-    ) -> None:
-        seq, n = chunk.seq, chunk.tokens
-        ids = np.asarray([seq.prompt[chunk.start : chunk.start + n]])
-        lengths = np.asarray([chunk.start + n])
-        start = time.perf_counter_ns()
-        logits = await loop.run_in_executor(
-            self._pool, self.model.run, self.cache, ids, lengths, seq.slot, seq.slot + 1
-        )
-        self._executed("prefill", 1, n, time.perf_counter_ns() - start)
-        seq.computed = chunk.start + n
-        self.scheduler.computed(seq)
-        self.stats.prefill_runs += 1
-        self.stats.prefill_tokens += n
-        if chunk.completes and not seq.cancelled:
-            if joining:
-                self.stats.joined_running += 1
-            self._accept(seq, logits[0])
-
-    async def _decode(self, loop: asyncio.AbstractEventLoop, decoding: list[Sequence]) -> None:
-        """One token for every decoding row, in one run over the slots they span."""
-        lo = min(s.slot for s in decoding)
-        hi = max(s.slot for s in decoding) + 1
-        ids = np.zeros((hi - lo, 1), np.int64)
-        lengths = np.ones(hi - lo, np.int64)
-        # Rows between the decoding ones (free slots, prompts mid-prefill, retained prefixes)
-        # run a dummy token written just past their own data, where their next real token
-        # will overwrite it.
-        for slot in range(lo, hi):
-            lengths[slot - lo] = self.prefix.held_length(slot) + 1
-        for seq in self.running:
-            if lo <= seq.slot < hi:
-                lengths[seq.slot - lo] = seq.computed + 1
-        for seq in decoding:
-            ids[seq.slot - lo, 0] = seq.tokens[-1]
-        start = time.perf_counter_ns()
-        logits = await loop.run_in_executor(
-            self._pool, self.model.run, self.cache, ids, lengths, lo, hi
-        )
-        self._executed("decode", len(decoding), len(decoding), time.perf_counter_ns() - start)
-        self.stats.decode_runs += 1
-        self.stats.decode_tokens += len(decoding)
-        self.stats.decode_batches[len(decoding)] += 1
-        for seq in decoding:
-            seq.computed += 1
-            if not seq.cancelled:
-                self._accept(seq, logits[seq.slot - lo])
-
-    async def _speculate(self, loop: asyncio.AbstractEventLoop, seq: Sequence, k: int) -> None:
-        """One decode step of one sequence with k drafts: the draft catches up and proposes,
-        the target scores the last token and the drafts in one run, the sequence keeps the
-        longest prefix the target agrees with plus the target's own next token."""
-        assert self.drafter is not None
-        pending = seq.since(seq.drafted)  # tokens the draft has not seen yet (1 or 2 mostly)
-        drafts = await loop.run_in_executor(
-            self._pool, self.drafter.propose, pending, seq.length, seq.slot, k
-        )
-        ids = np.asarray([[seq.tokens[-1], *drafts]], np.int64)
-        target = cast(VerifyingModel, self.model)
-        start = time.perf_counter_ns()
-        logits = await loop.run_in_executor(
-            self._pool,
-            target.run_positions,
-            self.cache,
-            ids,
-            np.asarray([seq.length + k]),
-            seq.slot,
-            seq.slot + 1,
-        )
-        self._executed("decode", 1, k + 1, time.perf_counter_ns() - start)
-        self.stats.decode_runs += 1
-        self.stats.decode_batches[1] += 1
-        self.stats.draft_tokens += k
-        self.stats.draft_ns = self.drafter.ns
-        length = seq.length
-        emitted = 0
-        while not seq.cancelled and seq.finish_reason is None and emitted <= k:
-            token = self._accept(seq, logits[0, emitted])
-            hit = emitted < k and token == drafts[emitted]
-            emitted += 1
-            self.stats.accepted_tokens += int(hit)
-            if not hit:
-                break
-        self.stats.decode_tokens += emitted
-        # The row's last token and the kept drafts are in the target's cache, and but for
-        # the last draft in the draft's; what lies past them is dead in both.
-        seq.computed += max(emitted, 1)
-        seq.drafted = min(seq.computed, length + k - 1)
-
-    def _copy(self, copies: tuple[scheduler.Copy, ...]) -> None:
-        """The plan's reused prefixes, row by row into their new slots (a memcpy)."""
-        for c in copies:
-            self.cache.copy_rows(c.src, c.dst, c.start, c.stop)
-            self.prefix.unpin(c.src)
+            self.results.finish(seq, CANCELLED)
 
     def cached_tokens(self) -> int:
         """Tokens in the cache over the generating sequences (what a decode run reads)."""
         return sum(s.computed for s in self.running if not s.prefilling)
-
-    def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
-        if self.on_execution is not None:
-            self.on_execution(kind, rows, tokens, ns)
-
-    def _accept(self, seq: Sequence, logits: np.ndarray) -> int:
-        """Sample the sequence's next token and hand it its new text; the token."""
-        p = seq.params
-        banned = None
-        if len(seq.tokens) < p.min_tokens and not p.ignore_eos:
-            banned = sorted(self.eos)
-        token = seq.sampler.sample(logits, banned)  # a row of this step's own logits
-        seq.sampler.observe(token)
-        seq.tokens.append(token)
-        reason = None
-        if token in self.eos and not p.ignore_eos:
-            reason = STOP
-            piece = ""
-        else:
-            piece = seq.detok.add(token)
-            if seq.detok.stopped:
-                reason = STOP
-        if reason is None and (
-            len(seq.tokens) >= p.max_tokens or seq.length >= self.config.max_model_len
-        ):
-            reason = LENGTH
-        if reason is None:
-            if piece:
-                # Running counts on every piece: what a stream cut here has sent.
-                seq.outputs.put_nowait(
-                    Output(piece, False, None, len(seq.prompt), len(seq.tokens), None, seq.cached)
-                )
-            return token
-        self._finish(seq, reason, piece)
-        return token
-
-    def _finish(self, seq: Sequence, reason: str, piece: str = "") -> None:
-        if seq.finish_reason is not None:
-            return
-        seq.finish_reason = reason
-        if reason != CANCELLED:
-            piece += seq.detok.finish()
-        seq.outputs.put_nowait(
-            Output(piece, True, reason, len(seq.prompt), len(seq.tokens), None, seq.cached)
-        )
-        self.stats.finished[reason] += 1
-        self._leave(seq)
-
-    def _fail(self, seq: Sequence, error: Exception) -> None:
-        """A run that raised: the sequence ends with the error instead of text."""
-        seq.finish_reason = "error"
-        self.stats.finished["error"] += 1
-        seq.outputs.put_nowait(
-            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}", seq.cached)
-        )
-        self._leave(seq)
 
     def _leave(self, seq: Sequence) -> None:
         """A running sequence that ended gives back its slot and its KV budget."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -56,6 +56,18 @@ class Model(Protocol):
     def run(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
     ) -> np.ndarray: ...
+
+
+@runtime_checkable
+class TopModel(Model, Protocol):
+    """A model whose step graph also returns its own top-k of the last logits: StepModel over
+    a graph built by quantize/llm_graph.py (top_k 0: an older graph, without them)."""
+
+    top_k: int
+
+    def run_top(
+        self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class VerifyingModel(Model, Protocol):

@@ -179,11 +179,28 @@ def build(values: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
     return p
 
 
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest logits, largest first, ties the lower id first: what the step
+    graph's own TopK returns (quantize/llm_graph.py), so that a row sampled from the full
+    logits and one sampled from the graph's top-k see the same candidates in the same order."""
+    kth = np.partition(logits, -k)[-k]
+    above = np.flatnonzero(logits > kth)
+    ids = np.concatenate([above, np.flatnonzero(logits == kth)[: k - above.size]])
+    return ids[np.lexsort((ids, -logits[ids]))]
+
+
 class Sampler:
-    """Per-sequence sampling state: its random generator and token counts for penalties."""
+    """Per-sequence sampling state: its random generator and token counts for penalties.
+
+    Two ways in, one result: `sample` reads a row of the full logits; `sample_top` reads the
+    step graph's own top-k of that row (largest first), which is all a greedy or top-k
+    sampler needs (`top_needed`), so the logits never leave onnxruntime. Both pick the
+    candidates the same way (`top_ids`) and draw from them with the same arithmetic, so a
+    seed gives the same tokens either way."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int) -> None:
         self.params = params
+        self.vocab_size = vocab_size
         self.rng = np.random.default_rng(params.seed)
         self._seen: np.ndarray | None = None  # prompt + output tokens, for repetition
         self._counts: np.ndarray | None = None  # output tokens, for presence / frequency
@@ -191,6 +208,18 @@ class Sampler:
             self._seen = np.zeros(vocab_size, bool)
             self._seen[np.asarray(prompt, dtype=np.int64)] = True
             self._counts = np.zeros(vocab_size, np.int32)
+
+    def top_needed(self, banned: int = 0) -> int | None:
+        """How many of a row's largest logits this sampler needs, with `banned` ids to skip;
+        None: the whole row (penalties change any logit; top_p alone spans the vocabulary)."""
+        p = self.params
+        if p.penalized:
+            return None
+        if p.greedy:
+            return 1 + banned
+        if p.top_k and p.top_k < self.vocab_size:
+            return p.top_k + banned
+        return None
 
     def observe(self, token: int) -> None:
         if self._seen is not None and self._counts is not None:
@@ -213,12 +242,30 @@ class Sampler:
             logits[banned] = -np.inf
         if p.greedy:
             return int(logits.argmax())
-        logits = logits / p.temperature
         if p.top_k and p.top_k < logits.shape[0]:
-            ids = np.argpartition(logits, -p.top_k)[-p.top_k :]
-            logits = logits[ids]
-        else:
-            ids = None
+            ids = top_ids(logits, p.top_k)
+            return self._draw(logits[ids], ids)
+        return self._draw(logits, None)
+
+    def sample_top(
+        self, values: np.ndarray, ids: np.ndarray, banned: list[int] | None = None
+    ) -> int:
+        """One token from a row's largest logits `values` [k] and their `ids` [k], largest
+        first (ties: the lower id first), k >= top_needed(len(banned)): the same token
+        `sample` gives for the full row."""
+        if banned:
+            keep = ~np.isin(ids, banned)
+            values, ids = values[keep], ids[keep]
+        p = self.params
+        if p.greedy:
+            return int(ids[0])
+        return self._draw(values[: p.top_k], ids[: p.top_k])
+
+    def _draw(self, logits: np.ndarray, ids: np.ndarray | None) -> int:
+        """A token drawn from the candidates' logits (top_p within them); ids: theirs (None:
+        the candidates are the whole vocabulary)."""
+        p = self.params
+        logits = logits / p.temperature
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         if p.top_p < 1.0:

@@ -1,6 +1,6 @@
 """Speculative decoding's draft side: a small model proposes a sequence's next tokens,
 greedily, from its own KV cache; the engine's target model then verifies them all in one run
-(worker/llm/engine.py's `_speculate`).
+(worker/llm/step.py's `_speculate`).
 
 The draft cache has the target's slots and length: a sequence lives in the same slot of
 both. Tokens past a sequence's length are dead (attention reads up to each row's length), so

@@ -1,0 +1,149 @@
+"""What a sequence generates, and how a run's results become text: sample, detokenize, finish.
+
+The engine's Sequence is the scheduler's (worker/llm/scheduler.py) with what generating needs:
+its sampler, its detokenizer and the queue its outputs go to. `Results` accepts one row of
+a run for a sequence (worker/llm/step.py calls it after each run; the row is the logits, or
+the step graph's own top-k of them when the sampler needs no more): it samples the next
+token, hands the new text to the sequence's queue with the running counts, and ends
+the sequence on EOS, a stop string, max_tokens or max_model_len; an ended sequence leaves
+at once (`leave`: its slot and KV budget go back within the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from worker.llm import scheduler
+from worker.llm.detokenize import Detokenizer
+from worker.llm.sampling import Sampler, SamplingParams
+
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+# one row of a run: the logits [vocab], or the step graph's top-k of them (values, ids)
+Row = np.ndarray | tuple[np.ndarray, np.ndarray]
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>", "</s>")
+
+
+@dataclass
+class Output:
+    text: str  # new text since the previous output
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None  # the run failed: the sequence ends without more text
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(eq=False, kw_only=True)
+class Sequence(scheduler.Sequence):
+    """A scheduled sequence with what generating needs: its sampler, its detokenizer and
+    the queue its outputs go to."""
+
+    params: SamplingParams
+    sampler: Sampler
+    detok: Detokenizer
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_runs: int = 0
+    prefill_tokens: int = 0
+    decode_runs: int = 0
+    decode_tokens: int = 0
+    decode_batches: Counter[int] = field(default_factory=Counter)  # rows -> decode runs
+    joined_running: int = 0  # sequences that began decoding while others were decoding
+    finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
+    rejected: int = 0
+    draft_tokens: int = 0  # proposed by the draft model (k per speculative step)
+    accepted_tokens: int = 0  # drafts the target kept
+    draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
+    top_runs: int = 0  # runs that read the graph's top-k instead of the logits
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class Results:
+    """Turns a run's rows into each sequence's tokens, text and end."""
+
+    def __init__(
+        self,
+        eos: set[int],
+        max_model_len: int,
+        stats: EngineStats,
+        leave: Callable[[Sequence], None],
+    ) -> None:
+        self.eos = eos
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self._leave = leave  # a running sequence that ended gives back its slot and budget
+
+    def banned(self, seq: Sequence) -> list[int]:
+        """The ids the sequence may not sample next: EOS while under min_tokens."""
+        p = seq.params
+        return sorted(self.eos) if len(seq.tokens) < p.min_tokens and not p.ignore_eos else []
+
+    def top_needed(self, seq: Sequence) -> int | None:
+        """How many of its row's largest logits the sequence's next token needs (None: the
+        whole row): a run whose rows all need at most the graph's k reads only its top-k."""
+        return seq.sampler.top_needed(len(self.banned(seq)))
+
+    def accept(self, seq: Sequence, row: Row) -> int:
+        """Sample the sequence's next token from its row of a run (the logits, or the
+        graph's top-k of them as (values, ids)) and hand it its new text; the token."""
+        p = seq.params
+        banned = self.banned(seq)
+        if isinstance(row, tuple):
+            token = seq.sampler.sample_top(row[0], row[1], banned)
+        else:
+            token = seq.sampler.sample(row, banned)  # a row of this step's own logits
+        seq.sampler.observe(token)
+        seq.tokens.append(token)
+        reason = None
+        if token in self.eos and not p.ignore_eos:
+            reason = STOP
+            piece = ""
+        else:
+            piece = seq.detok.add(token)
+            if seq.detok.stopped:
+                reason = STOP
+        if reason is None and (len(seq.tokens) >= p.max_tokens or seq.length >= self.max_model_len):
+            reason = LENGTH
+        if reason is None:
+            if piece:
+                # Running counts on every piece: what a stream cut here has sent.
+                seq.outputs.put_nowait(
+                    Output(piece, False, None, len(seq.prompt), len(seq.tokens), None, seq.cached)
+                )
+            return token
+        self.finish(seq, reason, piece)
+        return token
+
+    def finish(self, seq: Sequence, reason: str, piece: str = "") -> None:
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        if reason != CANCELLED:
+            piece += seq.detok.finish()
+        seq.outputs.put_nowait(
+            Output(piece, True, reason, len(seq.prompt), len(seq.tokens), None, seq.cached)
+        )
+        self.stats.finished[reason] += 1
+        self._leave(seq)
+
+    def fail(self, seq: Sequence, error: Exception) -> None:
+        """A run that raised: the sequence ends with the error instead of text."""
+        seq.finish_reason = "error"
+        self.stats.finished["error"] += 1
+        seq.outputs.put_nowait(
+            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}", seq.cached)
+        )
+        self._leave(seq)

@@ -1,0 +1,212 @@
+"""Running one StepPlan (worker/llm/scheduler.py): the "do" after the scheduler's "decide".
+
+In order: the plan's cache copies (reused prefixes), one prefill run per chunk
+(onnxruntime's GroupQueryAttention on CPU takes several new tokens for one row only), then
+one decode run for every decoding row: rows of different lengths share one run, each
+attending to its own cache. Each result goes to worker/llm/generation.py's `Results`: a
+chunk that ends its prompt gives the first token, a decode row the next one. Model runs go
+to one thread (onnxruntime releases the GIL), so gRPC keeps being served while a step
+computes; sampling and detokenizing run on the event loop between runs.
+
+With a draft model (speculative decoding, worker/llm/speculative.py) and one sequence
+decoding, its decode run becomes: the draft proposes k tokens, greedily; the target scores
+the last token and the k drafts in one run (logits at all k + 1 positions); the sequence
+then samples position by position with its own sampler, keeping tokens while they equal the
+drafts, and ends with the first that differs (or the bonus token after k hits). With
+several sequences decoding, the plain batched step runs: a verify run cannot batch rows,
+and separate runs per row would read the target's weights once per row where one decode
+step reads them once for all (vLLM, too, turns speculation off above a batch size).
+
+Every emitted token is the target's own choice, so greedy output is the target's, token for
+token. For sampled sequences this exact-match rule is the rejection-sampling rule of
+Leviathan et al. / Chen et al. for a greedy (one-hot) draft: a draft token d is kept with
+probability p(d), and on a miss the token comes from p without d, renormalized; it draws one
+random number per emitted token, as without a draft, so a seeded request gives the same
+text with or without one (but for float noise: a verify run's logits are computed for k + 1
+positions at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
+
+import numpy as np
+
+from worker.llm import scheduler
+from worker.llm.cache import KVCache
+from worker.llm.generation import EngineStats, Results, Row, Sequence
+from worker.llm.model import Model, TopModel, VerifyingModel
+from worker.llm.prefix import PrefixCache
+from worker.llm.speculative import Drafter
+
+# (kind, rows, tokens, ns) of every model run, for Triton's statistics
+OnExecution = Callable[[str, int, int, int], None]
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model: Model,
+        cache: KVCache,
+        prefix: PrefixCache,
+        sched: scheduler.Scheduler[Sequence],
+        drafter: Drafter | None,
+        results: Results,
+        stats: EngineStats,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.prefix = prefix
+        self.scheduler = sched
+        self.drafter = drafter
+        self.results = results
+        self.stats = stats
+        self.on_execution: OnExecution | None = None
+        # the graph's own top-k, read instead of the logits when the rows allow (`_run`)
+        self.top = model if isinstance(model, TopModel) and model.top_k > 0 else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
+
+    async def run(self, plan: scheduler.StepPlan[Sequence]) -> None:
+        """Run the plan: its copies, its prefill chunks, then its decode rows; accept each
+        result."""
+        loop = asyncio.get_running_loop()
+        self.stats.steps += 1
+        if plan.copies:
+            await loop.run_in_executor(self.pool, self._copy, plan.copies)
+        for chunk in plan.prefill:
+            await self._prefill(loop, chunk, joining=bool(plan.decode))
+        decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
+        if not decoding:
+            return
+        if plan.drafts:
+            await self._speculate(loop, decoding[0], plan.drafts)
+            return
+        await self._decode(loop, decoding)
+
+    async def _prefill(
+        self, loop: asyncio.AbstractEventLoop, chunk: scheduler.Chunk[Sequence], joining: bool
+    ) -> None:
+        seq, n = chunk.seq, chunk.tokens
+        ids = np.asarray([seq.prompt[chunk.start : chunk.start + n]])
+        lengths = np.asarray([chunk.start + n])
+        start = time.perf_counter_ns()
+        sampling = [seq] if chunk.completes else []  # an earlier chunk's logits go unread
+        rows = await self._run(loop, sampling, ids, lengths, seq.slot, seq.slot + 1)
+        self._executed("prefill", 1, n, time.perf_counter_ns() - start)
+        seq.computed = chunk.start + n
+        self.scheduler.computed(seq)
+        self.stats.prefill_runs += 1
+        self.stats.prefill_tokens += n
+        if chunk.completes and not seq.cancelled:
+            if joining:
+                self.stats.joined_running += 1
+            self.results.accept(seq, rows(0))
+
+    async def _decode(self, loop: asyncio.AbstractEventLoop, decoding: list[Sequence]) -> None:
+        """One token for every decoding row, in one run over the slots they span."""
+        lo = min(s.slot for s in decoding)
+        hi = max(s.slot for s in decoding) + 1
+        ids = np.zeros((hi - lo, 1), np.int64)
+        lengths = np.ones(hi - lo, np.int64)
+        # Rows between the decoding ones (free slots, prompts mid-prefill, retained prefixes)
+        # run a dummy token written just past their own data, where their next real token
+        # will overwrite it.
+        for slot in range(lo, hi):
+            lengths[slot - lo] = self.prefix.held_length(slot) + 1
+        for seq in self.scheduler.running:
+            if lo <= seq.slot < hi:
+                lengths[seq.slot - lo] = seq.computed + 1
+        for seq in decoding:
+            ids[seq.slot - lo, 0] = seq.tokens[-1]
+        start = time.perf_counter_ns()
+        rows = await self._run(loop, decoding, ids, lengths, lo, hi)
+        self._executed("decode", len(decoding), len(decoding), time.perf_counter_ns() - start)
+        self.stats.decode_runs += 1
+        self.stats.decode_tokens += len(decoding)
+        self.stats.decode_batches[len(decoding)] += 1
+        for seq in decoding:
+            seq.computed += 1
+            if not seq.cancelled:
+                self.results.accept(seq, rows(seq.slot - lo))
+
+    async def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sampling: list[Sequence],
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        lo: int,
+        hi: int,
+    ) -> Callable[[int], Row]:
+        """One run over slots lo..hi-1; its rows by index: the graph's top-k (k values and
+        ids per row copied out, not the vocabulary) when every sequence sampling from the
+        run needs no more (greedy, or top_k <= the graph's k, without penalties), else the
+        logits."""
+        top = self.top
+        if top is not None and all(
+            (n := self.results.top_needed(s)) is not None and n <= top.top_k for s in sampling
+        ):
+            values, best = await loop.run_in_executor(
+                self.pool, top.run_top, self.cache, ids, lengths, lo, hi
+            )
+            self.stats.top_runs += 1
+            return lambda i: (values[i], best[i])
+        logits = await loop.run_in_executor(
+            self.pool, self.model.run, self.cache, ids, lengths, lo, hi
+        )
+        return lambda i: logits[i]
+
+    async def _speculate(self, loop: asyncio.AbstractEventLoop, seq: Sequence, k: int) -> None:
+        """One decode step of one sequence with k drafts: the draft catches up and proposes,
+        the target scores the last token and the drafts in one run, the sequence keeps the
+        longest prefix the target agrees with plus the target's own next token."""
+        assert self.drafter is not None
+        pending = seq.since(seq.drafted)  # tokens the draft has not seen yet (1 or 2 mostly)
+        drafts = await loop.run_in_executor(
+            self.pool, self.drafter.propose, pending, seq.length, seq.slot, k
+        )
+        ids = np.asarray([[seq.tokens[-1], *drafts]], np.int64)
+        target = cast(VerifyingModel, self.model)
+        start = time.perf_counter_ns()
+        logits = await loop.run_in_executor(
+            self.pool,
+            target.run_positions,
+            self.cache,
+            ids,
+            np.asarray([seq.length + k]),
+            seq.slot,
+            seq.slot + 1,
+        )
+        self._executed("decode", 1, k + 1, time.perf_counter_ns() - start)
+        self.stats.decode_runs += 1
+        self.stats.decode_batches[1] += 1
+        self.stats.draft_tokens += k
+        self.stats.draft_ns = self.drafter.ns
+        length = seq.length
+        emitted = 0
+        while not seq.cancelled and seq.finish_reason is None and emitted <= k:
+            token = self.results.accept(seq, logits[0, emitted])
+            hit = emitted < k and token == drafts[emitted]
+            emitted += 1
+            self.stats.accepted_tokens += int(hit)
+            if not hit:
+                break
+        self.stats.decode_tokens += emitted
+        # The row's last token and the kept drafts are in the target's cache, and but for
+        # the last draft in the draft's; what lies past them is dead in both.
+        seq.computed += max(emitted, 1)
+        seq.drafted = min(seq.computed, length + k - 1)
+
+    def _copy(self, copies: tuple[scheduler.Copy, ...]) -> None:
+        """The plan's reused prefixes, row by row into their new slots (a memcpy)."""
+        for c in copies:
+            self.cache.copy_rows(c.src, c.dst, c.start, c.stop)
+            self.prefix.unpin(c.src)
+
+    def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
+        if self.on_execution is not None:
+            self.on_execution(kind, rows, tokens, ns)
