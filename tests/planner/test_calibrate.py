@@ -52,6 +52,7 @@ def test_decoder_calibration_times_prefill_and_steps(tiny_llm_path: Path) -> Non
     assert cal.prefill_s > 0 and all(s > 0 for s in cal.runs_s.values())
 
 
+@pytest.mark.slow  # a Redis + worker + router mesh
 def test_serving_calibration_saturates_a_real_worker(wide_paths: tuple[Path, Path]) -> None:
     """A one-worker mesh (Redis, worker, router) serving the model at batch limits 1 and 4:
     the batches the worker formed, its seconds per batch and the host CPU per call, read

@@ -137,6 +137,7 @@ def test_cli_plan_and_its_errors(
     assert "unknown profile" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a Redis + worker + router mesh
 def test_cli_calibrate_fits_a_profile_that_plan_reads(
     repository: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,7 @@ def test_distill_recipe_names_resolve_for_any_layer_count() -> None:
     assert lookup("encoder-distill-l0") is None and lookup("encoder-distill") is None
 
 
+@pytest.mark.slow  # trains two students (~1 CPU min)
 @pytest.mark.parametrize("make", [tiny_minilm, tiny_smollm2], ids=["encoder", "decoder"])
 def test_a_distilled_tiny_model_improves_its_loss(make) -> None:  # type: ignore[no-untyped-def]
     loaded = make()
@@ -174,6 +175,7 @@ def test_the_learning_rate_warms_up_then_falls_to_its_floor() -> None:
     assert distill.learning_rate_scale(flat, 99) == 1.0
 
 
+@pytest.mark.slow  # reads every stdlib docstring
 def test_the_standard_library_docstrings_give_prose_sentences() -> None:
     sentences = distill_text.docstring_sentences()
     assert len(sentences) > 5000

@@ -52,9 +52,17 @@ def reference(template: str, config: dict, messages: list) -> str:
     return rendered[0][0] if isinstance(rendered, tuple) else rendered[0]
 
 
+@pytest.fixture(scope="module")
+def smollm2_config() -> dict:
+    """Read once: GGUFReader parses the whole vocabulary (~10 s here)."""
+    return weights.smollm2_tokenizer_config()
+
+
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-def test_smollm2_template_renders_as_hugging_face_does(tmp_path: Path, messages: list) -> None:
-    config = weights.smollm2_tokenizer_config()
+def test_smollm2_template_renders_as_hugging_face_does(
+    tmp_path: Path, messages: list, smollm2_config: dict
+) -> None:
+    config = json.loads(json.dumps(smollm2_config))  # each test its own copy
     chat = ChatTemplate.from_folder(folder(tmp_path, config), "smollm2")
     assert chat is not None
     got = chat.render(messages)

@@ -142,6 +142,7 @@ def test_single_rank_group_equals_the_step_model(group_repo) -> None:  # type: i
             c.close()
 
 
+@pytest.mark.slow  # starts a tp2 group of rank processes
 def test_tp2_generates_the_tokens_of_tp1(group_repo, smollm2_tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     repo, graph, tokenizer = group_repo
     requests = [
@@ -165,6 +166,7 @@ def test_tp2_generates_the_tokens_of_tp1(group_repo, smollm2_tokenizer, tmp_path
     # (batch compositions may differ: when the joining request arrives depends on timing)
 
 
+@pytest.mark.slow  # rank processes, twice
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_bad_id_or_a_failing_rank_fails_one_step_not_the_group(  # type: ignore[no-untyped-def]
     group_repo, smollm2_tokenizer, tmp_path: Path, rank: int
