@@ -373,7 +373,8 @@ def section(r: dict) -> str:
             "## Cache-aware routing: two replicas",
             f"`python -m benchmarks.llm_prefix --parts routing` - SmolLM2 on two replicas (one "
             f"thread each) behind the router, {r['rounds']} rounds a trace (medians), load "
-            f"average {routed['load_before']} before; traces {shapes}.",
+            f"average {'/'.join(f'{x:.1f}' for x in routed['load_before'])} (1/5/15 min) before; "
+            f"traces {shapes}.",
             table(["trace: policy", "hit rate", "TTFT p90 s", "A/B", "max share", "errors"], rows),
             "\n".join(f"- {line}" for line in r["verdict"] if line.split(":")[0] in ROUTED_LINES),
         ]

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+Health = HealthServicer  # the health service a server sets SERVING / NOT_SERVING on
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 

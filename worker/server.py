@@ -10,8 +10,10 @@ import asyncio
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
+import grpc
 import structlog
 
 from common import rpc, tls
@@ -56,6 +58,47 @@ def _exit_failed() -> None:
 
 
 async def serve(settings: WorkerSettings) -> None:
+    """Load, serve, register; then on SIGTERM drain, or on a group failure stop at once."""
+    repository, group = load_repository(settings)
+    grpc_server = await start_grpc(settings, repository)
+    servicer = grpc_server.servicer
+    metrics_address = None
+    if settings.metrics_port:
+        bound = metrics.serve(
+            repository, settings.metrics_port, settings.metrics_host, servicer.roofline
+        )
+        metrics_address = f"{settings.metrics_host}:{bound}"
+
+    servicer.ready = True
+    await rpc.set_serving(grpc_server.health)
+    log.info(
+        "worker_ready",
+        address=f"{settings.host}:{grpc_server.port}",
+        metrics=metrics_address,
+        models={m.spec.name: m.spec.version for m in repository.all()},
+        providers=sorted(repository.providers),
+        tls="mutual" if settings.tls_client_ca else grpc_server.tls,
+    )
+    registration = register(settings, repository, grpc_server)
+
+    stop = rpc.stop_on_signals()
+    failure: list[str] = []
+    if group is not None:  # a broken shard group stops the worker at once
+        loop = asyncio.get_running_loop()
+
+        def group_failed(why: str) -> None:  # called on the group's watcher thread
+            failure.append(why)
+            loop.call_soon_threadsafe(stop.set)
+
+        group.start(group_failed)
+    await stop.wait()
+    if failure:
+        await stop_failed(failure[0], grpc_server, registration, group)
+    await drain(settings, repository, grpc_server, registration)
+
+
+def load_repository(settings: WorkerSettings) -> tuple[Repository, TpRepository | None]:
+    """The models, loaded: a plain repository, or a shard group's (which is one too)."""
     options = RuntimeOptions(
         providers=settings.providers,
         require_gpu=settings.require_gpu,
@@ -76,7 +119,20 @@ async def serve(settings: WorkerSettings) -> None:
             default_max_queue_size=settings.default_max_queue_size,
         )
     repository.load()
+    return repository, group
 
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    health: rpc.Health
+    servicer: WorkerServicer
+    port: int
+    tls: bool
+
+
+async def start_grpc(settings: WorkerSettings, repository: Repository) -> GrpcServer:
+    """The gRPC server with the servicer, health and reflection, bound and started."""
     server, health = rpc.new_server(
         settings.max_message_bytes, rpc.reflection_wanted(settings.host, settings.reflection)
     )
@@ -86,7 +142,6 @@ async def serve(settings: WorkerSettings) -> None:
     roofs = Roofs.from_setting(settings.roofline_profile, settings.intra_op_threads)
     servicer = WorkerServicer(repository, limits, roofs)
     server.add_generic_rpc_handlers([handler(servicer)])
-    address = f"{settings.host}:{settings.port}"
     credentials = (
         tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         if settings.tls_cert and settings.tls_key
@@ -94,76 +149,69 @@ async def serve(settings: WorkerSettings) -> None:
     )
     if settings.tls_client_ca and credentials is None:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
-    port = tls.add_port(server, address, credentials)
+    port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
     await server.start()
+    return GrpcServer(server, health, servicer, port, credentials is not None)
 
-    metrics_address = None
-    if settings.metrics_port:
-        bound = metrics.serve(
-            repository, settings.metrics_port, settings.metrics_host, servicer.roofline
-        )
-        metrics_address = f"{settings.metrics_host}:{bound}"
 
-    servicer.ready = True
-    await rpc.set_serving(health)
-    log.info(
-        "worker_ready",
-        address=f"{settings.host}:{port}",
-        metrics=metrics_address,
-        models={m.spec.name: m.spec.version for m in repository.all()},
-        providers=sorted(repository.providers),
-        tls="mutual" if settings.tls_client_ca else bool(credentials),
+def register(
+    settings: WorkerSettings, repository: Repository, grpc_server: GrpcServer
+) -> Registration | None:
+    """Registration in Redis (heartbeat, depth, KV room, loads), when a Redis URL is set."""
+    if not settings.redis_url:
+        return None
+    registration = Registration(
+        settings.redis_url,
+        worker_info(settings, repository, grpc_server.port),
+        depth=lambda: sum(m.depth for m in repository.all()),
+        kv=lambda: kv_tokens(repository),
+        loads=lambda: scaling_loads(repository),
+        heartbeat_s=settings.heartbeat_seconds,
+        ttl_s=settings.registry_ttl_seconds,
+        depth_interval_s=settings.depth_interval_seconds,
+        password=read_password(settings.redis_password, settings.redis_password_file),
     )
+    registration.start()
+    grpc_server.servicer.on_request = registration.activity
+    log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
+    return registration
 
-    registration = None
-    if settings.redis_url:
-        registration = Registration(
-            settings.redis_url,
-            worker_info(settings, repository, port),
-            depth=lambda: sum(m.depth for m in repository.all()),
-            kv=lambda: kv_tokens(repository),
-            loads=lambda: scaling_loads(repository),
-            heartbeat_s=settings.heartbeat_seconds,
-            ttl_s=settings.registry_ttl_seconds,
-            depth_interval_s=settings.depth_interval_seconds,
-            password=read_password(settings.redis_password, settings.redis_password_file),
-        )
-        registration.start()
-        servicer.on_request = registration.activity
-        log.info("worker_registering", worker=registration.info.id, redis=settings.redis_url)
 
-    stop = rpc.stop_on_signals()
-    failure: list[str] = []
-    if group is not None:  # a broken shard group stops the worker at once
-        loop = asyncio.get_running_loop()
+async def stop_failed(
+    why: str,
+    grpc_server: GrpcServer,
+    registration: Registration | None,
+    group: TpRepository | None,
+) -> NoReturn:
+    """A failed shard group: NOT_SERVING, deregister, cut calls, abort; no drain."""
+    log.error("worker_group_failed", reason=why)
+    deadline = threading.Timer(FAILED_EXIT_S, _exit_failed)
+    deadline.daemon = True
+    deadline.start()
+    grpc_server.servicer.ready = False
+    await grpc_server.health.enter_graceful_shutdown()  # NOT_SERVING
+    if registration is not None:
+        await registration.deregister()
+    await grpc_server.server.stop(0.5)
+    if group is not None:
+        group.abort()
+    raise GroupFailed(why)
 
-        def group_failed(why: str) -> None:  # called on the group's watcher thread
-            failure.append(why)
-            loop.call_soon_threadsafe(stop.set)
 
-        group.start(group_failed)
-    await stop.wait()
-    if failure:
-        log.error("worker_group_failed", reason=failure[0])
-        deadline = threading.Timer(FAILED_EXIT_S, _exit_failed)
-        deadline.daemon = True
-        deadline.start()
-        servicer.ready = False
-        await health.enter_graceful_shutdown()  # NOT_SERVING
-        if registration is not None:
-            await registration.deregister()
-        await server.stop(0.5)
-        if group is not None:
-            group.abort()
-        raise GroupFailed(failure[0])
-
+async def drain(
+    settings: WorkerSettings,
+    repository: Repository,
+    grpc_server: GrpcServer,
+    registration: Registration | None,
+) -> None:
+    """SIGTERM: leave the registry, wait for routers to notice, finish in-flight calls."""
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
     if registration is not None:
         await registration.deregister()  # routers stop picking us...
         await asyncio.sleep(settings.drain_seconds)  # ...once they next read the registry
-    servicer.ready = False
-    await health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
-    await server.stop(settings.grace_seconds)  # refuse new calls, let in-flight ones finish
+    grpc_server.servicer.ready = False
+    await grpc_server.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+    await grpc_server.server.stop(settings.grace_seconds)  # refuse new calls, finish in-flight
     await repository.close()
     log.info("worker_stopped")
 
