@@ -57,10 +57,11 @@ def settle_on(store: Store, expected: tuple[int, int], timeout: float = 15.0) ->
 async def impatient_clients(
     address: str, calls: int, seed: int, max_seconds: float = 40.0
 ) -> dict[str, Counter[str]]:
-    """`calls` ModelInfer calls, 8 at a time: half to `mlp` with deadlines of 1-60 ms, half
+    """`calls` ModelInfer calls, 8 at a time: half to `mlp` with deadlines of 1-120 ms, half
     to `mlp_slow`, each cancelled by its client after 1-20 ms. Returns what the clients saw:
-    model -> status name -> count. (Deadlines reach 60 ms so that some calls succeed on a
-    slow or busy machine too: at 1-20 ms an AVX2-only 2-core box saw 1-6 of 250 succeed.)"""
+    model -> status name -> count. (Deadlines reach 120 ms so that some calls succeed on a
+    slow or busy machine too, past the test's 50 ms answer margin: at 1-20 ms an AVX2-only
+    2-core box saw 1-6 of 250 succeed.)"""
     rng = random.Random(seed)
     seen: dict[str, Counter[str]] = {"mlp": Counter(), "mlp_slow": Counter()}
     next_i = 0
@@ -94,7 +95,7 @@ async def impatient_clients(
             while next_i < calls and time.monotonic() < stop_at:
                 i, next_i = next_i, next_i + 1
                 if i % 2:
-                    seen["mlp"][await with_deadline(i, rng.uniform(0.001, 0.060))] += 1
+                    seen["mlp"][await with_deadline(i, rng.uniform(0.001, 0.120))] += 1
                 else:
                     seen["mlp_slow"][await cancelled(i, rng.uniform(0.001, 0.020))] += 1
 
@@ -112,8 +113,9 @@ def test_deadlines_and_cancels_bill_exactly_what_the_clients_got(
     # The margin must cover a reply's trip back to the client, into its event loop: HTTP/2
     # has no ack, so a reply sent with less left may land after the client's deadline and be
     # billed though the client saw DEADLINE_EXCEEDED. On this 2-core machine, loaded, that
-    # trip took over 5 ms (69 billed, 68 received); the default, 2 ms, is for an idle client.
-    router, store = start(mesh, tmp_path, "--answer-margin-ms", "20")
+    # trip took over 5 ms (69 billed, 68 received), and over 20 ms with other test suites on
+    # the same cores (145 billed, 144 received); the default, 2 ms, is for an idle client.
+    router, store = start(mesh, tmp_path, "--answer-margin-ms", "50")
     seen = asyncio.run(impatient_clients(router, 1000, seed=8))
     fast, slow = seen["mlp"], seen["mlp_slow"]
     # The mix the test is about did happen: successes, expired deadlines and cancels.
