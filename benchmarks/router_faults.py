@@ -278,7 +278,7 @@ def _load_cases(m: _Figures) -> list[dict]:
     victim = m.mesh.workers[m.workers[0]]
     loop_codes: Counter[str] = Counter()
     before = settled(m.store, 1.0)
-    waited = asyncio.run(stopped_in_flight(m.router, victim, loop_codes))
+    waited = asyncio.run(_stopped_in_flight(m.router, victim, loop_codes))
     victim.signal(signal.SIGCONT)
     after = settled(m.store)
     rows.append(
@@ -292,7 +292,7 @@ def _load_cases(m: _Figures) -> list[dict]:
     return rows
 
 
-async def stopped_in_flight(router: str, victim: Process, codes: Counter[str]) -> float:
+async def _stopped_in_flight(router: str, victim: Process, codes: Counter[str]) -> float:
     """16 calls, the victim SIGSTOPped 1 ms in: seconds until the last one's status."""
     async with grpc.aio.insecure_channel(router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
