@@ -156,6 +156,22 @@ def summarize(runs: list[dict], kv_tokens: int) -> dict:
 
 
 def main() -> None:
+    args = _parse_args()
+    runs, wall = _measure(args)
+    summary = summarize(runs, args.kv_tokens)
+    result = {
+        "benchmark": "kv_balance",
+        "machine": {**machine(), "note": "shared machine, other jobs running: noisy"},
+        "setup": _setup(args, wall),
+        "runs": runs,
+        "summary": summary,
+    }
+    path = write_result("kv_balance", result)
+    print(f"wrote {path}")
+    _print_reading(runs, summary)
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20.0, help="measured, per policy")
     parser.add_argument("--concurrency", type=int, default=4)
@@ -164,7 +180,11 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=8, help="of each short request")
     parser.add_argument("--max-requests", type=int, default=400, help="per policy")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _measure(args: argparse.Namespace) -> tuple[list[dict], float]:
+    """Two replicas with a small KV budget, both policies' phases; and the phases' seconds."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         repo = small_kv_repository(tmp / "repo", args.kv_tokens)
@@ -180,29 +200,29 @@ def main() -> None:
             wall = round(time.monotonic() - started, 1)
         finally:
             mesh.stop(kill=True)
-    summary = summarize(runs, args.kv_tokens)
-    result = {
-        "benchmark": "kv_balance",
-        "machine": {**machine(), "note": "shared machine, other jobs running: noisy"},
-        "setup": {
-            "replicas": 2,
-            "kv_tokens_per_replica": args.kv_tokens,
-            "pinned_on_a": {"max_tokens": args.pinned_tokens, "started": "directly on A"},
-            "load": {
-                "shape": "closed loop through the router",
-                "concurrency": args.concurrency,
-                "seconds": args.seconds,
-                "max_requests": args.max_requests,
-                "prompt_words": args.prompt_words,
-                "max_tokens": args.max_tokens,
-            },
-            "wall_seconds": wall,
+    return runs, wall
+
+
+def _setup(args: argparse.Namespace, wall: float) -> dict:
+    return {
+        "replicas": 2,
+        "kv_tokens_per_replica": args.kv_tokens,
+        "pinned_on_a": {"max_tokens": args.pinned_tokens, "started": "directly on A"},
+        "load": {
+            "shape": "closed loop through the router",
+            "concurrency": args.concurrency,
+            "seconds": args.seconds,
+            "max_requests": args.max_requests,
+            "prompt_words": args.prompt_words,
+            "max_tokens": args.max_tokens,
         },
-        "runs": runs,
-        "summary": summary,
+        "wall_seconds": wall,
     }
-    path = write_result("kv_balance", result)
-    print(f"wrote {path}")
+
+
+def _print_reading(runs: list[dict], summary: dict) -> None:
+    """Each policy's run, then the p99 ratio against the target and the p50s, from the
+    figures."""
     for r in runs:
         t = r["ttft_ms"]
         print(

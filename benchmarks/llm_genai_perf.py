@@ -23,6 +23,16 @@ from benchmarks.readings import table
 # perf_analyzer 2.50 links libcudart.so.12 even for CPU-only servers (the wheel below ships
 # it) and libb64.so.0d (Debian: `apt-get install libb64-0d`).
 PACKAGES = ("genai-perf==0.0.16", "tritonclient[all]==2.50.0", "nvidia-cuda-runtime-cu12")
+# the metrics of genai-perf's report that run() returns
+_REPORTED = (
+    "time_to_first_token",
+    "inter_token_latency",
+    "output_token_throughput",
+    "request_throughput",
+    "request_latency",
+    "output_sequence_length",
+    "input_sequence_length",
+)
 
 
 def tokenizer_dir(tokenizer: Tokenizer, folder: Path, eos: str, bos: str | None) -> Path:
@@ -102,7 +112,7 @@ def run(
     bin_dir = venv / "bin"
     if shutil.which("perf_analyzer", path=str(bin_dir)) is None:
         return {"error": f"no perf_analyzer in {bin_dir} (tritonclient[all] installs it)"}
-    libs = ":".join(str(p) for p in venv.glob("lib/python3*/site-packages/nvidia/*/lib"))
+    libs = library_path(venv)
     missing = _missing_libraries(bin_dir / "perf_analyzer", libs)
     if missing:
         return {
@@ -116,6 +126,34 @@ def run(
         "profile",
         "-m",
         model,
+        *_load_flags(address, tokenizer, concurrency, requests),
+        *_synthetic_flags(input_tokens, output_tokens),
+        "--artifact-dir",
+        str(artifacts),
+    ]
+    if model_version:  # none needed: the worker's statistics name the version that served
+        args += ["--", "-x", model_version]
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(artifacts.parent),
+        "LD_LIBRARY_PATH": libs,
+    }
+    artifacts.mkdir(parents=True)
+    log = artifacts / "genai-perf.log"
+    code = _wait_logged(args, env, log, timeout_s)
+    tail = log.read_text()[-1500:]
+    found = sorted(artifacts.rglob("*genai_perf.json"))
+    if code is None:
+        return {"error": f"genai-perf did not finish in {timeout_s}s", "output_tail": tail}
+    if code != 0 or not found:
+        return {"error": f"genai-perf exited {code}", "output_tail": tail}
+    report = json.loads(found[0].read_text())
+    return {"command": " ".join(args[1:]), **{k: report[k] for k in _REPORTED if k in report}}
+
+
+def _load_flags(address: str, tokenizer: Path, concurrency: int, requests: int) -> list[str]:
+    """Streaming over KServe's gRPC with the vLLM backend's tensors, closed loop."""
+    return [
         "--endpoint-type",
         "kserve",
         "--backend",
@@ -131,6 +169,12 @@ def run(
         str(requests),
         "--warmup-request-count",
         "1",
+    ]
+
+
+def _synthetic_flags(input_tokens: int, output_tokens: int) -> list[str]:
+    """Synthetic prompts of exactly input_tokens, asking for exactly output_tokens."""
+    return [
         "--synthetic-input-tokens-mean",
         str(input_tokens),
         "--synthetic-input-tokens-stddev",
@@ -139,46 +183,22 @@ def run(
         str(output_tokens),
         "--output-tokens-stddev",
         "0",
-        "--artifact-dir",
-        str(artifacts),
     ]
-    if model_version:  # none needed: the worker's statistics name the version that served
-        args += ["--", "-x", model_version]
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "HOME": str(artifacts.parent),
-        "LD_LIBRARY_PATH": libs,
-    }
-    artifacts.mkdir(parents=True)
-    log = artifacts / "genai-perf.log"
+
+
+def _wait_logged(args: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int | None:
+    """Run to its end or to timeout_s (None), its output to `log`."""
     with log.open("w") as out:
         # its own session, so a timeout ends perf_analyzer (its child) too
         proc = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            code = proc.wait(timeout_s)
+            return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            code = None
-    tail = log.read_text()[-1500:]
-    found = sorted(artifacts.rglob("*genai_perf.json"))
-    if code is None:
-        return {"error": f"genai-perf did not finish in {timeout_s}s", "output_tail": tail}
-    if code != 0 or not found:
-        return {"error": f"genai-perf exited {code}", "output_tail": tail}
-    report = json.loads(found[0].read_text())
-    keep = (
-        "time_to_first_token",
-        "inter_token_latency",
-        "output_token_throughput",
-        "request_throughput",
-        "request_latency",
-        "output_sequence_length",
-        "input_sequence_length",
-    )
-    return {"command": " ".join(args[1:]), **{k: report[k] for k in keep if k in report}}
+            return None
 
 
 def _missing_libraries(binary: Path, library_path: str) -> list[str]:

@@ -27,6 +27,7 @@ import asyncio
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +173,56 @@ def summarize(rounds: list[list[dict]], baseline: list[dict] | None) -> dict:
     return out
 
 
+@dataclass
+class _Models:
+    """The sessions the configurations run: the target as served (spinning), as a draft's
+    partner (not spinning), its all-positions verify graph, and the drafts by name."""
+
+    target_file: Path
+    draft_files: dict[str, Path]
+    tokenizer: Tokenizer
+    served: StepModel
+    plain: StepModel
+    verifying: StepModel
+    drafts: dict[str, StepModel]
+
+
 def main() -> None:
+    args = _parse_args()
+    loadavg_before = Path("/proc/loadavg").read_text().split()[:3]
+    models = _load_models(args)
+    drafts = {n: m for n, m in models.drafts.items() if n != "self"}
+    costs = run_costs({"target": models.plain, **drafts})
+    print("run ms by new tokens:", costs, flush=True)
+    configs: list[tuple[str, str | None, int]] = [("target alone", None, 0)]
+    configs += [(NOT_SPINNING, None, 0)]
+    configs += [(f"{d} k={k}", d, k) for d in args.drafts for k in args.k]
+    started = time.perf_counter()
+    rounds = _alternate(configs, models, args.rounds, args.max_tokens)
+    baseline = rounds["target alone"][0]
+    results = {name: summarize(rounds[name], baseline) for name, _, _ in configs}
+    base = results["target alone"]["decode_tokens_per_s"]
+    for r in results.values():
+        r["decode_speedup"] = round(r["decode_tokens_per_s"] / base, 3)
+    reading = _reading(results, costs)
+    payload = {
+        "machine": machine(),
+        "command": "python -m benchmarks.llm_speculative " + " ".join(sys.argv[1:]),
+        "settings": _settings(args, models),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+        "seconds": round(time.perf_counter() - started, 1),
+        "run_ms_by_new_tokens": costs,
+        "results": results,
+        "reading": reading,
+    }
+    name = "llm_speculative" if args.target == "int8" else f"llm_speculative_{args.target}"
+    print(write_result(name, payload))
+    for line in reading:
+        print("-", line)
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument(
@@ -185,8 +235,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--target", choices=sorted(TARGETS), default="int8")
-    args = parser.parse_args()
-    loadavg_before = Path("/proc/loadavg").read_text().split()[:3]
+    return parser.parse_args()
+
+
+def _load_models(args: argparse.Namespace) -> _Models:
     target_file = pipeline.artifact_for(CACHE, "smollm2", TARGETS[args.target]).model
     student = pipeline.artifact_for(CACHE, "smollm2", STUDENT)
     if not student.exists():
@@ -215,26 +267,31 @@ def main() -> None:
         name: plain if name == "self" else StepModel.load(draft_files[name], options, cpu)
         for name in args.drafts
     }
-    costs = run_costs({"target": plain, **{n: m for n, m in drafts.items() if n != "self"}})
-    print("run ms by new tokens:", costs, flush=True)
-    configs: list[tuple[str, str | None, int]] = [("target alone", None, 0)]
-    configs += [(NOT_SPINNING, None, 0)]
-    configs += [(f"{d} k={k}", d, k) for d in args.drafts for k in args.k]
-    rounds: dict[str, list[list[dict]]] = {name: [] for name, _, _ in configs}
-    started = time.perf_counter()
-    for i in range(args.rounds):
+    return _Models(target_file, draft_files, tokenizer, served, plain, verifying, drafts)
+
+
+def _alternate(
+    configs: list[tuple[str, str | None, int]], models: _Models, rounds: int, max_tokens: int
+) -> dict[str, list[list[dict]]]:
+    """Every configuration's runs, round by round, the order rotated each round."""
+    out: dict[str, list[list[dict]]] = {name: [] for name, _, _ in configs}
+    for i in range(rounds):
         order = configs[i % len(configs) :] + configs[: i % len(configs)]  # rotate the order
         for name, draft, k in order:
-            model = verifying if draft else served if name == "target alone" else plain
-            drafting = None if draft is None else DraftConfig(drafts[draft], k)
-            runs = asyncio.run(generate(model, drafting, tokenizer, args.max_tokens))
-            rounds[name].append(runs)
+            if draft:
+                model = models.verifying
+            else:
+                model = models.served if name == "target alone" else models.plain
+            drafting = None if draft is None else DraftConfig(models.drafts[draft], k)
+            runs = asyncio.run(generate(model, drafting, models.tokenizer, max_tokens))
+            out[name].append(runs)
             print(name, f"round {i}", round(sum(r["total_s"] for r in runs), 2), "s", flush=True)
-    baseline = rounds["target alone"][0]
-    results = {name: summarize(rounds[name], baseline) for name, _, _ in configs}
+    return out
+
+
+def _reading(results: dict[str, dict], costs: dict[str, dict[int, float]]) -> list[str]:
+    """The conclusions, computed from the figures."""
     base = results["target alone"]["decode_tokens_per_s"]
-    for r in results.values():
-        r["decode_speedup"] = round(r["decode_tokens_per_s"] / base, 3)
     best = max(results, key=lambda n: results[n]["decode_speedup"])
     students = {n: r for n, r in results.items() if n.startswith("student")}
     reading = [
@@ -269,31 +326,21 @@ def main() -> None:
         else "some outputs differ from the target's: "
         + ", ".join(n for n, r in results.items() if not r["identical_to_target"])
     )
-    payload = {
-        "machine": machine(),
-        "command": "python -m benchmarks.llm_speculative " + " ".join(sys.argv[1:]),
-        "settings": {
-            "target": str(target_file.relative_to(ROOT)),
-            "target_kind": args.target,
-            "drafts": {n: str(draft_files[n].relative_to(ROOT)) for n in args.drafts},
-            "prompts": PROMPTS,
-            "max_tokens": args.max_tokens,
-            "rounds": args.rounds,
-            "intra_op_threads": args.threads,
-            "batch": 1,
-            "sampling": "greedy",
-        },
-        "loadavg_before": loadavg_before,
-        "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
-        "seconds": round(time.perf_counter() - started, 1),
-        "run_ms_by_new_tokens": costs,
-        "results": results,
-        "reading": reading,
+    return reading
+
+
+def _settings(args: argparse.Namespace, models: _Models) -> dict:
+    return {
+        "target": str(models.target_file.relative_to(ROOT)),
+        "target_kind": args.target,
+        "drafts": {n: str(models.draft_files[n].relative_to(ROOT)) for n in args.drafts},
+        "prompts": PROMPTS,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "intra_op_threads": args.threads,
+        "batch": 1,
+        "sampling": "greedy",
     }
-    name = "llm_speculative" if args.target == "int8" else f"llm_speculative_{args.target}"
-    print(write_result(name, payload))
-    for line in reading:
-        print("-", line)
 
 
 # ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----

@@ -32,27 +32,25 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from benchmarks.auth_path import components
 from benchmarks.common import infer_request, machine, write_result
+from benchmarks.mesh_cost import cpu_seconds, scripts_run
 from benchmarks.readings import table
-from common import mesh_state, redis_conn, tls
+from common import tls
 from common.rpc import message_options
-from common.tenancy import TenantPolicy, key_hash
+from common.tenancy import TenantPolicy
 from devmesh import toy_models
 from devmesh.certs import make_certs
-from devmesh.processes import LocalMesh, Process
-from devmesh.redis_acl import make_users, user_url
+from devmesh.processes import LocalMesh
+from devmesh.redis_acl import make_users
 from loadtest import runner as loadtest_runner
 from loadtest.runner import METHOD, Load, measured
-from router import limits
-from router.auth import Auth
-from router.limits import Limiter
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 CONFIG = "max_batch_size: 64\ndynamic_batching { default_queue_policy { max_queue_size: 2000 } }\n"
@@ -132,54 +130,6 @@ async def closed(target: Target, body: bytes, seconds: float) -> dict:
     return measured(await loadtest_runner.closed_loop(load, 32))
 
 
-def scripts_run(mesh: LocalMesh) -> int:
-    """Lua scripts Redis has run so far (EVALSHA and EVAL, every user)."""
-    stats: dict = mesh.redis_client("admin").info("commandstats")  # type: ignore[assignment]
-    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
-
-
-def cpu_seconds(mesh: LocalMesh) -> dict[str, float]:
-    """CPU time (user + system) so far of the mesh's router, worker and Redis processes (and
-    their children), and of this process: the client."""
-    pids: dict[str, list[Process | None]] = {
-        "router": [mesh.router],
-        "worker": list(mesh.workers.values()),
-        "redis": [mesh.redis_server],
-    }
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for role, processes in pids.items():
-        roots = {p.popen.pid for p in processes if p is not None and p.popen is not None}
-        out[role] = sum(_cpu_ticks(pid) for pid in _with_children(roots)) / tick
-    usage = os.times()
-    out["client"] = usage.user + usage.system
-    return out
-
-
-def _with_children(roots: set[int]) -> set[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found = set(roots)
-    while True:
-        more = {pid for pid, parent in parents.items() if parent in found} - found
-        if not more:
-            return found
-        found |= more
-
-
-def _cpu_ticks(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime, stime
-
-
 def throughput_slices(targets: dict[str, Target], body: bytes, slices: int, seconds: float) -> dict:
     """Per slice: the closed loop's result, Redis scripts per call, and CPU milliseconds per
     call of each process (warm-up included, at the same rate: per second over calls per
@@ -204,72 +154,62 @@ def throughput_slices(targets: dict[str, Target], body: bytes, slices: int, seco
     return out
 
 
-async def components(target: Target, n: int) -> dict:
-    """The auth path's parts in this process, against the mesh's Redis as the router user;
-    medians in microseconds over `n` sequential calls: a cached key (what a call pays), a key
-    looked up in Redis (what the first call of a key pays, once per cache period), one
-    rate-limit decision from the lease (what a call pays), one lease renewal (the LEASE
-    script: what the background pays per renewal, and a call that finds its lease empty),
-    and a bare Redis round trip (PING)."""
-    mesh, metadata = target.mesh, target.metadata
-    assert mesh.users is not None
-    redis = redis_conn.connect_async(
-        user_url(mesh.redis_url, "router"), password=mesh.users.password("router")
-    )
-    limiter = Limiter(redis)
-    auth = Auth(redis, limiter, cache_s=3600)
-    tenant = await auth.authenticate(metadata)
-    key = metadata[0][1].split(" ", 1)[1]
-    lease = redis.register_script(limits.LEASE)
-    lease_keys = [
-        mesh_state.limit_key("bench", "rps"),
-        mesh_state.limit_key("bench", "tpm"),
-        mesh_state.spend_key("bench", limits.month()),
-    ]
-    # give one token back, take one: the bucket is left as it was
-    lease_args: list[str | int] = [
-        repr(POLICY.requests_per_second),
-        POLICY.bucket_size,
-        0,
-        2**60,
-        1,
-        1,
-    ]
-
-    async def median_us(step: Callable[[], Awaitable[object]]) -> float:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await step()
-            times.append(time.perf_counter() - t0)
-        return round(statistics.median(times) * 1e6, 1)
-
-    out = {
-        "authenticate_cached_us": await median_us(lambda: auth.authenticate(metadata)),
-        "key_lookup_redis_us": await median_us(lambda: auth._lookup(key, key_hash(key))),
-        "admit_from_lease_us": await median_us(lambda: auth.admit(tenant, "mlp")),
-        "lease_renewal_us": await median_us(lambda: lease(keys=lease_keys, args=lease_args)),
-        "redis_ping_us": await median_us(redis.ping),
-    }
-    await limiter.close()
-    await redis.aclose()
-    return out
-
-
 def p50(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--calls", type=int, default=2500, help="p50 rounds")
-    parser.add_argument("--slices", type=int, default=8, help="throughput slices per mesh")
-    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
-    args = parser.parse_args()
+    args = _parse_args()
     labels = list(CONFIGS)
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     body = infer_request("mlp", "INPUT0", x, "FP32").SerializeToString()
     load_before = os.getloadavg()
+    latency, slices, parts = _measure(labels, body, args)
+    load_after = os.getloadavg()
+    f = _figures(labels, latency, slices, args.calls)
+    reading = _reading(labels, f, parts, load_before, load_after)
+    payload = {
+        "machine": machine(),
+        "note": "2-core AMD EPYC, no GPU, shared with other work: the client, 4 routers, "
+        "4 workers and 4 Redis on the same 2 cores",
+        "calls": args.calls,
+        "slices_per_mesh": args.slices,
+        "seconds_per_slice": args.seconds,
+        "p50_ms_c1": f.p50s,
+        "p99_ms_c1": {
+            label: round(float(np.percentile(latency[label], 99)), 3) for label in labels
+        },
+        "added_p50_ms": f.added,
+        "added_p50_ms_per_block": f.blocks,
+        "throughput_rps_c32": f.rps,
+        "throughput_ratio": f.ratio,
+        "throughput_ratio_per_slice": f.ratios,
+        "scripts_per_call_c32": f.scripts,
+        "cpu_ms_per_call_c32": f.cpu,
+        "cpu_ms_per_call_c32_total": f.cpu_total,
+        "slices": slices,
+        "components_us": parts,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "errors": f.errors,
+        "reading": reading,
+    }
+    path = write_result("tenants", payload)
+    print("\n".join(reading))
+    print(f"wrote {path}")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=2500, help="p50 rounds")
+    parser.add_argument("--slices", type=int, default=8, help="throughput slices per mesh")
+    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
+    return parser.parse_args()
+
+
+def _measure(labels: list[str], body: bytes, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """The four meshes side by side: the paired latencies, the throughput slices and the auth
+    path's parts (on the "on" mesh)."""
     targets: dict[str, Target] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -277,15 +217,33 @@ def main() -> None:
                 targets[label] = start(Path(tmp), label)
             latency = asyncio.run(paired_latency(targets, body, args.calls))
             slices = throughput_slices(targets, body, args.slices, args.seconds)
-            parts = asyncio.run(components(targets["on"], 2000))
+            on = targets["on"]
+            parts = asyncio.run(components(on.mesh, on.metadata, "bench", POLICY, 2000))
         finally:
             for target in targets.values():
                 target.mesh.stop()
-    load_after = os.getloadavg()
+    return latency, slices, parts
 
+
+@dataclass(frozen=True)
+class _Figures:
+    """Per mesh label: the figures the payload and the reading quote."""
+
+    p50s: dict[str, float]  # ms at 1 caller
+    added: dict[str, float]  # p50 over "off"'s, ms
+    blocks: dict[str, list[float]]  # added p50 in each of BLOCKS blocks of rounds
+    rps: dict[str, float]  # median over slices at 32 callers
+    ratios: dict[str, list[float]]  # per slice, to "off"'s
+    ratio: dict[str, float]  # their median
+    scripts: dict[str, float]  # Redis scripts per call
+    errors: dict[str, list]
+    cpu: dict[str, dict[str, float]]  # CPU ms per call by process role
+    cpu_total: dict[str, float]
+
+
+def _figures(labels: list[str], latency: dict, slices: dict, calls: int) -> _Figures:
     p50s = {label: p50(latency[label]) for label in labels}
-    added = {label: round(p50s[label] - p50s["off"], 3) for label in labels}
-    step = args.calls // BLOCKS
+    step = calls // BLOCKS
     blocks = {
         label: [
             round(
@@ -297,7 +255,6 @@ def main() -> None:
         ]
         for label in labels
     }
-    rps = {label: statistics.median(r["throughput_rps"] for r in slices[label]) for label in labels}
     ratios = {
         label: [
             round(a["throughput_rps"] / max(b["throughput_rps"], 1), 3)
@@ -305,11 +262,6 @@ def main() -> None:
         ]
         for label in labels
     }
-    ratio = {label: round(statistics.median(ratios[label]), 3) for label in labels}
-    scripts = {
-        label: statistics.median(r["scripts_per_call"] for r in slices[label]) for label in labels
-    }
-    errors = {label: [r["errors"] for r in slices[label] if r["errors"]] for label in labels}
     cpu = {
         label: {
             role: round(statistics.median(r["cpu_ms_per_call"][role] for r in slices[label]), 4)
@@ -317,65 +269,64 @@ def main() -> None:
         }
         for label in labels
     }
-    cpu_total = {label: round(sum(cpu[label].values()), 4) for label in labels}
-    met_rps = ratio["on"] >= THROUGHPUT_TARGET
-    met_p50 = added["on"] <= P50_TARGET_MS
+    return _Figures(
+        p50s=p50s,
+        added={label: round(p50s[label] - p50s["off"], 3) for label in labels},
+        blocks=blocks,
+        rps={
+            label: statistics.median(r["throughput_rps"] for r in slices[label]) for label in labels
+        },
+        ratios=ratios,
+        ratio={label: round(statistics.median(ratios[label]), 3) for label in labels},
+        scripts={
+            label: statistics.median(r["scripts_per_call"] for r in slices[label])
+            for label in labels
+        },
+        errors={label: [r["errors"] for r in slices[label] if r["errors"]] for label in labels},
+        cpu=cpu,
+        cpu_total={label: round(sum(cpu[label].values()), 4) for label in labels},
+    )
+
+
+def _reading(
+    labels: list[str],
+    f: _Figures,
+    parts: dict,
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+) -> list[str]:
+    """The conclusions, computed from the figures (and the targets met or missed)."""
+    met_rps = f.ratio["on"] >= THROUGHPUT_TARGET
+    met_p50 = f.added["on"] <= P50_TARGET_MS
     busy = max(load_before[0], load_after[0]) > (os.cpu_count() or 1)
-    reading = [
+    rps, ratio, ratios, added, cpu = f.rps, f.ratio, f.ratios, f.added, f.cpu
+    return [
         f"throughput at 32 callers: {rps['on']:.0f} req/s with auth + limits + TLS, "
         f"{rps['off']:.0f} without; median per-slice ratio {ratio['on']:.2f}x "
         f"({'meets' if met_rps else 'misses'} the >= {THROUGHPUT_TARGET}x target; slices "
         f"{min(ratios['on']):.2f}-{max(ratios['on']):.2f}); auth + limits alone "
         f"{ratio['auth']:.2f}x, TLS alone {ratio['tls']:.2f}x",
-        f"p50 at 1 caller: {p50s['on']:.3f} ms against {p50s['off']:.3f} ms: "
+        f"p50 at 1 caller: {f.p50s['on']:.3f} ms against {f.p50s['off']:.3f} ms: "
         f"{added['on']:+.3f} ms ({'meets' if met_p50 else 'misses'} the <= {P50_TARGET_MS} ms "
-        f"target; per fifth of the rounds {min(blocks['on']):+.3f} to {max(blocks['on']):+.3f} "
-        f"ms); auth + limits alone {added['auth']:+.3f} ms, TLS alone {added['tls']:+.3f} ms",
+        f"target; per fifth of the rounds {min(f.blocks['on']):+.3f} to "
+        f"{max(f.blocks['on']):+.3f} ms); auth + limits alone {added['auth']:+.3f} ms, TLS "
+        f"alone {added['tls']:+.3f} ms",
         f"the auth path's parts in-process: a cached key {parts['authenticate_cached_us']:.0f} us "
         f"(a key looked up in Redis: {parts['key_lookup_redis_us']:.0f} us, once per key per "
         f"cache period), a rate-limit decision from the lease "
         f"{parts['admit_from_lease_us']:.0f} us (a lease renewal in the background: "
         f"{parts['lease_renewal_us']:.0f} us; a bare Redis round trip: "
         f"{parts['redis_ping_us']:.0f} us); Redis scripts per call at 32 callers: "
-        f"{scripts['on']:.3f} on, {scripts['off']:.3f} off (the accounting's appends)",
+        f"{f.scripts['on']:.3f} on, {f.scripts['off']:.3f} off (the accounting's appends)",
         "CPU per call at 32 callers (client + router + worker + Redis, ms): "
-        + ", ".join(f"{label} {cpu_total[label]:.3f}" for label in labels)
-        + f"; so 2 busy cores would serve {cpu_total['off'] / cpu_total['on']:.2f}x with it "
+        + ", ".join(f"{label} {f.cpu_total[label]:.3f}" for label in labels)
+        + f"; so 2 busy cores would serve {f.cpu_total['off'] / f.cpu_total['on']:.2f}x with it "
         f"all on (router: off {cpu['off']['router']:.3f}, on {cpu['on']['router']:.3f}; "
         f"client: off {cpu['off']['client']:.3f}, on {cpu['on']['client']:.3f})",
         f"1-minute load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, on "
         f"{os.cpu_count()} cores"
         + (": other work held the cores, latencies include waiting for one" if busy else ""),
     ]
-    payload = {
-        "machine": machine(),
-        "note": "2-core AMD EPYC, no GPU, shared with other work: the client, 4 routers, "
-        "4 workers and 4 Redis on the same 2 cores",
-        "calls": args.calls,
-        "slices_per_mesh": args.slices,
-        "seconds_per_slice": args.seconds,
-        "p50_ms_c1": p50s,
-        "p99_ms_c1": {
-            label: round(float(np.percentile(latency[label], 99)), 3) for label in labels
-        },
-        "added_p50_ms": added,
-        "added_p50_ms_per_block": blocks,
-        "throughput_rps_c32": rps,
-        "throughput_ratio": ratio,
-        "throughput_ratio_per_slice": ratios,
-        "scripts_per_call_c32": scripts,
-        "cpu_ms_per_call_c32": cpu,
-        "cpu_ms_per_call_c32_total": cpu_total,
-        "slices": slices,
-        "components_us": parts,
-        "load_average_before": load_before,
-        "load_average_after": load_after,
-        "errors": errors,
-        "reading": reading,
-    }
-    path = write_result("tenants", payload)
-    print("\n".join(reading))
-    print(f"wrote {path}")
 
 
 # ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----

@@ -66,7 +66,32 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="per point and round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    results = _measure(args.seconds, args.rounds)
+    path = write_result(
+        "worker",
+        {
+            "benchmark": "worker",
+            "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
+            "seconds_per_point": args.seconds,
+            "rounds": args.rounds,
+            "aggregate": "median over rounds; each round runs every target at each concurrency",
+            "machine": machine(),
+            "results": results,
+            "summary": _summary(results),
+        },
+    )
+    for key, rows in results.items():
+        for r in rows:
+            print(
+                f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
+                f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
+            )
+    print(f"wrote {path}")
 
+
+def _measure(seconds: float, rounds: int) -> dict[str, list[dict]]:
+    """Every worker config and the bare server at each concurrency, `rounds` times
+    interleaved; per target, one median point per concurrency."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         for name, config in CONFIGS.items():
@@ -84,16 +109,22 @@ def main() -> None:
             with standalone_worker(repo, Path(tmp), *worker_args) as address:
                 targets = [(f"worker/{m}", address, m) for m in CONFIGS]
                 targets.append(("bare_grpc_aio", f"127.0.0.1:{port}", "mlp"))
-                for _ in range(args.rounds):
+                for _ in range(rounds):
                     for c in CONCURRENCY:
                         for key, where, model in targets:
-                            raw[(key, c)].append(point(where, model, c, args.seconds))
+                            raw[(key, c)].append(point(where, model, c, seconds))
         finally:
             bare.terminate()
             bare.wait(30)
         results: dict[str, list[dict]] = defaultdict(list)
-        for (key, _c), rounds in raw.items():
-            results[key].append(median_of(rounds))
+        for (key, _c), points in raw.items():
+            results[key].append(median_of(points))
+    return results
+
+
+def _summary(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per concurrency, batching against none and against the bare server, and the delay
+    while a batch runs against waiting it out when idle; and whether the target is met."""
 
     def at(key: str, c: int) -> dict:
         return next(r for r in results[key] if r["concurrency"] == c)
@@ -130,26 +161,7 @@ def main() -> None:
         "met": summary["c1"]["delay_p50_over_bare"] <= 1.2
         and summary["c32"]["delay_rps_over_when_idle"] >= 1.0,
     }
-    path = write_result(
-        "worker",
-        {
-            "benchmark": "worker",
-            "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
-            "seconds_per_point": args.seconds,
-            "rounds": args.rounds,
-            "aggregate": "median over rounds; each round runs every target at each concurrency",
-            "machine": machine(),
-            "results": results,
-            "summary": summary,
-        },
-    )
-    for key, rows in results.items():
-        for r in rows:
-            print(
-                f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
-                f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
-            )
-    print(f"wrote {path}")
+    return summary
 
 
 # ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----

@@ -21,7 +21,7 @@ memory bus.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -194,11 +194,55 @@ def analyse_graph(
     inits = {t.name: t for t in graph.initializer}
     sizes = {n: _nbytes(t) for n, t in inits.items()}
     meta = {p.key: p.value for p in model.metadata_props}
-    used: set[str] = set()
-    params = projection_bytes = head_params = table_row = 0
-    widths: Counter[int] = Counter()
     ops = Counter(n.op_type for n in graph.node)
-    integer = fp16 = False
+    w = _weights(graph, inits, sizes)
+    other = sum(s for n, s in sizes.items() if n not in w.used and not n.startswith("rope."))
+    shape = _attention_shape(meta, ops, w.widths)
+    cpu, gpu = ("int8", "int8") if w.integer else ("fp32", "fp16" if w.fp16 else "fp32")
+    if w.integer and ops["MatMulNBits"]:
+        gpu = "fp16"  # weight-only on CUDA dequantizes to half precision
+    return ModelAnalysis(
+        name=name,
+        version=version,
+        recipe=recipe,
+        kind=shape.kind,
+        weight_bytes=sum(sizes.values()),
+        projection_params=w.params,
+        projection_bytes=w.projection_bytes,
+        head_params=w.head_params,
+        table_row_bytes=w.table_row,
+        other_bytes=other,
+        output_bytes_per_row=_output_bytes(graph),
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        attention_width=shape.width,
+        kv_bytes_per_token=shape.kv_per_token,
+        compute_dtype_cpu=cpu,
+        compute_dtype_gpu=gpu,
+        max_batch_size=max_batch_size,
+        default_tokens=ENCODER_TOKENS if shape.kind == ENCODER else 1,
+    )
+
+
+@dataclass
+class _Weights:
+    """What the graph's constant weights add up to (analyse_graph's first pass)."""
+
+    params: int = 0  # projection parameters, K x N summed
+    projection_bytes: int = 0
+    head_params: int = 0  # the lm_head projection's
+    table_row: int = 0  # bytes of one row of every embedding table
+    widths: Counter[int] = field(default_factory=Counter)  # projections by input width K
+    used: set[str] = field(default_factory=set)  # initializers counted above
+    integer: bool = False  # an integer kernel computes
+    fp16: bool = False  # a half-precision weight
+
+
+def _weights(
+    graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], sizes: dict[str, int]
+) -> _Weights:
+    w = _Weights()
     for node in graph.node:
         if node.op_type in PROJECTIONS or node.op_type in ATTENTION:
             weight = next((i for i in node.input[1:2] if i in inits), None)
@@ -206,68 +250,54 @@ def analyse_graph(
                 continue  # activation x activation: attention, counted from the shape facts
             if node.op_type == "MatMulNBits":
                 k, n = _attr(node, "K"), _attr(node, "N")
-                integer |= _attr(node, "accuracy_level") == 4
+                w.integer |= _attr(node, "accuracy_level") == 4
                 names = [i for i in node.input[1:] if i in inits]
             else:
                 dims = list(inits[weight].dims)
                 if node.op_type == "Gemm" and _attr(node, "transB"):
                     dims = dims[::-1]
                 k, n = int(np.prod(dims[:-1])), int(dims[-1])
-                integer |= node.op_type in INTEGER
-                fp16 |= inits[weight].data_type == onnx.TensorProto.FLOAT16
+                w.integer |= node.op_type in INTEGER
+                w.fp16 |= inits[weight].data_type == onnx.TensorProto.FLOAT16
                 names = [i for i in node.input[1:] if i in inits]
-            params += k * n
-            projection_bytes += sum(sizes[i] for i in names)
-            used.update(names)
-            widths[k] += 1
+            w.params += k * n
+            w.projection_bytes += sum(sizes[i] for i in names)
+            w.used.update(names)
+            w.widths[k] += 1
             if weight.startswith("lm_head"):
-                head_params = k * n
+                w.head_params = k * n
         elif node.op_type in ("Gather", "Slice") and node.input[0] in inits:
             # an embedding table: a Gather of token ids, or positions 0..seq-1 sliced off
             table = inits[node.input[0]]
             if len(table.dims) >= 2:
-                table_row += sizes[table.name] // int(table.dims[0])
-                used.add(table.name)
-    other = sum(s for n, s in sizes.items() if n not in used and not n.startswith("rope."))
+                w.table_row += sizes[table.name] // int(table.dims[0])
+                w.used.add(table.name)
+    return w
+
+
+@dataclass(frozen=True)
+class _Shape:
+    kind: str
+    layers: int
+    heads: int
+    kv_heads: int
+    width: int  # the attention width
+    kv_per_token: int  # KV cache bytes per token
+
+
+def _attention_shape(meta: dict[str, str], ops: Counter[str], widths: Counter[int]) -> _Shape:
+    """A decoder's shape from the step graph's metadata; an encoder's (or a generic graph's)
+    counted from its attention ops, its width the commonest projection input."""
     if f"{LLM_META}layers" in meta:
-        kind = DECODER
         layers = int(meta[f"{LLM_META}layers"])
         heads, head_dim = int(meta[f"{LLM_META}heads"]), int(meta[f"{LLM_META}head_dim"])
         kv_heads = int(meta[f"{LLM_META}kv_heads"])
-        width = heads * head_dim
         itemsize = 2 if meta.get(f"{LLM_META}kv_dtype") == "float16" else 4
         kv_per_token = 2 * layers * kv_heads * head_dim * itemsize
-    else:
-        layers = ops["Softmax"] + sum(ops[op] for op in ATTENTION)
-        kind = ENCODER if layers else GENERIC
-        width = widths.most_common(1)[0][0] if widths else 0
-        kv_per_token = 0
-        heads = kv_heads = 0
-    cpu, gpu = ("int8", "int8") if integer else ("fp32", "fp16" if fp16 else "fp32")
-    if integer and ops["MatMulNBits"]:
-        gpu = "fp16"  # weight-only on CUDA dequantizes to half precision
-    return ModelAnalysis(
-        name=name,
-        version=version,
-        recipe=recipe,
-        kind=kind,
-        weight_bytes=sum(sizes.values()),
-        projection_params=params,
-        projection_bytes=projection_bytes,
-        head_params=head_params,
-        table_row_bytes=table_row,
-        other_bytes=other,
-        output_bytes_per_row=_output_bytes(graph),
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        attention_width=width,
-        kv_bytes_per_token=kv_per_token,
-        compute_dtype_cpu=cpu,
-        compute_dtype_gpu=gpu,
-        max_batch_size=max_batch_size,
-        default_tokens=ENCODER_TOKENS if kind == ENCODER else 1,
-    )
+        return _Shape(DECODER, layers, heads, kv_heads, heads * head_dim, kv_per_token)
+    layers = ops["Softmax"] + sum(ops[op] for op in ATTENTION)
+    width = widths.most_common(1)[0][0] if widths else 0
+    return _Shape(ENCODER if layers else GENERIC, layers, 0, 0, width, 0)
 
 
 def _output_bytes(graph: onnx.GraphProto) -> int:

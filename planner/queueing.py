@@ -175,7 +175,31 @@ def predict(
     # Other jobs keep the CPU they were using; the mesh and its replicas get the rest (at
     # least one core's worth: the scheduler never starves a runnable thread for good).
     free = max(1.0, host_cores - background_cores) if host_cores else 0.0
-    top = service(max_batch)
+    capacity, limit = _capacity(
+        replicas, max_batch, service(max_batch), t, host_cores, free, cpu_per_call_s, mesh_max_rps
+    )
+    # The host's CPU a run waits for below saturation: none when alone on its cores, or when
+    # service(b) was measured under load on this host.
+    host_cpu = (open_cpu or (0.0, cpu_per_call_s)) if host_cores and not contended else None
+    run = _under_load(service, offered_rps, t, free, host_cpu)
+    batching = _continuous if continuous else _per_run
+    return batching(
+        offered_rps, replicas, max_batch, run, capacity, limit, mesh_latency_s, mesh_latency_p99_s
+    )
+
+
+def _capacity(
+    replicas: int,
+    max_batch: int,
+    top: float,
+    t: int,
+    host_cores: float | None,
+    free: float,
+    cpu_per_call_s: float,
+    mesh_max_rps: float,
+) -> tuple[float, str]:
+    """The saturation throughput and what caps it: the replicas (each running max_batch in
+    `top` seconds), the host's free cores, or the mesh's serial path."""
     limits = {"replicas": replicas * max_batch / top}
     if host_cores:
         limits["host cores"] = free / (cpu_per_call_s + t * top / max_batch)
@@ -191,32 +215,46 @@ def predict(
             limits["replicas"] = replicas * max_batch / (top * sigma)
             x = min(limits.values())
     limit = min(limits, key=lambda k: limits[k])
-    capacity = limits[limit]
+    return limits[limit], limit
+
+
+def _under_load(
+    service: Callable[[int], float],
+    offered_rps: float,
+    t: int,
+    free: float,
+    host_cpu: tuple[float, float] | None,
+) -> Callable[[int], float]:
+    """service(b) as a run of b takes under the offered load. Below saturation the free cores
+    are themselves a queue: every call brings its CPU work (the mesh's per call, its share of
+    a run) at random, so a run waits for a core as a call waits for a replica; its mean
+    slowdown is M/M/n's response over service, 1 + C(n, a) / (n - a), a the cores' offered
+    load. Where b is too small for the cores to keep up, calls queue at the replicas and the
+    batch grows (settle_batch). `host_cpu`: (fixed cores, seconds per call), or None when a
+    run waits for no core."""
 
     def run(b: int) -> float:
-        """A run of b as it takes under the offered load. Below saturation the free cores
-        are themselves a queue: every call brings its CPU work (the mesh's per call, its
-        share of a run) at random, so a run waits for a core as a call waits for a replica;
-        its mean slowdown is M/M/n's response over service, 1 + C(n, a) / (n - a), a the
-        cores' offered load. Where b is too small for the cores to keep up, calls queue at
-        the replicas and the batch grows (settle_batch)."""
         s = service(b)
-        if not host_cores or contended:
+        if host_cpu is None:
             return s
-        fixed, per_call = open_cpu or (0.0, cpu_per_call_s)
+        fixed, per_call = host_cpu
         return s * _host_slowdown(fixed + offered_rps * (per_call + t * s / b), free)
 
-    if continuous:
-        return _continuous(
-            offered_rps,
-            replicas,
-            max_batch,
-            run,
-            capacity,
-            limit,
-            mesh_latency_s,
-            mesh_latency_p99_s,
-        )
+    return run
+
+
+def _per_run(
+    offered_rps: float,
+    replicas: int,
+    max_batch: int,
+    run: Callable[[int], float],
+    capacity: float,
+    limit: str,
+    mesh_latency_s: float,
+    mesh_latency_p99_s: float,
+) -> Prediction:
+    """Batching per run (the dynamic batcher): the batch settles, a call waits out the run in
+    progress, or near saturation M/D/c's queue at the batcher's top rate."""
     b = settle_batch(offered_rps / replicas, run, max_batch)
     s = between(run, b)
     if not math.isfinite(s):

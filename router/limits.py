@@ -61,7 +61,7 @@ from common import mesh_state
 from common.errors import ResourceExhausted
 from common.outage import Outage
 from common.tenancy import TenantPolicy
-from router.limit_scripts import CHARGE, LEASE  # LEASE: benchmarks/tenants.py reads it here
+from router.limit_scripts import CHARGE, LEASE  # LEASE: benchmarks/auth_path.py reads it here
 
 log = structlog.get_logger()
 

@@ -41,76 +41,103 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--llm", action="store_true", required=True, help="this mode")
-    parser.add_argument("--address", default="127.0.0.1:8001")
-    parser.add_argument(
+    _add_server(parser.add_argument_group("server"))
+    _add_prompts(parser.add_argument_group("prompts"))
+    _add_generation(parser.add_argument_group("generation"))
+    _add_load(parser.add_argument_group("load"))
+    _add_output(parser.add_argument_group("output"))
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
+
+
+def _add_server(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--llm", action="store_true", required=True, help="this mode")
+    group.add_argument("--address", default="127.0.0.1:8001")
+    group.add_argument(
         "--api",
         choices=("triton", "openai"),
         default="triton",
         help="triton: ModelStreamInfer (gRPC); openai: POST /v1/completions with SSE at "
         "--address (http://HOST:PORT), e.g. llama.cpp's llama-server",
     )
-    parser.add_argument(
+    group.add_argument(
         "--ca", type=Path, help="TLS: trust this CA; an API key comes from MESHSERVE_API_KEY"
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--model-version", default="")
-    source = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--model", required=True)
+    group.add_argument("--model-version", default="")
+
+
+def _add_prompts(group: argparse._ArgumentGroup) -> None:
+    source = group.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, help="one prompt a line, or .jsonl records")
     source.add_argument("--prompt-len", type=int, help="synthetic prompts of ~N tokens")
-    parser.add_argument("--prompt-len-stddev", type=float, default=0.0, help="vary lengths")
-    parser.add_argument("--num-prompts", type=int, default=64, help="synthetic prompts made")
-    parser.add_argument(
+    group.add_argument("--prompt-len-stddev", type=float, default=0.0, help="vary lengths")
+    group.add_argument("--num-prompts", type=int, default=64, help="synthetic prompts made")
+    group.add_argument(
         "--tokenizer",
         type=Path,
         help="tokenizer.json: exact synthetic lengths, and token counts when the server gives none",
     )
-    parser.add_argument(
+    group.add_argument(
         "--count-tokens",
         choices=COUNTS,
         default="server",
         help="server: the server's usage, else --tokenizer; tokenizer: always --tokenizer",
     )
-    parser.add_argument("--max-tokens", type=int, required=True)
-    parser.add_argument(
+
+
+def _add_generation(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-tokens", type=int, required=True)
+    group.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="generate max_tokens every time (default on)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--sampling", default="{}", help="more sampling_parameters, JSON")
-    parser.add_argument(
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--sampling", default="{}", help="more sampling_parameters, JSON")
+    group.add_argument(
         "--return-token-counts",
         action="store_true",
         help="send return_num_input/output_tokens (Triton vLLM backend)",
     )
-    shape = parser.add_mutually_exclusive_group()
+
+
+def _add_load(group: argparse._ArgumentGroup) -> None:
+    shape = group.add_mutually_exclusive_group()
     shape.add_argument("--concurrency", type=int, nargs="+", help="closed loop; default 1")
     shape.add_argument("--rate", type=float, nargs="+", help="open loop, Poisson, req/s")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds starting requests")
-    parser.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds first")
-    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of a request")
-    parser.add_argument("--max-requests", type=int, default=1000, help="per point")
-    parser.add_argument("--max-in-flight", type=int, default=1000, help="open loop")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+    group.add_argument("--duration", type=float, default=30.0, help="seconds starting requests")
+    group.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds first")
+    group.add_argument("--timeout", type=float, default=120.0, help="deadline of a request")
+    group.add_argument("--max-requests", type=int, default=1000, help="per point")
+    group.add_argument("--max-in-flight", type=int, default=1000, help="open loop")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
         "--max-send-lag-ms",
         type=float,
         default=50.0,
         help="open loop: a send-lag p99 above this flags it client-limited",
     )
-    parser.add_argument(
+    group.add_argument(
         "--min-send-fraction",
         type=float,
         default=0.95,
         help="open loop: reaching under this share of arrivals flags it",
     )
-    parser.add_argument("--output", type=Path, help="JSON results")
-    parser.add_argument("--plot-dir", type=Path, help="ttft_cdf.png, tokens_vs_load.png")
-    parser.add_argument("--label", default="", help="names the series in plots and JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    args = parser.parse_args(argv)
+
+
+def _add_output(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--output", type=Path, help="JSON results")
+    group.add_argument("--plot-dir", type=Path, help="ttft_cdf.png, tokens_vs_load.png")
+    group.add_argument("--label", default="", help="names the series in plots and JSON")
+    group.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what argparse cannot: ranges, a tokenizer to count with, --sampling as a JSON
+    object (parsed in place)."""
     if args.count_tokens == "tokenizer" and args.tokenizer is None:
         parser.error("--count-tokens tokenizer needs --tokenizer")
     if args.max_tokens < 1 or (args.prompt_len is not None and args.prompt_len < 1):
@@ -127,7 +154,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--sampling is not JSON: {e}")
     if not isinstance(args.sampling, dict):
         parser.error("--sampling must be a JSON object")
-    return args
 
 
 def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
