@@ -10,6 +10,8 @@ same prompts (`loadtest --llm --conversations`):
   - multiturn: 4 conversations x 4 turns, each turn resending the history;
   - noshare: 16 requests on 16 different system prompts, the worker with the cache on and
     off (what the cache costs when nothing is shared).
+  Each round of a trace has words of its own (a seed per round, the same on both servers),
+  so no round hits an earlier round's blocks.
 routing: two worker replicas (one thread each), one router per policy over them: policy
 prefix (cache-aware) against p2c (KV-aware, the default before), p2c_depth (KV-blind) and
 p2c with session_id (affinity alone); the prefix runs' traces again on one replica for its
@@ -34,6 +36,7 @@ import shutil
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import RESULTS, machine, write_result
 from benchmarks.readings import table
@@ -108,11 +111,17 @@ def worker(repo: Path, logs: Path, threads: int, redis_url: str | None = None) -
         w.stop(30)
 
 
-def measure(address: str, shape: dict, rounds: int, **kw: object) -> dict:
-    runs = [
-        asyncio.run(run(ConversationLoad(address, MODEL, max_tokens=32, **shape, **kw)))  # type: ignore[arg-type]
-        for _ in range(rounds)
+# The single part's seed per trace: round i of a trace runs seed SEEDS[trace] + i, so no round
+# hits an earlier round's blocks, and llama-server gets the very same prompts as the worker.
+SEEDS = {"shared": 1000, "multiturn": 2000, "noshare": 3000}
+
+
+def measure(address: str, trace: str, shape: dict, rounds: int, **kw: Any) -> dict:
+    loads = [
+        ConversationLoad(address, MODEL, max_tokens=32, seed=SEEDS[trace] + i, **shape, **kw)
+        for i in range(rounds)
     ]
+    runs = [asyncio.run(run(load)) for load in loads]
     return summarize(runs, shape)
 
 
@@ -146,9 +155,9 @@ def single(args: argparse.Namespace, logs: Path) -> dict:
     out: dict = {"load_before": os.getloadavg()}
     with worker(repo, logs, args.threads) as address:
         for name, shape in (("shared", SHARED), ("multiturn", MULTITURN), ("noshare", NOSHARE)):
-            out[f"meshserve_{name}"] = measure(address, shape, args.rounds)
+            out[f"meshserve_{name}"] = measure(address, name, shape, args.rounds)
     with worker(off, logs, args.threads) as address:
-        out["meshserve_nocache_noshare"] = measure(address, NOSHARE, args.rounds)
+        out["meshserve_nocache_noshare"] = measure(address, "noshare", NOSHARE, args.rounds)
     if not args.llama_server_bin.exists():
         out["llama_server"] = {"skipped": f"{args.llama_server_bin} not found"}
         return out
@@ -159,7 +168,7 @@ def single(args: argparse.Namespace, logs: Path) -> dict:
             args.llama_server_bin, smollm2_gguf(), plan, logs / "llama-server.log"
         ) as (url, _pid, _argv):
             return {
-                name: await asyncio.to_thread(measure, url, shape, args.rounds, api="openai")
+                name: await asyncio.to_thread(measure, url, name, shape, args.rounds, api="openai")
                 for name, shape in (("shared", SHARED), ("multiturn", MULTITURN))
             }
 
