@@ -363,7 +363,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def section(r: dict) -> str:
-    """The routing part's section of benchmarks/README.md."""
+    """Both parts' sections of benchmarks/README.md."""
+    return "\n\n".join([_single_section(r), _routing_section(r)])
+
+
+def _single_section(r: dict) -> str:
+    """One worker against llama-server: per trace, TTFT, wall, hit rate; the cache off."""
+    single = r.get("single", {})
+    if "meshserve_shared" not in single:
+        return "## Prefix cache: one worker\n\nnot run yet: `python -m benchmarks.llm_prefix`"
+    server = single.get("llama_server", {})
+    rows = []
+    for name, key in (
+        ("shared", "meshserve_shared"),
+        ("multiturn", "meshserve_multiturn"),
+        ("noshare", "meshserve_noshare"),
+        ("noshare, cache off", "meshserve_nocache_noshare"),
+    ):
+        for system, m in (("meshserve", single[key]), ("llama-server", server.get(key[10:]))):
+            if m is None:
+                continue
+            rows.append([f"{name}: {system}", m["ttft_p50_s"], m["first_turn_ttft_p50_s"]])
+            rows[-1] += [m["last_turn_ttft_p50_s"], m["wall_s"], m["hit_rate"]]
+    load = "/".join(f"{x:.1f}" for x in single["load_before"])
+    return "\n\n".join(
+        [
+            "## Prefix cache: one worker against llama-server",
+            f"`python -m benchmarks.llm_prefix --parts single` - SmolLM2 (the same Q4_1 GGUF), "
+            f"{r['rounds']} rounds a trace (medians), every round its own words; load average "
+            f"{load} (1/5/15 min) before; traces shared {json.dumps(SHARED)}, multiturn "
+            f"{json.dumps(MULTITURN)}, noshare {json.dumps(NOSHARE)}.",
+            table(
+                ["trace: system", "TTFT p50 s", "first turn", "last turn", "wall s", "hit rate"],
+                rows,
+            ),
+            "\n".join(f"- {x}" for x in r["verdict"] if x.split(":")[0] not in ROUTED_LINES),
+        ]
+    )
+
+
+def _routing_section(r: dict) -> str:
+    """The routing part's section."""
     routed = r.get("routing", {})
     if "prefix" not in routed:
         return "## Cache-aware routing\n\nnot run yet: `python -m benchmarks.llm_prefix`"
