@@ -185,32 +185,17 @@ def _ledger_cases(m: _Figures) -> list[dict]:
     """Calls cut short by a deadline or a cancel, and a router restarted with the same id:
     what the clients saw next to what the ledger counted."""
     rows = []
-    # 1. deadlines of 3 ms
     before = settled(m.store, 1.0)
-    codes = asyncio.run(deadlines(m.router, 1000, 0.003))
-    after = settled(m.store)
-    rows.append(
-        case(
-            "deadline_3ms",
-            client=dict(codes),
-            ledger_success=after[0] - before[0],
-            ledger_revenue=after[1] - before[1],
-        )
-    )
-    # 2. client cancel after 2 ms
-    before = after
-    codes = asyncio.run(cancels(m.router, 300, 0.002))
-    after = settled(m.store)
-    rows.append(
-        case(
-            "cancel_2ms",
-            client=dict(codes),
-            ledger_success=after[0] - before[0],
-            ledger_revenue=after[1] - before[1],
-        )
-    )
+    for name, calls in (  # 1. deadlines of 3 ms; 2. client cancel after 2 ms
+        ("deadline_3ms", lambda: deadlines(m.router, 1000, 0.003)),
+        ("cancel_2ms", lambda: cancels(m.router, 300, 0.002)),
+    ):
+        codes = asyncio.run(calls())
+        after = settled(m.store)
+        success, revenue = after[0] - before[0], after[1] - before[1]
+        rows.append(case(name, client=dict(codes), ledger_success=success, ledger_revenue=revenue))
+        before = after
     # 3. a router restarted with the same id
-    before = after
     ok = asyncio.run(deadlines(m.router, 300, 5.0, concurrency=4))["OK"]
     assert m.mesh.router is not None
     m.mesh.router.stop()
