@@ -42,7 +42,7 @@ from worker.llm.generation import (
     Sequence,
 )
 from worker.llm.model import Model
-from worker.llm.prefix import PrefixCache
+from worker.llm.prefix import PrefixCache, retained_slots
 from worker.llm.sampling import Sampler, SamplingParams
 from worker.llm.speculative import DraftConfig, Drafter
 from worker.llm.step import OnExecution, StepRunner
@@ -109,18 +109,21 @@ class Engine:
         row = facts.kv_heads * facts.head_dim
         itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         max_len = page_aligned(config.max_model_len, row, itemsize=itemsize)
-        self.cache = KVCache(facts.cache_shape(config.max_num_seqs, max_len), budget)
+        # running slots, then the retained region's (worker/llm/prefix.py)
+        slots = config.max_num_seqs + retained_slots(config.max_num_seqs, config.prefix_caching)
+        self.cache = KVCache(facts.cache_shape(slots, max_len), budget)
         # the cache's room: slots and reservations, and the prefixes its slots keep
         self.prefix = PrefixCache(
             config.max_num_seqs,
             budget,
             discard=self.cache.discard_from,
             enabled=config.prefix_caching,
+            move=lambda src, dst, n: self.cache.copy_rows(src, dst, 0, n),
         )
         self.cache.room = self.prefix
         self.drafter = None
         if draft is not None:
-            self.drafter = Drafter(draft, self.cache.shape.slots, self.cache.shape.max_len, budget)
+            self.drafter = Drafter(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
         self.scheduler: scheduler.Scheduler[Sequence] = scheduler.Scheduler(
             self.cache.room,
             scheduler.SchedulerConfig(

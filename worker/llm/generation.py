@@ -58,6 +58,10 @@ class EngineStats:
     decode_runs: int = 0
     decode_tokens: int = 0
     decode_batches: Counter[int] = field(default_factory=Counter)  # rows -> decode runs
+    # rows of decode runs that decoded nothing (slots between the decoding ones), and the
+    # cache positions those rows attended to: compute spent on no token
+    padding_rows: int = 0
+    padding_tokens: int = 0
     joined_running: int = 0  # sequences that began decoding while others were decoding
     finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
     rejected: int = 0

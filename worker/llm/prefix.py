@@ -18,16 +18,21 @@ needed. A new prompt looks up the longest prefix some slot holds, and starts fro
   (computed one per run, which onnxruntime rounds differently: worker/llm/scheduler.py's
   MIN_CHUNK), and a wholly cached prompt still runs its last two tokens (`RERUN`) in one
   run, as a cold prefill computes them; their logits give the first generated token.
-- **Reuse.** The match's rows are copied into the new sequence's slot (`Plan.copy`), or,
-  when the match covers everything a retained slot holds (the next turn of a conversation:
-  its previous prompt), the new sequence adopts that slot and nothing moves.
+- **Two regions.** Slots 0..slots-1 are the running region: only running sequences live
+  there, so a decode run (one run over the contiguous slots its rows span) pays for no
+  retained prefix between its rows. Slots slots..slots+kept-1 hold retained prefixes: a
+  sequence that finishes normally has its prompt rows moved there (`Move`, a memcpy), and its
+  running slot is free at once.
+- **Reuse.** A hit's rows are copied into the new sequence's running slot (`Plan.copy_from`),
+  from a retained slot or from a running sequence that has computed them.
 - **Concurrent sharers.** A prompt's blocks are claimed by the first running sequence that
   will compute them; a later sequence that needs a claimed block waits for it (`waits`)
   instead of computing it again, then copies it: several conversations on one system
   prompt prefill it once.
 - **Budget.** Running sequences reserve prompt + max_tokens, as before; retained rows are
   never reserved. The memory held is reserved + retained tokens <= the budget, and
-  admission evicts retained blocks before it waits (`fits` counts them as free).
+  admission evicts retained blocks before it waits (`fits` counts them as free); a finished
+  prompt that finds no retained slot free evicts the least recently used first.
 - **Eviction.** LRU over the retained blocks, touched deepest first on a match, so the
   oldest block is always the tail of some slot (a shared system prompt outlives the
   conversations under it); evicting block i drops the slot's blocks from i on and returns
@@ -36,7 +41,8 @@ needed. A new prompt looks up the longest prefix some slot holds, and starts fro
 - **Never served unfinished.** Only computed rows are indexed, when the engine says they
   are computed; a sequence cancelled or failed mid-prefill drops its blocks and claims.
 
-Pure bookkeeping: the memory moves are the caller's (`discard`, and the plan's copies).
+Pure bookkeeping: the memory moves are the caller's (`discard`, `move`, and the plan's
+copies).
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ BLOCK_TOKENS = 16
 # A prompt's last tokens that always run, even when cached: two, in one run, as in a cold
 # prefill (scheduler.MIN_CHUNK: a prompt token never runs alone)
 RERUN = 2
+
+
+def retained_slots(slots: int, enabled: bool = True) -> int:
+    """Slots of the retained region: as many as run (a finished prompt per running slot),
+    none with the cache off."""
+    return slots if enabled else 0
 
 
 def root_key(model: str, version: str, adapter: str = "", salt: str = "") -> bytes:
@@ -96,7 +108,6 @@ class Plan:
     slot: int
     cached: int  # prompt tokens already in the slot once the copy is done
     copy_from: int = -1
-    adopted: bool = False
 
 
 @dataclass
@@ -104,14 +115,14 @@ class PrefixStats:
     hits: int = 0  # admitted sequences that reused a prefix
     misses: int = 0
     cached_tokens: int = 0  # prompt tokens not prefilled
-    adopted: int = 0  # hits that took the retained slot itself
     evicted_blocks: int = 0
+    moved_tokens: int = 0  # finished prompts' rows moved to the retained region
 
 
 class PrefixCache:
-    """The KV cache's room (slots, reservations) and what its slots hold. It answers the
-    scheduler's room questions (`fits`, `allocate`, `release`) as worker/llm/kv_budget.py
-    does, with retained slots counted as free room."""
+    """The KV cache's room (running slots, reservations) and what its slots hold. It answers
+    the scheduler's room questions (`fits`, `allocate`, `release`) as worker/llm/kv_budget.py
+    does, with retained rows counted as free room."""
 
     def __init__(
         self,
@@ -120,8 +131,10 @@ class PrefixCache:
         block_tokens: int = BLOCK_TOKENS,
         discard: Callable[[int, int], None] | None = None,
         enabled: bool = True,
+        move: Callable[[int, int, int], None] | None = None,
     ) -> None:
-        self.slots = slots
+        self.slots = slots  # the running region; the retained one follows it
+        self.kept_slots = retained_slots(slots, enabled)
         self.budget_tokens = budget_tokens
         self.block = block_tokens
         self.enabled = enabled
@@ -129,7 +142,9 @@ class PrefixCache:
         self.retained_tokens = 0
         self.stats = PrefixStats()
         self._discard = discard  # (slot, start): give the pages of rows start.. back
+        self._move = move  # (src, dst, n): rows 0..n-1 of src into dst
         self._free = list(range(slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._free_kept = list(range(slots + self.kept_slots - 1, slots - 1, -1))
         self._held: dict[int, Held] = {}
         self._index: dict[bytes, dict[int, None]] = {}  # block key -> slots holding it
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # retained (slot, block)
@@ -139,16 +154,21 @@ class PrefixCache:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free) + sum(1 for h in self._held.values() if self._evictable(h))
+        return len(self._free)
 
     @property
     def free_tokens(self) -> int:
         return self.budget_tokens - self.reserved_tokens
 
-    def fits(self, tokens: int) -> bool:
-        """A free slot (or a retained one to evict) and the tokens free once every retained
-        block that may go has gone (a pinned one stays until its copy is done)."""
-        pinned = sum(len(h.tokens) for h in self._held.values() if not h.running and h.pins)
+    def fits(self, tokens: int, match: Match | None = None) -> bool:
+        """A free running slot and the tokens free once every retained block that may go has
+        gone: not one pinned by a copy in flight, nor the source of `match` (to be copied)."""
+        src = match.slot if match is not None and match.tokens else -1
+        pinned = sum(
+            len(h.tokens)
+            for h in self._held.values()
+            if not h.running and (h.pins or h.slot == src)
+        )
         return self.free_slots > 0 and tokens <= self.free_tokens - pinned
 
     def allocate(self, tokens: int) -> int:
@@ -157,30 +177,18 @@ class PrefixCache:
     def admit(
         self, tokens: int, root: bytes = b"", prompt: Sequence[int] = (), match: Match | None = None
     ) -> Plan:
-        """A slot for a sequence that may grow to `tokens` (the caller checked `fits`), with
-        the prefix `match` (from `lookup`) in it once the plan's copy is done."""
-        if not self.fits(tokens):
+        """A slot for a sequence that may grow to `tokens` (the caller checked `fits` with
+        the match), with the prefix `match` (from `lookup`) in it once the plan's copy is
+        done."""
+        if not self.fits(tokens, match):
             raise ValueError(
                 f"no room for {tokens} tokens: {self.free_slots} free slots, "
                 f"{self.free_tokens} free tokens"
             )
         src = self._held.get(match.slot) if match is not None and match.tokens else None
-        # The match covers all a retained slot's whole blocks (a conversation's next turn),
-        # or no other slot is free: take the slot itself, nothing moves.
-        if (
-            src is not None
-            and match is not None
-            and self._evictable(src)
-            and (match.tokens >= len(src.keys) * self.block or not self._free)
-        ):
-            plan = self._adopt(src, match.tokens, tokens)
-            self._begin(src, root, prompt, match.tokens)
-            while self.retained_tokens > self.free_tokens:
-                self._evict_one()
-            return plan
         if src is not None:
             src.pins += 1  # not evicted before its copy is done (`unpin`)
-        while self.retained_tokens > self.free_tokens - tokens or not self._free:
+        while self.retained_tokens > self.free_tokens - tokens:
             self._evict_one()
         self._free.sort(reverse=True)
         slot = self._free.pop()
@@ -194,21 +202,34 @@ class PrefixCache:
 
     def release(self, slot: int, tokens: int, keep: bool = False) -> None:
         """A sequence that ended gives back its slot and reservation; `keep`: it finished
-        normally, and its indexed rows stay retained (else they are dropped now)."""
+        normally, and its indexed rows move to a retained slot (else they are dropped now).
+        The running slot is free either way."""
         held = self._held.get(slot)
         if held is None or not held.running:
             raise ValueError(f"slot {slot} is not allocated")
         self.reserved_tokens -= tokens
         self._unclaim(slot)
         held.running = False
-        self.retained_tokens += len(held.tokens)
-        if keep and self.enabled and held.keys:
-            for b in range(len(held.keys) - 1, -1, -1):  # block 0 the most recent
-                self._lru[(slot, b)] = None
-            if self._discard is not None:  # the rows past what is kept (generated ones)
-                self._discard(slot, len(held.tokens))
-        else:
+        self.retained_tokens += len(held.tokens)  # until dropped or moved
+        if not (keep and self.enabled and held.keys and self._room_kept()):
             self._drop_from(held, 0)
+            return
+        dst = self._free_kept.pop()
+        for key in held.keys:
+            holders = self._index[key]
+            del holders[slot]
+            holders[dst] = None
+        del self._held[slot]
+        held.slot = dst
+        self._held[dst] = held
+        for b in range(len(held.keys) - 1, -1, -1):  # block 0 the most recent
+            self._lru[(dst, b)] = None
+        self.stats.moved_tokens += len(held.tokens)
+        if self._move is not None:
+            self._move(slot, dst, len(held.tokens))
+        self._free.append(slot)
+        if self._discard is not None:
+            self._discard(slot, 0)
 
     # ---- the index -----------------------------------------------------------------------
 
@@ -297,12 +318,6 @@ class PrefixCache:
         if held is not None and held.pins > 0:
             held.pins -= 1
 
-    def held_length(self, slot: int) -> int:
-        """Valid rows of a retained slot (a decode run's dummy token for a row between the
-        decoding ones goes just past them), 0 for a free one."""
-        held = self._held.get(slot)
-        return len(held.tokens) if held is not None and not held.running else 0
-
     def drop_all(self) -> None:
         """Forget every retained block (a restart of the model)."""
         for held in [h for h in self._held.values() if not h.running]:
@@ -330,20 +345,14 @@ class PrefixCache:
         else:
             self.stats.misses += 1
 
-    def _adopt(self, src: Held, cached: int, tokens: int) -> Plan:
-        for b in range(len(src.keys)):
-            self._lru.pop((src.slot, b), None)
-        self.retained_tokens -= len(src.tokens)
-        keep_blocks = cached // self.block
-        for key in src.keys[keep_blocks:]:
-            self._unindex(key, src.slot)
-        src.keys = src.keys[:keep_blocks]
-        src.tokens = src.tokens[:cached]
-        src.reserve = tokens
-        self.reserved_tokens += tokens
-        self._count(cached)
-        self.stats.adopted += 1
-        return Plan(src.slot, cached, -1, adopted=True)
+    def _room_kept(self) -> bool:
+        """A free retained slot, evicting the least recently used retained rows for one;
+        False when every retained slot is pinned by a copy in flight."""
+        while not self._free_kept:
+            if not any(self._evictable(self._held[s]) for s, _ in self._lru):
+                return False
+            self._evict_one()
+        return True
 
     def _evictable(self, held: Held) -> bool:
         return not held.running and not held.pins
@@ -368,7 +377,7 @@ class PrefixCache:
         del held.tokens[b * self.block :]
         if b == 0:
             del self._held[held.slot]
-            self._free.append(held.slot)
+            (self._free if held.slot < self.slots else self._free_kept).append(held.slot)
         if self._discard is not None:
             self._discard(held.slot, b * self.block)
 

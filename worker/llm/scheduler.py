@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from common.errors import ResourceExhausted
-from worker.llm.prefix import PrefixCache
+from worker.llm.prefix import Match, PrefixCache
 
 
 @dataclass(eq=False, kw_only=True)
@@ -232,6 +232,8 @@ class Scheduler(Generic[S]):
             seq.slot = self.room.allocate(seq.reserve)
         else:
             match = self.prefix.lookup(seq.root, seq.prompt)
+            if not self.prefix.fits(seq.reserve, match):  # no room to keep the source too
+                match = Match(-1, 0)
             plan = self.prefix.admit(seq.reserve, seq.root, seq.prompt, match)
             seq.slot = plan.slot
             seq.computed = seq.cached = plan.cached

@@ -112,11 +112,9 @@ class StepRunner:
         hi = max(s.slot for s in decoding) + 1
         ids = np.zeros((hi - lo, 1), np.int64)
         lengths = np.ones(hi - lo, np.int64)
-        # Rows between the decoding ones (free slots, prompts mid-prefill, retained prefixes)
-        # run a dummy token written just past their own data, where their next real token
-        # will overwrite it.
-        for slot in range(lo, hi):
-            lengths[slot - lo] = self.prefix.held_length(slot) + 1
+        # Rows between the decoding ones (free slots, prompts mid-prefill; retained prefixes
+        # live in their own region, worker/llm/prefix.py) run a dummy token written just
+        # past their own data, where their next real token will overwrite it.
         for seq in self.scheduler.running:
             if lo <= seq.slot < hi:
                 lengths[seq.slot - lo] = seq.computed + 1
@@ -128,6 +126,8 @@ class StepRunner:
         self.stats.decode_runs += 1
         self.stats.decode_tokens += len(decoding)
         self.stats.decode_batches[len(decoding)] += 1
+        self.stats.padding_rows += hi - lo - len(decoding)
+        self.stats.padding_tokens += int(lengths.sum()) - sum(s.computed + 1 for s in decoding)
         for seq in decoding:
             seq.computed += 1
             if not seq.cancelled:

@@ -44,10 +44,11 @@ def test_a_finished_prompt_is_reused_to_the_token_and_its_last_two_tokens_run() 
     assert match == Match(-1, 0) and plan.cached == 0
     finish(cache, plan.slot, [*first, 50, 51], 20)  # prompt + generated rows computed
     # the same prompt again: all but its last two tokens (they run together, as cold)
-    assert cache.lookup(ROOT, first) == Match(plan.slot, 8)
+    kept = cache.slots  # the retained region's first slot
+    assert cache.lookup(ROOT, first) == Match(kept, 8)
     # a longer prompt sharing 11 tokens (mid-block: blocks 0, 1 and 3 tokens of block 2)
     longer = [*first, 50, 77, 78, 79]
-    assert cache.lookup(ROOT, longer) == Match(plan.slot, 11)
+    assert cache.lookup(ROOT, longer) == Match(kept, 11)
     # another model, version or salt finds nothing
     for root in (root_key("m", "2"), root_key("m", "1", salt="t")):
         assert cache.lookup(root, first) == Match(-1, 0)
@@ -55,21 +56,47 @@ def test_a_finished_prompt_is_reused_to_the_token_and_its_last_two_tokens_run() 
     assert cache.lookup(ROOT, first[:3]) == Match(-1, 0)  # less than one block
 
 
-def test_the_next_turn_adopts_the_slot_and_a_sharer_copies() -> None:
-    cache = PrefixCache(4, 200, B)
+def test_a_finished_prompt_moves_to_the_retained_region_and_the_next_turn_copies() -> None:
+    moves: list[tuple[int, int, int]] = []
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(
+        4,
+        200,
+        B,
+        discard=lambda slot, start: discarded.append((slot, start)),
+        move=lambda src, dst, n: moves.append((src, dst, n)),
+    )
     system = list(range(100, 112))  # 3 blocks
     _, plan = served(cache, [*system, 1, 2])
+    assert plan.slot == 0
     finish(cache, plan.slot, [*system, 1, 2, 3], 20)
-    # the next turn covers every whole block the slot holds: adopted, no copy
+    # the prompt's rows went to the first retained slot (4), and the running slot is free
+    assert moves == [(0, 4, 15)] and discarded == [(0, 0)]
+    assert cache.free_slots == 4 and cache.retained_tokens == 15 and cache.stats.moved_tokens == 15
+    # the next turn copies them into a running slot, the lowest free one
     match, turn = served(cache, [*system, 1, 2, 3, 4, 5])
-    assert turn.adopted and turn.slot == plan.slot and turn.copy_from == -1
-    assert turn.cached == 15 and cache.stats.adopted == 1
+    assert match == Match(4, 15) and (turn.slot, turn.copy_from, turn.cached) == (0, 4, 15)
     # while it runs, another conversation on the same system prompt copies its rows
     cache.computed(turn.slot, [*system, 1, 2, 3, 4, 5])
     match, other = served(cache, [*system, 9, 9])
-    assert (other.copy_from, other.cached, other.adopted) == (turn.slot, 12, False)
-    assert other.slot != turn.slot
+    assert (other.copy_from, other.cached) in ((turn.slot, 12), (4, 12))
+    assert other.slot == 1
     assert cache.stats.hits == 2 and cache.stats.misses == 1
+
+
+def test_running_slots_never_hold_a_retained_prefix() -> None:
+    """A decode run spans the running slots between its rows: a retained prefix there would
+    be a dummy row attending to its whole length every step."""
+    cache = PrefixCache(2, 400, B)
+    for i in range(6):
+        prompt = [*range(10 * i, 10 * i + 10)]
+        _, plan = served(cache, prompt)
+        assert plan.slot < 2
+        finish(cache, plan.slot, prompt, 20)
+        assert cache.lookup(ROOT, prompt).slot in (2, 3)  # the retained region's two slots
+        assert cache.free_slots == 2
+    # two retained slots: the third finished prompt evicted the least recently used
+    assert cache.stats.evicted_blocks > 0 and cache.lookup(ROOT, [*range(10)]) == Match(-1, 0)
 
 
 def test_cancelled_mid_prefill_its_blocks_are_never_served() -> None:

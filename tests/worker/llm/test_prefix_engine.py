@@ -61,7 +61,7 @@ def test_a_hit_changes_no_token_mid_block_wholly_cached_and_next_turn(make_engin
     # the next turn: the previous prompt's rows (its answer's, computed one token per run,
     # are computed again, as a cold prefill would)
     assert cached[3] == len(longer)
-    assert engine.prefix.stats.adopted >= 1  # the next turn took its slot as it stood
+    assert engine.prefix.stats.moved_tokens >= len(longer)  # finished prompts were kept
     assert tokens == uncached(make_engine, [first, longer, longer, turn])
     assert engine.stats.prefill_tokens == 37 + (len(longer) - 37) + 2 + (len(turn) - cached[3])
 
