@@ -13,8 +13,8 @@ Measured, one system at a time (never both at once):
 - single stream: 128 tokens after a ~25-token prompt, `--rounds` requests one after
   another; per request, TTFT and decode tokens/s after the first token; medians quoted;
 - load: 8, 16 and 32 closed-loop streams over prompts of 20 to 1,000 tokens (long prompts
-  arriving while others decode), 64 tokens each: aggregate tokens/s, TTFT p50, inter-token
-  p50/p99;
+  arriving while others decode), 64 tokens each, `--rounds` rounds a level: aggregate
+  tokens/s, TTFT p50, inter-token p50/p99, each the median of its rounds;
 - RSS of the server process (tree), sampled every 0.5 s: start and peak.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import subprocess
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,33 +97,56 @@ async def measure(
         single = await closed_loop(one, 1)
         levels = []
         for c in plan.levels:
-            load = LLMLoad(
-                address,
-                model,
-                mixed,
-                plan.load_tokens,
-                duration=plan.level_seconds,
-                max_requests=2 * c,
-                **common,
-            )
-            point = await closed_loop(load, c)
-            levels.append(
-                {
-                    "streams": c,
-                    "requests": point["requests"],
-                    "errors": point["errors"],
-                    "output_tokens_per_s": point["output_tokens_per_s"],
-                    "ttft_ms": point["ttft_ms"],
-                    "itl_ms": point["itl_ms"],
-                    "itl_unit": point["itl_unit"],
-                    "token_source": point["token_source"],
-                }
-            )
+            rounds = []
+            for _ in range(plan.rounds):
+                load = LLMLoad(
+                    address,
+                    model,
+                    mixed,
+                    plan.load_tokens,
+                    duration=plan.level_seconds,
+                    max_requests=2 * c,
+                    **common,
+                )
+                rounds.append(await closed_loop(load, c))
+            levels.append(level(c, rounds))
             print(api, f"c={c}", levels[-1]["output_tokens_per_s"], levels[-1]["itl_ms"])
     return {
         "single": single_stream(single["per_request"]),
         "load": levels,
         "rss_mb": {"start": start_rss, **rss.report()},
+    }
+
+
+def level(streams: int, rounds: list[dict]) -> dict:
+    """One load level: medians over its rounds (each percentile its own median), and each
+    round's figures."""
+    each = [
+        {
+            "requests": r["requests"],
+            "errors": r["errors"],
+            "output_tokens_per_s": r["output_tokens_per_s"],
+            "ttft_ms": r["ttft_ms"],
+            "itl_ms": r["itl_ms"],
+        }
+        for r in rounds
+    ]
+
+    def median(key: str) -> dict:
+        keys = [k for k in each[0][key] if all(e[key].get(k) is not None for e in each)]
+        return {k: round(statistics.median(e[key][k] for e in each), 2) for k in keys}
+
+    return {
+        "streams": streams,
+        "rounds": len(each),
+        "requests": sum(e["requests"] for e in each),
+        "errors": dict(sum((Counter(e["errors"]) for e in each), Counter())),
+        "output_tokens_per_s": round(statistics.median(e["output_tokens_per_s"] for e in each), 2),
+        "ttft_ms": median("ttft_ms"),
+        "itl_ms": median("itl_ms"),
+        "itl_unit": rounds[0]["itl_unit"],
+        "token_source": rounds[0]["token_source"],
+        "each_round": each,
     }
 
 
