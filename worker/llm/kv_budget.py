@@ -45,3 +45,14 @@ class KVBudget:
             raise ValueError(f"slot {slot} is not allocated")
         self.reserved_tokens -= tokens
         self._free.append(slot)
+
+    def lowest_free(self) -> int:
+        """The lowest free slot, -1 when none."""
+        return min(self._free, default=-1)
+
+    def move(self, src: int, dst: int) -> None:
+        """The sequence in `src` now lives in the free slot `dst` (the caller moves its rows)."""
+        if dst not in self._free or src in self._free:
+            raise ValueError(f"cannot move slot {src} to {dst}: {dst} is not free")
+        self._free.remove(dst)
+        self._free.append(src)

@@ -11,14 +11,16 @@ One step, in order:
 
 1. **Cancelled** sequences leave: their slot and reservation are given back before anything
    is admitted, so a freed slot is reused in the same step.
-2. **Admission** (`_admit_one`), in arrival order while the head of the queue fits: it asks
+2. **Compaction** (`_compact`): decoding sequences move down into free slots below them, so
+   a decode run (one run over the slots its rows span) computes no row for nothing.
+3. **Admission** (`_admit_one`), in arrival order while the head of the queue fits: it asks
    the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
    max_tokens` tokens of the budget, so a running sequence never runs out of cache and
    nothing is ever evicted; a request that could not fit an empty cache was refused by the
    engine up front). The head waits rather than be overtaken, so nothing starves.
-3. **Decode**: every running sequence past its prompt decodes one token (or verifies k
+4. **Decode**: every running sequence past its prompt decodes one token (or verifies k
    drafts when it decodes alone and a draft model is set: k + 1 tokens).
-4. **Prefill**: the decode rows' tokens come out of the step's token budget
+5. **Prefill**: the decode rows' tokens come out of the step's token budget
    (`max_step_tokens`, as vLLM's scheduler shares one budget between decode and chunked
    prefill); what is left goes to prompts still being read, oldest first, at most
    `prefill_chunk` tokens each. A long prompt therefore stalls running streams by a bounded
@@ -114,6 +116,10 @@ class Room(Protocol):
 
     def release(self, slot: int, tokens: int) -> None: ...
 
+    def lowest_free(self) -> int: ...
+
+    def move(self, src: int, dst: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -140,13 +146,15 @@ class Chunk(Generic[S]):
 
 @dataclass(frozen=True)
 class Copy:
-    """Rows start..stop-1 of slot `src` into slot `dst`: a reused prefix (worker/llm/prefix.py),
-    done before the step's runs."""
+    """Rows start..stop-1 of slot `src` into slot `dst`, done before the step's runs: a reused
+    prefix (worker/llm/prefix.py), or `move`: a decoding sequence moved down into a free
+    slot (`Scheduler._compact`), whose old slot's pages then go back."""
 
     src: int
     dst: int
     start: int
     stop: int
+    move: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,7 @@ class Scheduler(Generic[S]):
         cancelled, freed = self._drop_cancelled()
         admitted = []
         copies: list[Copy] = []
+        self._compact(copies)
         while self.waiting and self._admit_one(self.waiting[0], copies):
             admitted.append(self.waiting.popleft())
         decode = tuple(s for s in self.running if not s.prefilling)
@@ -222,6 +231,23 @@ class Scheduler(Generic[S]):
             freed,
             tuple(copies),
         )
+
+    def _compact(self, copies: list[Copy]) -> None:
+        """Move the highest decoding sequence into the lowest free slot below it, while there
+        is one: a decode run spans the slots between its rows, and a free slot there is a
+        row computed for nothing, as is a prompt admitted into it, for every step of its
+        prefill. So decoding rows stay packed at the bottom, and a new prompt is admitted
+        above them. A move is a memcpy of the sequence's rows, once, where a hole costs a
+        row at every step (docs/llm.md)."""
+        decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.slot)
+        while decoding:
+            hole, top = self.room.lowest_free(), decoding[-1]
+            if hole < 0 or hole > top.slot:
+                return
+            self.room.move(top.slot, hole)
+            copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
+            top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
+            decoding.sort(key=lambda s: s.slot)
 
     def _admit_one(self, seq: S, copies: list[Copy]) -> bool:
         """Give `seq` a slot and its reservation if the cache has room for them; with a

@@ -202,10 +202,15 @@ class StepRunner:
         seq.drafted = min(seq.computed, length + k - 1)
 
     def _copy(self, copies: tuple[scheduler.Copy, ...]) -> None:
-        """The plan's reused prefixes, row by row into their new slots (a memcpy)."""
+        """The plan's reused prefixes and moved sequences, row by row into their new slots
+        (a memcpy)."""
         for c in copies:
             self.cache.copy_rows(c.src, c.dst, c.start, c.stop)
-            self.prefix.unpin(c.src)
+            if c.move:  # the old slot's pages are kept for its next sequence (prefix.py)
+                if self.drafter is not None:
+                    self.drafter.release(c.src)
+            else:
+                self.prefix.unpin(c.src)
 
     def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
         if self.on_execution is not None:

@@ -70,9 +70,11 @@ def test_a_finished_prompt_moves_to_the_retained_region_and_the_next_turn_copies
     _, plan = served(cache, [*system, 1, 2])
     assert plan.slot == 0
     finish(cache, plan.slot, [*system, 1, 2, 3], 20)
-    # the prompt's rows went to the first retained slot (4), and the running slot is free
-    assert moves == [(0, 4, 15)] and discarded == [(0, 0)]
+    # the prompt's rows went to the first retained slot (4), and the running slot is free,
+    # its pages kept for the next sequence there (counted against the budget)
+    assert moves == [(0, 4, 15)] and discarded == []
     assert cache.free_slots == 4 and cache.retained_tokens == 15 and cache.stats.moved_tokens == 15
+    assert cache.stale_tokens == 20
     # the next turn copies them into a running slot, the lowest free one
     match, turn = served(cache, [*system, 1, 2, 3, 4, 5])
     assert match == Match(4, 15) and (turn.slot, turn.copy_from, turn.cached) == (0, 4, 15)
@@ -166,7 +168,7 @@ def test_the_budget_holds_under_random_traffic() -> None:
             if plan.copy_from >= 0 and rng.random() < 0.7:
                 cache.unpin(plan.copy_from)  # else: the copy runs after the next admission
             running.append((plan.slot, prompt, reserve))
-        assert cache.reserved_tokens + cache.retained_tokens <= 120
+        assert cache.reserved_tokens + cache.retained_tokens + cache.stale_tokens <= 120
         assert len({s for s, _, _ in running}) == len(running)  # no slot handed out twice
     assert cache.stats.hits > 0 and cache.stats.evicted_blocks > 0
 
@@ -178,3 +180,36 @@ def test_off_caches_nothing() -> None:
     assert cache.lookup(ROOT, list(range(12))) == Match(-1, 0) and cache.free_slots == 2
     with pytest.raises(ValueError):
         cache.release(plan.slot, 20)
+
+
+def test_a_moved_sequence_takes_its_blocks_and_claims_along() -> None:
+    cache = PrefixCache(4, 200, B)
+    prompt = list(range(40, 60))
+    _, low = served(cache, [9, 9, 9, 9, 9])
+    _, a = served(cache, [*prompt, 1])
+    _, b = served(cache, [*prompt, 2])  # waits for a's claimed blocks
+    cache.computed(a.slot, prompt[:8])
+    cache.release(low.slot, 20, keep=False)
+    assert cache.lowest_free() == low.slot
+    cache.move(a.slot, low.slot)  # the scheduler compacts a down
+    assert cache.lookup(ROOT, prompt).slot == low.slot
+    assert cache.waits(b.slot, ROOT, [*prompt, 2], 8)  # block 2: still a's claim, in its new slot
+    assert cache.lowest_free() == a.slot
+    with pytest.raises(ValueError):
+        cache.move(b.slot, low.slot)  # not free
+
+
+def test_a_free_slots_kept_pages_go_first_when_room_is_needed() -> None:
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(2, 60, B, discard=lambda slot, start: discarded.append((slot, start)))
+    _, a = served(cache, list(range(8)), reserve=30)
+    cache.release(a.slot, 30, keep=False)  # cancelled: nothing kept, the pages are
+    assert cache.stale_tokens == 30 and discarded == []
+    _, b = served(cache, [7] * 8, reserve=12)  # slot 0 again: its pages past 12 rows go
+    assert b.slot == a.slot and discarded == [(a.slot, 12)] and cache.stale_tokens == 0
+    _, c = served(cache, [5] * 8, reserve=40)  # slot 1: 12 + 40 <= 60
+    cache.release(c.slot, 40, keep=False)
+    assert cache.stale_tokens == 40
+    _, d = served(cache, [6] * 8, reserve=44)  # 12 + 44 + 40 kept > 60: slot 1's pages go
+    assert discarded[-1] == (c.slot, 0) or d.slot == c.slot
+    assert cache.reserved_tokens + cache.retained_tokens + cache.stale_tokens <= 60

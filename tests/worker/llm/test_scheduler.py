@@ -10,7 +10,7 @@ import pytest
 
 from common.errors import ResourceExhausted
 from worker.llm.kv_budget import KVBudget
-from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan, chunk_tokens
+from worker.llm.scheduler import Copy, Scheduler, SchedulerConfig, Sequence, StepPlan, chunk_tokens
 
 _ids = itertools.count(1)
 
@@ -149,7 +149,10 @@ def test_admission_waits_in_order_for_slots_and_budget() -> None:
     run(plan)
     assert sched.finish(a) == 0 and a.slot == -1
     plan = sched.schedule()
-    assert plan.admitted == (c,) and c.slot == 0 and room.reserved_tokens == 70
+    # b, decoding, moves down into a's slot (its rows copied first); c is admitted above it
+    assert plan.copies == (Copy(1, 0, 0, b.computed, move=True),) and b.slot == 0
+    assert plan.admitted == (c,) and c.slot == 1 and room.reserved_tokens == 70
+    assert plan.decode == (b,)
 
 
 def test_the_head_of_the_queue_is_not_overtaken() -> None:
