@@ -10,9 +10,10 @@ are contiguous per layer, so the rows of a decode batch (slots lo..hi) bind to o
 as views of this memory, without a copy.
 
 Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
-when written, and a freed slot's pages are returned to the OS (madvise DONTNEED), so the
-memory held is at most the tokens reserved by running sequences (each reserves its prompt
-plus max_tokens when admitted), rounded up to pages.
+when written, and pages are returned to the OS (madvise DONTNEED) as the room says, so the
+memory held is at most the budget, rounded up to pages: the tokens reserved by running
+sequences (each reserves its prompt plus max_tokens when admitted), the retained prefixes,
+and the pages free slots keep for their next rows (worker/llm/prefix.py).
 """
 
 from __future__ import annotations

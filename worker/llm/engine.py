@@ -273,7 +273,8 @@ class Engine:
                 log.exception("llm_step_failed")
                 for seq in list(self.running):
                     self.results.fail(seq, e)
-        log.info("llm_engine_stopped", **{k: v for k, v in self.stats.__dict__.items()})
+        prefix = {f"prefix_{k}": v for k, v in self.prefix.stats.__dict__.items()}
+        log.info("llm_engine_stopped", **self.stats.__dict__, **prefix)
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
         now = time.perf_counter_ns()

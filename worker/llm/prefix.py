@@ -2,8 +2,8 @@
 memory allows.
 
 A sequence's keys and values live in one slot, rows 0..n-1 (worker/llm/cache.py). When it
-finishes, its slot is not wiped: its rows stay **retained**, indexed, until their memory is
-needed. A new prompt looks up the longest prefix some slot holds, and starts from there:
+finishes, its prompt's rows are not wiped: they stay **retained**, indexed, until their
+memory is needed. A new prompt looks up the longest prefix some slot holds, and starts from there:
 
 - **Index.** A prompt is cut into blocks of `block_tokens` token ids; block i's key is a
   hash chained over block i-1's key and block i's ids (vLLM's scheme), starting from a root
@@ -21,8 +21,8 @@ needed. A new prompt looks up the longest prefix some slot holds, and starts fro
 - **Two regions.** Slots 0..slots-1 are the running region: only running sequences live
   there, so a decode run (one run over the contiguous slots its rows span) pays for no
   retained prefix between its rows. Slots slots..slots+kept-1 hold retained prefixes: a
-  sequence that finishes normally has its prompt rows moved there (`Move`, a memcpy), and its
-  running slot is free at once.
+  sequence that finishes normally has its prompt rows moved there (`move`, a memcpy), and
+  its running slot is free at once.
 - **Reuse.** A hit's rows are copied into the new sequence's running slot (`Plan.copy_from`),
   from a retained slot or from a running sequence that has computed them.
 - **Concurrent sharers.** A prompt's blocks are claimed by the first running sequence that
@@ -30,14 +30,17 @@ needed. A new prompt looks up the longest prefix some slot holds, and starts fro
   instead of computing it again, then copies it: several conversations on one system
   prompt prefill it once.
 - **Budget.** Running sequences reserve prompt + max_tokens, as before; retained rows are
-  never reserved. The memory held is reserved + retained tokens <= the budget, and
-  admission evicts retained blocks before it waits (`fits` counts them as free); a finished
+  never reserved. A free slot keeps its pages (`stale_tokens`) for the next rows written
+  there, since a page given back costs a page fault on the next write. The memory held is
+  reserved + retained + kept tokens <= the budget: kept pages go back first, then retained
+  blocks; admission evicts before it waits (`fits` counts both as free), and a finished
   prompt that finds no retained slot free evicts the least recently used first.
 - **Eviction.** LRU over the retained blocks, touched deepest first on a match, so the
   oldest block is always the tail of some slot (a shared system prompt outlives the
   conversations under it); evicting block i drops the slot's blocks from i on and returns
-  their whole pages to the OS. Only retained slots are evicted: a running sequence's rows
-  are never touched, and a source is pinned while it is being copied.
+  their whole pages to the OS (block 0: the slot is free, its pages kept as above). Only
+  retained slots are evicted: a running sequence's rows are never touched, and a source is
+  pinned while it is being copied.
 - **Never served unfinished.** Only computed rows are indexed, when the engine says they
   are computed; a sequence cancelled or failed mid-prefill drops its blocks and claims.
 
