@@ -225,13 +225,7 @@ class PrefixCache:
             return
         dst = self._free_kept.pop()
         self._reuse(dst, len(held.tokens))
-        for key in held.keys:
-            holders = self._index[key]
-            del holders[slot]
-            holders[dst] = None
-        del self._held[slot]
-        held.slot = dst
-        self._held[dst] = held
+        self._rehome(held, dst)
         for b in range(len(held.keys) - 1, -1, -1):  # block 0 the most recent
             self._lru[(dst, b)] = None
         self.stats.moved_tokens += len(held.tokens)
@@ -255,13 +249,7 @@ class PrefixCache:
         self._reuse(dst, held.reserve)
         self._free.append(src)
         self._stale[src] = held.reserve
-        del self._held[src]
-        held.slot = dst
-        self._held[dst] = held
-        for key in held.keys:
-            holders = self._index[key]
-            del holders[src]
-            holders[dst] = None
+        self._rehome(held, dst)
         for key, slot in self._claims.items():
             if slot == src:
                 self._claims[key] = dst
@@ -380,6 +368,17 @@ class PrefixCache:
             self.stats.cached_tokens += cached
         else:
             self.stats.misses += 1
+
+    def _rehome(self, held: Held, dst: int) -> None:
+        """What `held` holds now lives in slot `dst`: its index entries follow it."""
+        src = held.slot
+        for key in held.keys:
+            holders = self._index[key]
+            del holders[src]
+            holders[dst] = None
+        del self._held[src]
+        held.slot = dst
+        self._held[dst] = held
 
     @property
     def stale_tokens(self) -> int:

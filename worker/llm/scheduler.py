@@ -148,7 +148,7 @@ class Chunk(Generic[S]):
 class Copy:
     """Rows start..stop-1 of slot `src` into slot `dst`, done before the step's runs: a reused
     prefix (worker/llm/prefix.py), or `move`: a decoding sequence moved down into a free
-    slot (`Scheduler._compact`), whose old slot's pages then go back."""
+    slot (`Scheduler._compact`), whose old slot keeps its pages for its next sequence."""
 
     src: int
     dst: int
