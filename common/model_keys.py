@@ -53,8 +53,10 @@ MAX_MODEL_LEN = "meshserve.max_model_len"
 MAX_NUM_SEQS = "meshserve.max_num_seqs"
 KV_CACHE_BYTES = "meshserve.kv_cache_bytes"
 PREFILL_CHUNK = "meshserve.prefill_chunk"  # prompt tokens of one sequence per step, at most
-# decode rows + prefill tokens per step while streams decode (bounds their inter-token tail)
+# decode rows + prefill tokens per step while streams decode (bounds their inter-token tail):
+# max(max_step_tokens, step_tokens_per_row x decoding rows)
 MAX_STEP_TOKENS = "meshserve.max_step_tokens"
+STEP_TOKENS_PER_ROW = "meshserve.step_tokens_per_row"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
 # "false": no prefix cache (every prompt prefilled from nothing); default "true"
 PREFIX_CACHING = "meshserve.prefix_caching"

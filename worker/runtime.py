@@ -245,15 +245,6 @@ def index_bounds(path: Path) -> dict[str, int]:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].t.dims:
             tables[name] = list(node.attribute[0].t.dims)
     inputs = {i.name for i in graph.input} - set(tables)
-
-    def table(name: str, hops: int = 3) -> list[int] | None:
-        if name in tables:
-            return tables[name]
-        node = produced.get(name)
-        if hops and node is not None and node.op_type in _PASS_THROUGH:
-            return table(node.input[0], hops - 1)
-        return None
-
     bounds: dict[str, int] = {}
     for node in graph.node:
         if node.op_type != "Gather" or len(node.input) < 2:
@@ -262,12 +253,29 @@ def index_bounds(path: Path) -> dict[str, int]:
         source = produced.get(indices)
         if source is not None and source.op_type in ("Identity", "Cast"):
             indices = source.input[0]
-        dims = table(node.input[0])
+        dims = _table(node.input[0], tables, produced)
         if indices not in inputs or not dims:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(dims)
         bounds[indices] = min(dims[axis], bounds.get(indices, dims[axis]))
     return bounds
+
+
+def _table(
+    name: str, tables: dict[str, list[int]], produced: dict[str, onnx.NodeProto], hops: int = 3
+) -> list[int] | None:
+    """The dims of the constant table `name` comes from, through up to `hops` pass-through
+    nodes. A function of its own, not a closure in index_bounds: a recursive closure is a
+    reference cycle, which kept the loaded graph (the whole model file, 267 MB for SmolLM2)
+    alive until the collector's next full pass."""
+    for _ in range(hops + 1):
+        if name in tables:
+            return tables[name]
+        node = produced.get(name)
+        if node is None or node.op_type not in _PASS_THROUGH:
+            return None
+        name = node.input[0]
+    return None
 
 
 def strings_reader(path: Path) -> str | None:

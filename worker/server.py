@@ -7,6 +7,7 @@ runs without it (the `worker` extra does not install it).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -69,6 +70,12 @@ async def serve(settings: WorkerSettings) -> None:
         )
         metrics_address = f"{settings.metrics_host}:{bound}"
 
+    # What loading made (modules, sessions, tokenizers) lives as long as the process: once
+    # its garbage is collected, it is frozen out of the collector's sight, so a full
+    # collection scans only what serving allocates (one took 70 ms mid-stream under 16 LLM
+    # streams before)
+    gc.collect()
+    gc.freeze()
     servicer.ready = True
     await rpc.set_serving(grpc_server.health)
     log.info(

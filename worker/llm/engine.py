@@ -55,10 +55,14 @@ __all__ = ["CANCELLED", "LENGTH", "STOP", "Engine", "EngineConfig", "Output", "S
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    max_num_seqs: int = 16  # sequences generating at once (cache slots)
+    max_num_seqs: int = 32  # sequences generating at once (cache slots)
     kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
     prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
-    max_step_tokens: int = 48  # decode rows + prefill tokens per step while streams decode
+    # decode rows + prefill tokens per step while streams decode: max(max_step_tokens,
+    # step_tokens_per_row x decoding rows), so that a step with a prompt's chunk costs about
+    # 1.5 decode steps of those rows whatever their number (docs/llm.md, benchmarks/llm_step.py)
+    max_step_tokens: int = 24
+    step_tokens_per_row: int = 4
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
     prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
 
@@ -128,6 +132,7 @@ class Engine:
             self.cache.room,
             scheduler.SchedulerConfig(
                 max_step_tokens=config.max_step_tokens,
+                step_tokens_per_row=config.step_tokens_per_row,
                 prefill_chunk=config.prefill_chunk,
                 max_waiting=config.max_waiting,
                 num_speculative_tokens=draft.num_tokens if draft is not None else 0,

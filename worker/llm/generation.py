@@ -69,6 +69,11 @@ class EngineStats:
     accepted_tokens: int = 0  # drafts the target kept
     draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
     top_runs: int = 0  # runs that read the graph's top-k instead of the logits
+    # where a step's time goes: its model runs by kind, and the whole step (the rest of
+    # step_ns is copies, sampling, detokenizing and the event loop's other work)
+    prefill_ns: int = 0
+    decode_ns: int = 0
+    step_ns: int = 0
 
     @property
     def acceptance_rate(self) -> float:

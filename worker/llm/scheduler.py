@@ -20,12 +20,14 @@ One step, in order:
    engine up front). The head waits rather than be overtaken, so nothing starves.
 4. **Decode**: every running sequence past its prompt decodes one token (or verifies k
    drafts when it decodes alone and a draft model is set: k + 1 tokens).
-5. **Prefill**: the decode rows' tokens come out of the step's token budget
-   (`max_step_tokens`, as vLLM's scheduler shares one budget between decode and chunked
-   prefill); what is left goes to prompts still being read, oldest first, at most
-   `prefill_chunk` tokens each. A long prompt therefore stalls running streams by a bounded
-   chunk per step, never by a whole prompt; the budget is sized from measurement so that a
-   step with a chunk takes at most about two decode steps (docs/llm.md). With no sequence
+5. **Prefill**: the decode rows' tokens come out of the step's token budget (as vLLM's
+   scheduler shares one budget between decode and chunked prefill); what is left goes to
+   prompts still being read, oldest first, at most `prefill_chunk` tokens each. A long
+   prompt therefore stalls running streams by a bounded chunk per step, never by a whole
+   prompt. The budget grows with the decoding rows (`step_budget`: the larger of
+   `max_step_tokens` and `step_tokens_per_row` per row), since a decode step's cost does:
+   it is sized from measurement so that a step with a chunk takes about 1.5 decode steps of
+   those rows, whether 8 or 32 decode (docs/llm.md). With no sequence
    decoding there is no stream to stall, and a prompt gets `prefill_chunk` tokens at once.
    The oldest prompt always gets a chunk, so it progresses whatever the budget. A chunk is
    never one token, nor leaves one token for the next (`chunk_tokens`): a prompt token is
@@ -92,6 +94,11 @@ S = TypeVar("S", bound=Sequence)
 # whatever their sizes, so a prompt's keys, values and first token are the same however it
 # was chunked, cached or batched (docs/llm.md, "Exact by construction").
 MIN_CHUNK = 2
+# A prefill run's fixed cost, in prompt tokens: one chunk of 2 tokens took 10.8 ms and each
+# further token 1.36 ms (benchmarks/llm_step.py, SmolLM2, 2 threads), so a prefix-cache hit's
+# 2-token remainder is charged 8 tokens of the step's budget, and a step cannot stall its
+# streams with a dozen such runs
+RUN_TOKENS = 6
 
 
 def chunk_tokens(remaining: int, limit: int) -> int:
@@ -123,9 +130,13 @@ class Room(Protocol):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_step_tokens: int  # decode rows + prefill tokens per step (while anything decodes)
+    # decode rows + prefill tokens per step while anything decodes: the larger of
+    # max_step_tokens and step_tokens_per_row per decoding row (a decode step's cost grows
+    # with its rows, so the chunk it can carry does too)
+    max_step_tokens: int
     prefill_chunk: int  # prompt tokens of one sequence per step, at most
     max_waiting: int  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
+    step_tokens_per_row: int = 0
     num_speculative_tokens: int = 0  # k drafts for a lone decoding sequence; 0: no draft
     position_limit: int = 0  # positions a run may write to (a verify run writes k past)
 
@@ -209,19 +220,22 @@ class Scheduler(Generic[S]):
         decode = tuple(s for s in self.running if not s.prefilling)
         drafts = self._drafts(decode)
         c = self.config
-        budget = c.max_step_tokens if decode else max(c.max_step_tokens, c.prefill_chunk)
+        budget = self.step_budget(len(decode))
         budget -= len(decode) * (1 + drafts)
+        # while streams decode, each chunk (a run of its own) also costs a run's fixed part
+        overhead = RUN_TOKENS if decode else 0
         prefill: list[Chunk[S]] = []
         for seq in self.running:
             if not seq.prefilling or not self._catch_up(seq, copies):
                 continue
-            n = chunk_tokens(len(seq.prompt) - seq.computed, min(c.prefill_chunk, budget))
+            left = len(seq.prompt) - seq.computed
+            n = chunk_tokens(left, min(c.prefill_chunk, budget - overhead))
             if n < 1:
                 if prefill:
                     break
-                n = chunk_tokens(len(seq.prompt) - seq.computed, 2)  # the oldest progresses
+                n = chunk_tokens(left, 2)  # the oldest progresses
             prefill.append(Chunk(seq, seq.computed, n))
-            budget -= n
+            budget -= n + overhead
         return StepPlan(
             tuple(cancelled),
             tuple(admitted),
@@ -232,22 +246,32 @@ class Scheduler(Generic[S]):
             tuple(copies),
         )
 
+    def step_budget(self, decoding: int) -> int:
+        """Decode rows + prefill tokens a step may run with `decoding` rows decoding."""
+        c = self.config
+        if not decoding:
+            return max(c.max_step_tokens, c.prefill_chunk)
+        return max(c.max_step_tokens, c.step_tokens_per_row * decoding)
+
     def _compact(self, copies: list[Copy]) -> None:
-        """Move the highest decoding sequence into the lowest free slot below it, while there
+        """Move the highest decoding sequence into the lowest free slot below it, if there
         is one: a decode run spans the slots between its rows, and a free slot there is a
         row computed for nothing, as is a prompt admitted into it, for every step of its
         prefill. So decoding rows stay packed at the bottom, and a new prompt is admitted
         above them. A move is a memcpy of the sequence's rows, once, where a hole costs a
-        row at every step (docs/llm.md)."""
-        decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.slot)
-        while decoding:
-            hole, top = self.room.lowest_free(), decoding[-1]
-            if hole < 0 or hole > top.slot:
-                return
-            self.room.move(top.slot, hole)
-            copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
-            top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
-            decoding.sort(key=lambda s: s.slot)
+        row at every step (docs/llm.md). One move a step: a move of 1,000 rows into pages
+        not yet touched cost up to ~100 ms (page faults), and four in one step stalled every
+        stream for a step's worth of them; holes open one per finished sequence, so one move
+        a step keeps up but for bursts, which the next steps close."""
+        decoding = [s for s in self.running if not s.prefilling]
+        if not decoding:
+            return
+        hole, top = self.room.lowest_free(), max(decoding, key=lambda s: s.slot)
+        if hole < 0 or hole > top.slot:
+            return
+        self.room.move(top.slot, hole)
+        copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
+        top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
 
     def _admit_one(self, seq: S, copies: list[Copy]) -> bool:
         """Give `seq` a slot and its reservation if the cache has room for them; with a

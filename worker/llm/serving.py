@@ -49,6 +49,7 @@ MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
 KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
 PREFILL_CHUNK = model_keys.PREFILL_CHUNK
 MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
+STEP_TOKENS_PER_ROW = model_keys.STEP_TOKENS_PER_ROW
 MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = model_keys.DRAFT_MODEL
@@ -60,6 +61,7 @@ INT_PARAMETERS = (
     KV_CACHE_BYTES,
     PREFILL_CHUNK,
     MAX_STEP_TOKENS,
+    STEP_TOKENS_PER_ROW,
     MAX_TOKENS_LIMIT,
     NUM_SPECULATIVE_TOKENS,
 )
@@ -97,6 +99,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
         kv_cache_tokens=budget,
         prefill_chunk=int(p.get(PREFILL_CHUNK, default.prefill_chunk)),
         max_step_tokens=int(p.get(MAX_STEP_TOKENS, default.max_step_tokens)),
+        step_tokens_per_row=int(p.get(STEP_TOKENS_PER_ROW, default.step_tokens_per_row)),
         max_waiting=spec.max_queue_size or default.max_waiting,
         prefix_caching=_prefix_caching(spec),
     )

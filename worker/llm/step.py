@@ -73,6 +73,13 @@ class StepRunner:
     async def run(self, plan: scheduler.StepPlan[Sequence]) -> None:
         """Run the plan: its copies, its prefill chunks, then its decode rows; accept each
         result."""
+        start = time.perf_counter_ns()
+        try:
+            await self._run_plan(plan)
+        finally:
+            self.stats.step_ns += time.perf_counter_ns() - start
+
+    async def _run_plan(self, plan: scheduler.StepPlan[Sequence]) -> None:
         loop = asyncio.get_running_loop()
         self.stats.steps += 1
         if plan.copies:
@@ -213,5 +220,9 @@ class StepRunner:
                 self.prefix.unpin(c.src)
 
     def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
+        if kind == "prefill":
+            self.stats.prefill_ns += ns
+        else:
+            self.stats.decode_ns += ns
         if self.on_execution is not None:
             self.on_execution(kind, rows, tokens, ns)

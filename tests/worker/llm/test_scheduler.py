@@ -10,7 +10,15 @@ import pytest
 
 from common.errors import ResourceExhausted
 from worker.llm.kv_budget import KVBudget
-from worker.llm.scheduler import Copy, Scheduler, SchedulerConfig, Sequence, StepPlan, chunk_tokens
+from worker.llm.scheduler import (
+    RUN_TOKENS,
+    Copy,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    StepPlan,
+    chunk_tokens,
+)
 
 _ids = itertools.count(1)
 
@@ -27,10 +35,16 @@ def make(
     waiting: int = 8,
     k: int = 0,
     positions: int = 2048,
+    per_row: int = 0,
 ) -> tuple[Scheduler[Sequence], KVBudget]:
     room = KVBudget(slots, budget)
     config = SchedulerConfig(
-        step, chunk, waiting, num_speculative_tokens=k, position_limit=positions
+        step,
+        chunk,
+        waiting,
+        num_speculative_tokens=k,
+        position_limit=positions,
+        step_tokens_per_row=per_row,
     )
     return Scheduler(room, config), room
 
@@ -78,15 +92,16 @@ def test_decode_rows_and_prefill_chunks_share_the_step_budget() -> None:
         run(plan)
         if not long.prefilling:
             break
-    # 64 - 3 decode rows = 61 prompt tokens per step, in order, with no gap, to the end
-    assert starts[0] == (0, 61) and all(n == 61 for _, n in starts[:-1])
+    # 64 - 3 decode rows - a run's fixed cost = 55 prompt tokens per step, in order, with no
+    # gap, to the end
+    assert starts[0] == (0, 64 - 3 - RUN_TOKENS) and all(n == 55 for _, n in starts[:-1])
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
     assert starts[-1][0] + starts[-1][1] == 1000
     assert long in sched.schedule().decode
 
 
 def test_two_prompts_split_what_the_decode_rows_leave_oldest_first() -> None:
-    sched, _ = make(step=40, chunk=30)
+    sched, _ = make(step=50, chunk=30)
     a = seq(2)
     sched.add(a)
     run(sched.schedule())
@@ -96,8 +111,42 @@ def test_two_prompts_split_what_the_decode_rows_leave_oldest_first() -> None:
     plan = sched.schedule()
     assert plan.admitted == (b, c)
     assert plan.decode == (a,)
-    # 39 tokens left: b gets its chunk cap (30), c the rest (9)
-    assert [(x.seq, x.tokens) for x in plan.prefill] == [(b, 30), (c, 9)]
+    # 49 tokens left: b gets its chunk cap (30) and costs a run's fixed part too (6); c gets
+    # the 13 left less its own run's part
+    assert RUN_TOKENS == 6
+    assert [(x.seq, x.tokens) for x in plan.prefill] == [(b, 30), (c, 7)]
+
+
+def test_the_step_budget_grows_with_the_decoding_rows() -> None:
+    """A decode step costs more with more rows, so it can carry a larger chunk for the same
+    stall: the budget is max(max_step_tokens, step_tokens_per_row x decoding rows)."""
+    sched, _ = make(slots=16, step=24, chunk=512, per_row=4, waiting=16)
+    assert [sched.step_budget(n) for n in (0, 1, 6, 8, 16, 32)] == [512, 24, 24, 32, 64, 128]
+    streams = [seq(2) for _ in range(12)]
+    for s in streams:
+        sched.add(s)
+    run(sched.schedule())
+    late = seq(500)
+    sched.add(late)
+    plan = sched.schedule()
+    assert len(plan.decode) == 12
+    # 12 rows: 48 tokens, less the rows and one run's fixed part
+    assert [(c.seq, c.tokens) for c in plan.prefill] == [(late, 48 - 12 - RUN_TOKENS)]
+
+
+def test_many_small_chunks_cannot_fill_a_step_with_runs() -> None:
+    """Prefix-cache hits leave prompts with a few tokens each to compute; each is a run of
+    its own, whose fixed part is charged too, so a step takes a bounded number of them."""
+    sched, _ = make(slots=16, step=40, waiting=16)
+    a = seq(2)
+    sched.add(a)
+    run(sched.schedule())
+    tails = [seq(2) for _ in range(10)]
+    for s in tails:
+        sched.add(s)
+    plan = sched.schedule()
+    # 39 tokens left; each 2-token chunk costs 2 + 6: four fit, and the next step goes on
+    assert [c.tokens for c in plan.prefill] == [2, 2, 2, 2]
 
 
 def test_the_oldest_prompt_progresses_when_decode_rows_take_the_whole_budget() -> None:
@@ -153,6 +202,23 @@ def test_admission_waits_in_order_for_slots_and_budget() -> None:
     assert plan.copies == (Copy(1, 0, 0, b.computed, move=True),) and b.slot == 0
     assert plan.admitted == (c,) and c.slot == 1 and room.reserved_tokens == 70
     assert plan.decode == (b,)
+
+
+def test_one_move_a_step_closes_the_holes_below_the_decoding_rows() -> None:
+    sched, room = make(slots=4, budget=400)
+    streams = [seq(10, 20) for _ in range(4)]
+    for s in streams:
+        sched.add(s)
+    run(sched.schedule())
+    sched.finish(streams[0])
+    sched.finish(streams[1])  # holes at slots 0 and 1 under streams in slots 2 and 3
+    plan = sched.schedule()
+    top = streams[3]
+    assert plan.copies == (Copy(3, 0, 0, top.computed, move=True),) and top.slot == 0
+    run(plan)
+    plan = sched.schedule()
+    assert plan.copies == (Copy(2, 1, 0, streams[2].computed, move=True),)
+    assert sorted(s.slot for s in streams[2:]) == [0, 1] and room.free_slots == 2
 
 
 def test_the_head_of_the_queue_is_not_overtaken() -> None:
