@@ -32,6 +32,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
+from benchmarks.readings import table
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 
@@ -226,3 +227,43 @@ def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
         for name, c in checks.items()
     ]
     return checks, lines
+
+
+def section(r: dict) -> str:
+    """benchmarks/README.md's section for results/llm_anchor.json (benchmarks/summary.py)."""
+    a = r["anchor"]
+    if "skipped" in a:
+        return f"## LLM engine against llama-server\n\nnot measured: {a['skipped']}"
+    systems = {"llama-server": a["llama_server"], "meshserve": a["meshserve"]}
+    single = [
+        [
+            name,
+            s["single"]["decode_tokens_per_s"],
+            s["single"]["ttft_ms"],
+            f"{s['rss_mb'].get('start')} -> {s['rss_mb'].get('peak')}",
+        ]
+        for name, s in systems.items()
+    ]
+    levels = [
+        [
+            name,
+            lv["streams"],
+            lv["output_tokens_per_s"],
+            lv["ttft_ms"]["p50"],
+            lv["itl_ms"]["p50"],
+            lv["itl_ms"]["p99"],
+        ]
+        for name, s in systems.items()
+        for lv in s["load"]
+    ]
+    return "\n\n".join(
+        [
+            "## LLM engine against llama-server (continuous batching, same GGUF)",
+            f"`python -m benchmarks.llm --systems llama-server` — {r['note']} Plan: "
+            f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}. Medians of the "
+            "rounds; each round's figures are in the file.",
+            table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
+            table(["system", "streams", "tok/s", "TTFT p50", "ITL p50", "ITL p99"], levels),
+            "\n".join(f"- {line}" for line in a["reading"]),
+        ]
+    )
