@@ -60,6 +60,9 @@ STEP_TOKENS_PER_ROW = "meshserve.step_tokens_per_row"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
 # "false": no prefix cache (every prompt prefilled from nothing); default "true"
 PREFIX_CACHING = "meshserve.prefix_caching"
+# "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,
+# far slower on a busy one); default "false"
+INTRA_OP_SPINNING = "meshserve.intra_op_spinning"
 # speculative decoding: a draft step graph (a path in the model's folder), and k
 DRAFT_MODEL = "meshserve.draft_model"
 NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"

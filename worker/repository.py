@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 
+from common import model_keys
 from common.errors import NotFound
 from protos import model_config_pb2 as mc
 from worker import config as cfg
@@ -134,12 +135,13 @@ class Repository:
         path = model_dir / version / "model.onnx"
         options = self.options
         if cfg.is_llm(config):
-            # The engine's runs alternate with Python on the event loop (sampling,
-            # detokenizing, gRPC), and with a draft model's runs: a pool spinning after its
-            # run takes the cores they need, and a spinning thread descheduled on a busy
-            # machine stalls the next run (benchmarks/llm_step.py: 34 vs 287 ms per decode
-            # step, 2 threads, shared 2-core machine; llm_speculative.py for the draft).
-            options = dataclasses.replace(options, allow_spinning=False)
+            # Off unless the model says `meshserve.intra_op_spinning: "true"`. The engine's
+            # runs alternate with Python on the event loop (sampling, detokenizing, gRPC) and
+            # with a draft model's runs: on a busy machine a pool spinning after its run takes
+            # the cores they need, and a spinning thread descheduled stalls the next run
+            # (benchmarks/llm_step.py: 34 vs 287 ms per decode step, shared 2-core machine).
+            # On a machine of its own spinning is faster (docs/llm.md: +23% single-stream).
+            options = dataclasses.replace(options, allow_spinning=_spinning(config))
         session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
@@ -226,3 +228,15 @@ class Repository:
     async def close(self) -> None:
         for model in self.all():
             await model.close()
+
+
+def _spinning(config: mc.ModelConfig) -> bool:
+    """An LLM's `meshserve.intra_op_spinning` parameter ("true" / "false"; default false)."""
+    param = config.parameters.get(model_keys.INTRA_OP_SPINNING)
+    value = param.string_value.lower() if param is not None else "false"
+    if value not in ("true", "false"):
+        raise cfg.ConfigError(
+            f"model {config.name!r}: parameter {model_keys.INTRA_OP_SPINNING} must be true or "
+            f"false, got {value!r}"
+        )
+    return value == "true"
