@@ -211,6 +211,23 @@ def wait_serving(
     raise TimeoutError(f"{process.name} at {address} not serving after {timeout}s")
 
 
+def router_processes(args: tuple[str, ...] | list[str]) -> int:
+    """The `--processes N` among a router's arguments (1 without it)."""
+    args = list(args)
+    return int(args[args.index("--processes") + 1]) if "--processes" in args else 1
+
+
+def wait_logged(process: Process, event: str, timeout: float = 60.0) -> None:
+    """Until the process's log holds `event`; fails early, with the log, if it died."""
+    deadline = time.monotonic() + timeout
+    while event not in process.log.read_text():
+        if not process.alive:
+            raise RuntimeError(f"{process.name} exited:\n{process.log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{process.name}: no {event} in {process.log} after {timeout}s")
+        time.sleep(0.1)
+
+
 @dataclass
 class LocalMesh:
     """A private redis-server (or a given Redis), worker processes, a router and, after them,
@@ -318,6 +335,8 @@ class LocalMesh:
         router = router_process(port, url, self.log_dir, *flags, *extra).start()
         address = f"127.0.0.1:{port}"
         wait_serving(address, router, credentials=self.client_credentials())
+        if router_processes(extra) > 1:  # every process serving, not only the first
+            wait_logged(router, "router_processes_ready")
         return address, router
 
     def start_router(self, *extra: str, port: int = 0) -> str:

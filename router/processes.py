@@ -99,7 +99,13 @@ def supervise(settings: RouterSettings) -> int:
         pids=[p.pid for p, _ in children],
     )
     code = 0
+    all_ready = False
     while not stop.wait(POLL_S):
+        if not all_ready and all(ready.is_set() for _, ready in children):
+            # the port answers once the first process serves; until the last one has bound
+            # it, every connection lands on those already serving
+            all_ready = True
+            log.info("router_processes_ready", processes=settings.processes)
         for index, (process, ready) in enumerate(children):
             if process.is_alive():
                 continue

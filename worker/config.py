@@ -209,6 +209,15 @@ def _check_parameters(config: mc.ModelConfig) -> None:
             )
 
 
+def bool_parameter(model: str, key: str, value: str | None, default: bool) -> bool:
+    """A model's "true" / "false" parameter (any case); `value` None: unset, the default."""
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false"):
+        raise ConfigError(f"model {model!r}: parameter {key} must be true or false, got {value!r}")
+    return value.lower() == "true"
+
+
 def add_index_bounds(config: mc.ModelConfig, bounds: Mapping[str, int]) -> None:
     """Record the vocabulary sizes found in the graph, unless the config set them."""
     for name, size in bounds.items():

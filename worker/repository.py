@@ -232,11 +232,6 @@ class Repository:
 
 def _spinning(config: mc.ModelConfig) -> bool:
     """An LLM's `meshserve.intra_op_spinning` parameter ("true" / "false"; default false)."""
-    param = config.parameters.get(model_keys.INTRA_OP_SPINNING)
-    value = param.string_value.lower() if param is not None else "false"
-    if value not in ("true", "false"):
-        raise cfg.ConfigError(
-            f"model {config.name!r}: parameter {model_keys.INTRA_OP_SPINNING} must be true or "
-            f"false, got {value!r}"
-        )
-    return value == "true"
+    key = model_keys.INTRA_OP_SPINNING
+    value = config.parameters[key].string_value if key in config.parameters else None
+    return cfg.bool_parameter(config.name, key, value, default=False)

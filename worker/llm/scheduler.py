@@ -130,10 +130,7 @@ class Room(Protocol):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # decode rows + prefill tokens per step while anything decodes: the larger of
-    # max_step_tokens and step_tokens_per_row per decoding row (a decode step's cost grows
-    # with its rows, so the chunk it can carry does too)
-    max_step_tokens: int
+    max_step_tokens: int  # with step_tokens_per_row: a step's budget (`step_budget`)
     prefill_chunk: int  # prompt tokens of one sequence per step, at most
     max_waiting: int  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
     step_tokens_per_row: int = 0

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from common import llm_protocol, model_keys
 from common.errors import InvalidArgument
 from worker import token_metrics
-from worker.config import ConfigError, ModelSpec
+from worker.config import ConfigError, ModelSpec, bool_parameter
 from worker.llm import prefix, sampling
 from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
@@ -106,13 +106,8 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
 
 
 def _prefix_caching(spec: ModelSpec) -> bool:
-    value = spec.parameters.get(model_keys.PREFIX_CACHING, "true").lower()
-    if value not in ("true", "false"):
-        raise ConfigError(
-            f"model {spec.name!r}: parameter {model_keys.PREFIX_CACHING} must be true or false, "
-            f"got {value!r}"
-        )
-    return value == "true"
+    key = model_keys.PREFIX_CACHING
+    return bool_parameter(spec.name, key, spec.parameters.get(key), default=True)
 
 
 def draft_path(spec: ModelSpec, model_dir: Path) -> Path | None:

@@ -73,6 +73,7 @@ class StepRunner:
     async def run(self, plan: scheduler.StepPlan[Sequence]) -> None:
         """Run the plan: its copies, its prefill chunks, then its decode rows; accept each
         result."""
+        self.stats.steps += 1
         start = time.perf_counter_ns()
         try:
             await self._run_plan(plan)
@@ -81,7 +82,6 @@ class StepRunner:
 
     async def _run_plan(self, plan: scheduler.StepPlan[Sequence]) -> None:
         loop = asyncio.get_running_loop()
-        self.stats.steps += 1
         if plan.copies:
             await loop.run_in_executor(self.pool, self._copy, plan.copies)
         for chunk in plan.prefill:

@@ -49,6 +49,18 @@ def make(
     return Scheduler(room, config), room
 
 
+def decoding(
+    sched: Scheduler[Sequence], n: int, prompt_len: int, max_tokens: int = 16
+) -> list[Sequence]:
+    """n prompts of prompt_len tokens, admitted and prefilled in one step: from the next
+    step on they decode."""
+    streams = [seq(prompt_len, max_tokens) for _ in range(n)]
+    for s in streams:
+        sched.add(s)
+    run(sched.schedule())
+    return streams
+
+
 def run(plan: StepPlan[Sequence]) -> None:
     """What the engine does with a plan: the chunks' tokens are now cached (a completed
     prompt samples its first token); each decode row caches its last token and samples."""
@@ -77,10 +89,7 @@ def test_a_lone_prompt_prefills_its_whole_chunk_then_decodes() -> None:
 
 def test_decode_rows_and_prefill_chunks_share_the_step_budget() -> None:
     sched, _ = make(step=64)
-    streams = [seq(4) for _ in range(3)]
-    for s in streams:
-        sched.add(s)
-    run(sched.schedule())  # the three short prompts prefill together (4 + 4 + 4 <= 512)
+    streams = decoding(sched, 3, 4)  # the three short prompts prefill together (12 <= 512)
     long = seq(1000, max_tokens=8)
     sched.add(long)
     starts = []
@@ -122,10 +131,7 @@ def test_the_step_budget_grows_with_the_decoding_rows() -> None:
     stall: the budget is max(max_step_tokens, step_tokens_per_row x decoding rows)."""
     sched, _ = make(slots=16, step=24, chunk=512, per_row=4, waiting=16)
     assert [sched.step_budget(n) for n in (0, 1, 6, 8, 16, 32)] == [512, 24, 24, 32, 64, 128]
-    streams = [seq(2) for _ in range(12)]
-    for s in streams:
-        sched.add(s)
-    run(sched.schedule())
+    decoding(sched, 12, 2)
     late = seq(500)
     sched.add(late)
     plan = sched.schedule()
@@ -138,9 +144,7 @@ def test_many_small_chunks_cannot_fill_a_step_with_runs() -> None:
     """Prefix-cache hits leave prompts with a few tokens each to compute; each is a run of
     its own, whose fixed part is charged too, so a step takes a bounded number of them."""
     sched, _ = make(slots=16, step=40, waiting=16)
-    a = seq(2)
-    sched.add(a)
-    run(sched.schedule())
+    decoding(sched, 1, 2)
     tails = [seq(2) for _ in range(10)]
     for s in tails:
         sched.add(s)
@@ -151,10 +155,7 @@ def test_many_small_chunks_cannot_fill_a_step_with_runs() -> None:
 
 def test_the_oldest_prompt_progresses_when_decode_rows_take_the_whole_budget() -> None:
     sched, _ = make(slots=8, step=4)
-    streams = [seq(1) for _ in range(5)]
-    for s in streams:
-        sched.add(s)
-    run(sched.schedule())
+    decoding(sched, 5, 1)
     late = seq(10)
     sched.add(late)
     plan = sched.schedule()
@@ -170,10 +171,7 @@ def test_no_chunk_is_one_token_nor_leaves_one_behind() -> None:
     ]  # fmt: skip
     for step in range(1, 12):
         sched, _ = make(slots=8, step=step, chunk=7)
-        streams = [seq(2) for _ in range(3)]
-        for s in streams:
-            sched.add(s)
-        run(sched.schedule())
+        decoding(sched, 3, 2)
         prompts = [seq(n) for n in (2, 3, 9, 17, 33)]
         for s in prompts:
             sched.add(s)
@@ -206,10 +204,7 @@ def test_admission_waits_in_order_for_slots_and_budget() -> None:
 
 def test_one_move_a_step_closes_the_holes_below_the_decoding_rows() -> None:
     sched, room = make(slots=4, budget=400)
-    streams = [seq(10, 20) for _ in range(4)]
-    for s in streams:
-        sched.add(s)
-    run(sched.schedule())
+    streams = decoding(sched, 4, 10, max_tokens=20)
     sched.finish(streams[0])
     sched.finish(streams[1])  # holes at slots 0 and 1 under streams in slots 2 and 3
     plan = sched.schedule()
