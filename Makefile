@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server
+.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server genaiperf-venv
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ proto: $(STUBS)
 $(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/usage.proto protos/compile.py $(STAMP)
 	$(BIN)/python protos/compile.py
 
-test: $(STUBS) llamacpp-venv
+test: $(STUBS) llamacpp-venv genaiperf-venv
 	$(BIN)/python -m pytest -q
 
 # The fast set: every package's unit tests, no process-level tests (tests/integration) and
@@ -85,6 +85,15 @@ $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 		$(LLAMACPP_VENV)/bin/pip install --no-cache-dir 'llama-cpp-python[server]==0.3.36'
 	echo "$(LLAMACPP_CMAKE_ARGS)" > $@
 	touch $@
+
+# genai-perf 0.0.16 and its perf_analyzer for tests/integration/test_http.py and
+# benchmarks.llm_genai_perf, installed before the tests so that pip's minutes on a busy
+# machine do not count against a test's timeout (a failed install leaves the test to say why).
+GENAIPERF_VENV := build/genaiperf-venv
+genaiperf-venv: $(GENAIPERF_VENV)/bin/genai-perf
+$(GENAIPERF_VENV)/bin/genai-perf: $(STAMP)
+	-$(BIN)/python -c 'import sys, pathlib; from benchmarks import llm_genai_perf as g; \
+	  sys.exit(g.ensure_venv(pathlib.Path("$(GENAIPERF_VENV)"), pathlib.Path("build/genai-perf-install.log")))'
 
 # llama.cpp's own server (continuous batching over --parallel slots) for benchmarks.llm, built
 # from the llama.cpp sources that the llama-cpp-python 0.3.36 sdist vendors: cmake, target

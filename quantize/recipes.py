@@ -14,6 +14,8 @@ from pathlib import Path
 
 import onnx
 
+from quantize.embedding import quantize_gathers
+
 ENCODER = "encoder"
 DECODER = "decoder"
 
@@ -79,7 +81,9 @@ def _weight_only(bits: int, block_size: int) -> Callable[[Path, Path], None]:
             algo_config=config,
         )
         quantizer.process()
-        onnx.save(quantizer.model.model, str(dst))
+        model = quantizer.model.model
+        quantize_gathers(model)  # the embedding table too: MatMulNBits covers the MatMuls only
+        onnx.save(model, str(dst))
 
     return apply
 
@@ -91,6 +95,7 @@ def _gguf_exact_int4(src: Path, dst: Path) -> None:
 
     model = onnx.load(str(src))
     quantize_matmuls(model, accuracy_level=4, otherwise="int4")
+    quantize_gathers(model)  # SmolLM2's tied Q8_0 embedding: its own codes again
     onnx.save(model, str(dst))
 
 

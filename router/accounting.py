@@ -345,13 +345,14 @@ class Accounting:
         self._epoch_checked = True
 
     async def _send(self, batches: list[Batch]) -> int:
-        args = [self._last_appended]
+        args = [self._last_appended, self.router_id]
         for b in batches:
             b.epoch = b.epoch or self.epoch
             args += b.args()
         keys = [
             mesh_state.calls_stream(self.router_id),
             mesh_state.ledger_ack_key(self.router_id),
+            mesh_state.ROUTERS,
         ]
         appended = int(await self._append(keys=keys, args=args))
         if appended >= 0 and batches:

@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 from router.usage import Usage
 
-# KEYS[1]: the stream, KEYS[2]: the ledger's ack. ARGV[1]: the id this router appended last
-# ("" before its first append). Then (id, usage, at_ms) per batch. Returns the number of
-# batches now in Redis, or -1 when Redis lost what this router appended last (neither in the
-# stream nor acked: a restart without it, an old AOF, a failover to a replica that lagged).
-# An id at or below the stream's last one is skipped only when that entry is there already
-# (a resend) or the ledger acked it; else the script fails, so no count is ever reported as
-# written when it was not.
+# KEYS[1]: the stream, KEYS[2]: the ledger's ack, KEYS[3]: the set of routers the ledger
+# drains. ARGV[1]: the id this router appended last ("" before its first append), ARGV[2]:
+# this router's id, added to KEYS[3] with its batches, so a router killed right after its
+# first append still has that batch drained. Then (id, usage, at_ms) per batch. Returns the
+# number of batches now in Redis, or -1 when Redis lost what this router appended last
+# (neither in the stream nor acked: a restart without it, an old AOF, a failover to a
+# replica that lagged). An id at or below the stream's last one is skipped only when that
+# entry is there already (a resend) or the ledger acked it; else the script fails, so no
+# count is ever reported as written when it was not.
 APPEND = """
 local function parse(id)
   local ms, seq = string.match(id, "^(%d+)-(%d+)$")
@@ -38,7 +40,8 @@ if ARGV[1] ~= "" and #redis.call("XRANGE", KEYS[1], ARGV[1], ARGV[1], "COUNT", 1
     and not acked(ARGV[1]) then
   return -1
 end
-for i = 2, #ARGV, 3 do
+redis.call("SADD", KEYS[3], ARGV[2])
+for i = 3, #ARGV, 3 do
   local r = redis.pcall("XADD", KEYS[1], ARGV[i], "usage", ARGV[i + 1], "at_ms", ARGV[i + 2])
   if type(r) == "table" and r.err then
     if not string.find(r.err, "equal or smaller") then return redis.error_reply(r.err) end
@@ -49,7 +52,7 @@ for i = 2, #ARGV, 3 do
     end
   end
 end
-return (#ARGV - 1) / 3
+return (#ARGV - 2) / 3
 """
 
 

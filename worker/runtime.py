@@ -227,6 +227,9 @@ OPAQUE_OPS = frozenset(
 
 
 _PASS_THROUGH = ("Identity", "Cast", "DequantizeLinear")
+# gathers over a table: op -> the attribute naming the gathered axis (GatherBlockQuantized,
+# an embedding in 8-bit blocks, keeps its codes unpacked along that axis: one row per id)
+GATHERS = {"Gather": "axis", "GatherBlockQuantized": "gather_axis"}
 
 
 def index_bounds(path: Path) -> dict[str, int]:
@@ -247,7 +250,7 @@ def index_bounds(path: Path) -> dict[str, int]:
     inputs = {i.name for i in graph.input} - set(tables)
     bounds: dict[str, int] = {}
     for node in graph.node:
-        if node.op_type != "Gather" or len(node.input) < 2:
+        if node.op_type not in GATHERS or len(node.input) < 2:
             continue
         indices = node.input[1]
         source = produced.get(indices)
@@ -256,7 +259,8 @@ def index_bounds(path: Path) -> dict[str, int]:
         dims = _table(node.input[0], tables, produced)
         if indices not in inputs or not dims:
             continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(dims)
+        key = GATHERS[node.op_type]
+        axis = next((a.i for a in node.attribute if a.name == key), 0) % len(dims)
         bounds[indices] = min(dims[axis], bounds.get(indices, dims[axis]))
     return bounds
 

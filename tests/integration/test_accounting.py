@@ -77,3 +77,21 @@ def test_batches_a_lagging_replica_lost_are_sent_again(mesh: Mesh) -> None:
     lost = asyncio.run(run())
     ids = [entry_id for entry_id, _ in r.xrange(stream)]
     assert len(ids) == 4 and ids[1:3] == lost  # every batch once, in order
+
+
+def test_a_batch_names_its_router_for_the_ledger_as_it_is_appended(mesh: Mesh) -> None:
+    """The ledger drains the routers in meshserve:routers. A router killed after its first
+    append, before its live totals were ever written, must be in that set already, or the
+    billed pieces its client received would never reach the ledger."""
+    r = mesh.redis_client()
+
+    async def run() -> None:
+        accounting = Accounting(mesh.redis_url, "r1")  # never started: no totals loop
+        accounting.record("mlp", "1", True, 250)
+        assert await accounting.flush()
+        await accounting.redis.aclose()
+
+    asyncio.run(run())
+    assert r.xlen(mesh_state.calls_stream("r1")) == 1
+    assert r.smembers(mesh_state.ROUTERS) == {"r1"}
+    assert not r.exists(mesh_state.usage_key("r1"))  # the live view was not what put it there
