@@ -158,6 +158,14 @@ def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[st
         worker.stop(30)
 
 
+NOTE = (
+    "How busy the machine was is recorded, not assumed: load averages at start and end "
+    "(machine) and before each server (anchor.*.load_before). The llama-server anchor's "
+    "figures are medians of anchor.plan.rounds rounds; the other systems' are one run each. "
+    "Compare systems within this file only."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs = ROOT / "build" / "bench-llm"
@@ -167,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "benchmark": "llm",
         "machine": {**machine(), "load_avg_start": load_avg()},
-        "note": (
-            "Shared 2-core machine (other engineers' builds and tests run alongside): every "
-            "figure is one run, noisy; compare systems within this file only."
-        ),
+        "note": NOTE,
         "model": {"gguf": str(ctx.gguf), "bytes": ctx.gguf.stat().st_size},
         "settings": {
             k: getattr(args, k)

@@ -191,7 +191,8 @@ def lm_head(g: Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, ep
     last = g.one("Reshape", [last, g.const("rows_by_hidden", np.array([-1, hidden], np.int64))])
     h = g.rms_norm(last, g.const("norm.weight", state["norm.weight"].numpy()), eps)
     # The LM head gets its own [in, out] copy even when tied to the embedding: the Gather
-    # reads rows of the fp32 table, while the quantizers can then shrink the head's MatMul.
+    # reads rows of the table (8-bit blocks after quantize/embedding.py), while the
+    # quantizers can then shrink the head's MatMul.
     return g.linear(h, "lm_head.weight", state["lm_head.weight"])
 
 

@@ -204,7 +204,8 @@ RECIPES = {
             "decoder-int8-weight-only",
             DECODER,
             "CPU/GPU serving of the decoder: MatMul weights in 8-bit blocks of 32 "
-            "(MatMulNBits, accuracy_level 4 = int8 compute); activations stay float, so "
+            "(MatMulNBits, accuracy_level 4 = int8 compute), the embedding table in 8-bit "
+            "blocks too (GatherBlockQuantized); activations stay float, so "
             "the KV cache and the causal mask keep full range. Decode steps are bound by "
             "weight bytes, which this quarters.",
             DECODER_GATE,
