@@ -82,6 +82,9 @@ class Process:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             self.popen.kill()
+            # why it did not stop belongs in the failure it causes, not in a deleted log dir
+            print(f"{self.name} ignored SIGTERM for {timeout}s; its log ends:", file=sys.stderr)
+            print(self.log.read_text(errors="replace")[-4000:], file=sys.stderr)
             return self.popen.wait(5)
 
     def kill(self) -> None:

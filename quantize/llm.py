@@ -5,7 +5,8 @@ step graph (quantize/llm_graph.py), a recipe quantizes it, and the gate judges i
 worker serves it (quantize/evaluate.py runs the engine). This module only picks one recipe
 and installs it alone, as `make run` and the tests want it:
 
-    OUTPUT/<name>/1/model.onnx   the accepted artifact, with tokenizer.json, a decoupled
+    OUTPUT/<name>/1/model.onnx   the accepted artifact (its weights in model.onnx.data
+                                 beside it), with tokenizer.json, a decoupled
                                  config.pbtxt (Triton's vLLM-backend tensors) and
                                  tokenizer_config.json (the GGUF's chat template)
 """
@@ -60,18 +61,35 @@ def install(
 
     chat = json.dumps(weights.smollm2_tokenizer_config(), indent=2) + "\n"
 
+    served = served_graph(src)
+
     def write(tmp: Path) -> None:
         shutil.copy(src.tokenizer, tmp / TOKENIZER_FILE)
         (tmp / TOKENIZER_CONFIG_FILE).write_text(chat)  # the chat template (worker/llm/chat.py)
         (tmp / "1").mkdir()
-        try:  # a hard link when the cache is on the same disk: no second copy
-            (tmp / "1" / MODEL_FILE).hardlink_to(src.model)
-        except OSError:
-            shutil.copy(src.model, tmp / "1" / MODEL_FILE)
+        for file in llm_graph.served_files(served):
+            try:  # a hard link when the cache is on the same disk: no second copy
+                (tmp / "1" / file.name).hardlink_to(file)
+            except OSError:
+                shutil.copy(file, tmp / "1" / file.name)
         (tmp / "config.pbtxt").write_text(config_text(name, recipe_name, max_model_len))
 
     pipeline._staged(output / name, write)
     return output / name
+
+
+def served_graph(artifact: pipeline.Artifact) -> Path:
+    """The artifact's graph with its weights beside it (llm_graph.save_served), written once
+    into the cache (ARTIFACT/served/) and again whenever the artifact is newer."""
+    path = artifact.folder / "served" / MODEL_FILE
+    if not path.exists() or path.stat().st_mtime_ns < artifact.model.stat().st_mtime_ns:
+        proto = onnx.load(str(artifact.model))
+
+        def write(tmp: Path) -> None:
+            llm_graph.save_served(proto, tmp / MODEL_FILE)
+
+        pipeline._staged(path.parent, write)
+    return path
 
 
 def build(
@@ -136,7 +154,7 @@ def build_checkpoint(
         ck.tokenizer.no_truncation()
         ck.tokenizer.save(str(tmp / TOKENIZER_FILE))
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(ck.tokenizer_config, indent=2) + "\n")
-        llm_graph.save(proto, tmp / "1" / MODEL_FILE)
+        llm_graph.save_served(proto, tmp / "1" / MODEL_FILE)
         label = f"{AS_STORED}-{ck.architecture}"
         (tmp / "config.pbtxt").write_text(llm_config_text(source, {1: label}))
 

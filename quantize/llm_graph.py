@@ -340,3 +340,32 @@ def save(proto: onnx.ModelProto, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(proto, str(path))
     return path
+
+
+WEIGHTS_SUFFIX = ".data"  # a served graph's weights: model.onnx.data beside model.onnx
+
+
+def served_files(path: Path) -> tuple[Path, Path]:
+    """A served step graph's two files: the graph, and its weights beside it."""
+    return path, path.with_name(path.name + WEIGHTS_SUFFIX)
+
+
+def save_served(proto: onnx.ModelProto, path: Path) -> Path:
+    """The graph as a worker serves it: nodes in `path`, every weight in one file beside it
+    (onnx external data). onnxruntime maps that file instead of reading it into the heap:
+    what it prepacks (MatMulNBits) it copies and lets go, and the 8-bit embedding is read
+    in place, so only the rows of tokens seen become resident (SmolLM2 int8: session 273 ->
+    239 MB, load peak 331 -> 265 MB). The worker's own reads of the graph (index bounds,
+    string inputs) parse 100 KB instead of the whole file. Empties `proto`'s tensors."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = served_files(path)[1]
+    weights.unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save_model(
+        proto,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=weights.name,
+        size_threshold=1024,
+    )
+    return path

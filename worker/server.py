@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import os
 import sys
@@ -47,6 +48,11 @@ log = structlog.get_logger()
 
 
 FAILED_EXIT_S = 5.0  # after a group failure the process is gone within this, whatever waits
+DEREGISTER_S = 2.0  # leaving the registry waits this long for Redis, then drains regardless
+# A drain that outlives its stages (leave, wait, grace) by this much is stuck somewhere: every
+# thread's stack goes to the log and the process exits 1, so a supervisor never has to kill -9
+# a worker that hangs in silence.
+DRAIN_SLACK_S = 5.0
 
 
 class GroupFailed(Exception):
@@ -111,6 +117,7 @@ async def serve(settings: WorkerSettings) -> None:
 
         group.start(group_failed)
     await stop.wait()
+    faulthandler.dump_traceback_later(drain_budget(settings), exit=True)
     if failure:
         await stop_failed(failure[0], grpc_server, registration, group)
     await drain(settings, repository, grpc_server, registration)
@@ -226,13 +233,21 @@ async def drain(
     """SIGTERM: leave the registry, wait for routers to notice, finish in-flight calls."""
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
     if registration is not None:
-        await registration.deregister()  # routers stop picking us...
+        try:  # routers stop picking us...
+            await asyncio.wait_for(registration.deregister(), DEREGISTER_S)
+        except TimeoutError:  # our entries expire with their TTL instead
+            log.warning("deregister_timed_out", seconds=DEREGISTER_S)
         await asyncio.sleep(settings.drain_seconds)  # ...once they next read the registry
     grpc_server.servicer.ready = False
     await grpc_server.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
     await grpc_server.server.stop(settings.grace_seconds)  # refuse new calls, finish in-flight
     await repository.close()
     log.info("worker_stopped")
+
+
+def drain_budget(settings: WorkerSettings) -> float:
+    """Seconds a drain may take, from SIGTERM to exit, before the watchdog ends it."""
+    return DEREGISTER_S + settings.drain_seconds + settings.grace_seconds + DRAIN_SLACK_S
 
 
 def kv_tokens(repository: Repository) -> tuple[int, int]:

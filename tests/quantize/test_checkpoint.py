@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from quantize import checkpoints, evaluate, llm, llm_graph
 from quantize.checkpoint import CheckpointError
 from quantize.models import DecoderConfig, LlamaDecoder, greedy
+from worker import runtime
 
 PROMPT = [5, 40, 41, 300, 7, 99]
 
@@ -36,6 +37,21 @@ def test_the_step_graph_defaults_to_the_model_context(tmp_path: Path) -> None:
     path = llm_graph.save(llm.checkpoint_graph(ck), tmp_path / "model.onnx")
     model = evaluate.step_model(path)
     assert model.facts.max_positions == 512 and model.facts.kv_dtype == "float32"
+
+
+def test_a_served_checkpoint_keeps_its_weights_beside_its_graph(tmp_path: Path) -> None:
+    """build_checkpoint writes model.onnx (nodes) and model.onnx.data (weights): the graph
+    file alone tells the worker its index bounds, and the pair serves the very tokens the
+    single-file graph does."""
+    ck = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q8_0"))
+    single = llm_graph.save(llm.checkpoint_graph(ck), tmp_path / "single" / "model.onnx")
+    folder = llm.build_checkpoint(tmp_path / "s.gguf", tmp_path / "repo", "tiny")
+    graph, weights = llm_graph.served_files(folder / "1" / "model.onnx")
+    assert graph.stat().st_size < 100_000 < weights.stat().st_size
+    assert weights.stat().st_size > 0.9 * single.stat().st_size
+    assert runtime.index_bounds(graph) == {"input_ids": 320}
+    served = evaluate.greedy(evaluate.step_model(graph), ck.tokenizer, [PROMPT], 8)
+    assert served == evaluate.greedy(evaluate.step_model(single), ck.tokenizer, [PROMPT], 8)
 
 
 @pytest.mark.parametrize(
