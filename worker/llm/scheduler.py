@@ -17,7 +17,10 @@ One step, in order:
    the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
    max_tokens` tokens of the budget, so a running sequence never runs out of cache and
    nothing is ever evicted; a request that could not fit an empty cache was refused by the
-   engine up front). The head waits rather than be overtaken, so nothing starves.
+   engine up front). The head waits rather than be overtaken, so nothing starves. While
+   streams decode, copies come out of the step's token budget (`copy_tokens`): a step
+   admits the head whatever its prefix copy costs, and further prefix hits while the
+   budget holds their copies.
 4. **Decode**: every running sequence past its prompt decodes one token (or verifies k
    drafts when it decodes alone and a draft model is set: k + 1 tokens).
 5. **Prefill**: the decode rows' tokens come out of the step's token budget (as vLLM's
@@ -94,11 +97,31 @@ S = TypeVar("S", bound=Sequence)
 # whatever their sizes, so a prompt's keys, values and first token are the same however it
 # was chunked, cached or batched (docs/llm.md, "Exact by construction").
 MIN_CHUNK = 2
-# A prefill run's fixed cost, in prompt tokens: one chunk of 2 tokens took 10.8 ms and each
-# further token 1.36 ms (benchmarks/llm_step.py, SmolLM2, 2 threads), so a prefix-cache hit's
-# 2-token remainder is charged 8 tokens of the step's budget, and a step cannot stall its
-# streams with a dozen such runs
+# A prefill run's fixed cost, in prompt tokens: one chunk of 2 tokens over 300 cached ones
+# took 10.8 ms and each further token 1.36 ms (benchmarks/llm_step.py, SmolLM2, 2 threads);
+# and a run also reads every cached row of its sequence, once per new token: a prefix-cache
+# hit's 2-token remainder over ~1,000 cached rows ran 15-22 ms while 16 streams decoded. So a
+# chunk is charged RUN_TOKENS + one token per ATTEND_ROWS_PER_TOKEN rows it attends to,
+# besides its own tokens, and a step cannot stall its streams with a handful of such runs
+# (four had tripled a 55 ms step).
 RUN_TOKENS = 6
+ATTEND_ROWS_PER_TOKEN = 128
+
+
+def run_tokens(cached: int) -> int:
+    """A prefill run's cost beyond its own tokens, for a sequence with `cached` rows."""
+    return RUN_TOKENS + cached // ATTEND_ROWS_PER_TOKEN
+
+
+# A copy's cost, in rows per prompt token: a reused prefix or a moved sequence copied into
+# pages not yet resident took 30-40 us a row (2,224 rows: 71-80 ms; page faults, not the
+# memcpy), so while streams decode, a step's copies come out of its token budget too
+COPY_ROWS_PER_TOKEN = 32
+
+
+def copy_tokens(rows: int) -> int:
+    """What copying `rows` cache rows costs of a step's budget, in prompt tokens."""
+    return -(-rows // COPY_ROWS_PER_TOKEN)
 
 
 def chunk_tokens(remaining: int, limit: int) -> int:
@@ -209,23 +232,32 @@ class Scheduler(Generic[S]):
 
     def schedule(self) -> StepPlan[S]:
         cancelled, freed = self._drop_cancelled()
-        admitted = []
+        admitted: list[S] = []
         copies: list[Copy] = []
         self._compact(copies)
-        while self.waiting and self._admit_one(self.waiting[0], copies):
-            admitted.append(self.waiting.popleft())
-        decode = tuple(s for s in self.running if not s.prefilling)
+        decode = tuple(s for s in self.running if not s.prefilling)  # admitted ones prefill
         drafts = self._drafts(decode)
         c = self.config
         budget = self.step_budget(len(decode))
         budget -= len(decode) * (1 + drafts)
         # while streams decode, each chunk (a run of its own) also costs a run's fixed part
-        overhead = RUN_TOKENS if decode else 0
+        # and its reading of the rows cached before it, and each copy (a compaction move, a
+        # reused prefix) its rows
+        if decode:
+            budget -= sum(copy_tokens(x.stop - x.start) for x in copies)
+        while self.waiting:
+            head, before = self.waiting[0], len(copies)
+            if not self._admit_one(head, copies, budget if decode and admitted else None):
+                break
+            admitted.append(self.waiting.popleft())
+            if decode:
+                budget -= sum(copy_tokens(x.stop - x.start) for x in copies[before:])
         prefill: list[Chunk[S]] = []
         for seq in self.running:
             if not seq.prefilling or not self._catch_up(seq, copies):
                 continue
             left = len(seq.prompt) - seq.computed
+            overhead = run_tokens(seq.computed) if decode else 0
             n = chunk_tokens(left, min(c.prefill_chunk, budget - overhead))
             if n < 1:
                 if prefill:
@@ -270,9 +302,12 @@ class Scheduler(Generic[S]):
         copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
         top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
 
-    def _admit_one(self, seq: S, copies: list[Copy]) -> bool:
+    def _admit_one(self, seq: S, copies: list[Copy], copy_budget: int | None = None) -> bool:
         """Give `seq` a slot and its reservation if the cache has room for them; with a
-        prefix cache, the longest cached prefix of its prompt comes with the slot."""
+        prefix cache, the longest cached prefix of its prompt comes with the slot. With a
+        `copy_budget` (tokens; a step that already admitted while streams decode), a prefix
+        whose copy would cost more waits for the next step; the step's first admission
+        always goes, so the head of the queue progresses."""
         if not self.room.fits(seq.reserve):
             return False
         if self.prefix is None:
@@ -281,6 +316,8 @@ class Scheduler(Generic[S]):
             match = self.prefix.lookup(seq.root, seq.prompt)
             if not self.prefix.fits(seq.reserve, match):  # no room to keep the source too
                 match = Match(-1, 0)
+            if copy_budget is not None and copy_tokens(match.tokens) > copy_budget:
+                return False
             plan = self.prefix.admit(seq.reserve, seq.root, seq.prompt, match)
             seq.slot = plan.slot
             seq.computed = seq.cached = plan.cached

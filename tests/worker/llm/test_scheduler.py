@@ -10,7 +10,9 @@ import pytest
 
 from common.errors import ResourceExhausted
 from worker.llm.kv_budget import KVBudget
+from worker.llm.prefix import PrefixCache
 from worker.llm.scheduler import (
+    ATTEND_ROWS_PER_TOKEN,
     RUN_TOKENS,
     Copy,
     Scheduler,
@@ -18,6 +20,7 @@ from worker.llm.scheduler import (
     Sequence,
     StepPlan,
     chunk_tokens,
+    copy_tokens,
 )
 
 _ids = itertools.count(1)
@@ -93,7 +96,7 @@ def test_decode_rows_and_prefill_chunks_share_the_step_budget() -> None:
     long = seq(1000, max_tokens=8)
     sched.add(long)
     starts = []
-    for _ in range(20):
+    for _ in range(40):
         plan = sched.schedule()
         assert plan.tokens <= 64, "a step never exceeds its token budget while streams decode"
         assert set(streams) <= set(plan.decode), "running streams decode in every step"
@@ -101,9 +104,11 @@ def test_decode_rows_and_prefill_chunks_share_the_step_budget() -> None:
         run(plan)
         if not long.prefilling:
             break
-    # 64 - 3 decode rows - a run's fixed cost = 55 prompt tokens per step, in order, with no
-    # gap, to the end
-    assert starts[0] == (0, 64 - 3 - RUN_TOKENS) and all(n == 55 for _, n in starts[:-1])
+    # 64 - 3 decode rows - a run's fixed cost and its reading of the rows cached before it:
+    # 55 prompt tokens a step while under 128 are cached, one fewer per 128 cached after
+    # that; in order, with no gap, to the end
+    assert starts[0] == (0, 64 - 3 - RUN_TOKENS)
+    assert all(n == 55 - a // ATTEND_ROWS_PER_TOKEN for a, n in starts[:-1])
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
     assert starts[-1][0] + starts[-1][1] == 1000
     assert long in sched.schedule().decode
@@ -275,3 +280,32 @@ def test_finish_is_idempotent_and_gives_the_slot_back_once() -> None:
     assert room.free_slots == 1 and room.reserved_tokens == 0
     with pytest.raises(ValueError, match="not allocated"):
         room.release(0, 1)
+
+
+def test_prefix_copies_come_out_of_the_step_budget_while_streams_decode() -> None:
+    """A prefix-cache hit is a copy of its cached rows (page faults, ~35 us a row): while
+    streams decode, a step takes the first hit waiting and further ones only as far as the
+    budget holds; the others wait for the next step. With nothing decoding, all go at once."""
+    room = PrefixCache(8, 8000, block_tokens=4)
+    sched = Scheduler(room, SchedulerConfig(24, 512, 8, step_tokens_per_row=4))
+    long_prompt = [[1000 * (i + 1) + t for t in range(400)] for i in range(2)]
+    first = [Sequence(id=next(_ids), prompt=p, reserve=420) for p in long_prompt]
+    for s in first:
+        sched.add(s)
+    while any(s.prefilling for s in first):  # nothing decodes: 512 prompt tokens a step
+        run(sched.schedule())
+    for s in first:
+        s.finish_reason = "length"
+        sched.finish(s)  # their prompts stay cached, in the retained region
+    streams = decoding(sched, 2, 4)
+    again = [Sequence(id=next(_ids), prompt=p, reserve=420) for p in long_prompt]
+    for s in again:
+        sched.add(s)
+    plan = sched.schedule()
+    # 2 rows: a budget of 24, less 2 rows; the first hit's 398 rows cost 13 tokens, which
+    # leaves 9: the second (13 more) waits
+    assert copy_tokens(398) == 13
+    assert plan.admitted == (again[0],) and plan.decode == tuple(streams)
+    assert [(c.start, c.stop) for c in plan.copies if not c.move] == [(0, 398)]
+    run(plan)
+    assert sched.schedule().admitted == (again[1],)
