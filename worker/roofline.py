@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from common import model_keys
 from planner import profiles
-from planner.analysis import AnalysisError, ModelAnalysis, analyse_file, read_config
 from planner.profiles import Profile
 from worker.stats import ModelStats, Work
+
+if TYPE_CHECKING:
+    from planner.analysis import ModelAnalysis
 
 log = structlog.get_logger()
 
@@ -87,6 +90,10 @@ class Roofs:
         return cls(probed, threads or None)
 
     def analysis(self, path: Path, name: str, version: str) -> ModelAnalysis | None:
+        # here, not at the top: the analysis (and onnx, 17 MB resident) is loaded once a
+        # model's roofline is first asked for, not by every worker at start
+        from planner.analysis import AnalysisError, analyse_file, read_config
+
         if path not in self._analyses:
             if path.name != "model.onnx" or path.parent.name != version:
                 self._analyses[path] = None  # a TP shard segment: not the whole model

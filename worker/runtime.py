@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import structlog
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
@@ -14,6 +15,9 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 from common import dtypes
 from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted
 from worker.config import GraphTensor, ModelSpec
+
+if TYPE_CHECKING:
+    from onnx import NodeProto
 
 log = structlog.get_logger()
 
@@ -94,10 +98,15 @@ class OnnxSession:
         self.text_op: str | None = None
         if any(t.datatype == "BYTES" for t in self.inputs + self.outputs):
             self.text_op = strings_reader(path)
-        # Integer inputs that index a table (token ids into an embedding): their bound.
-        self.index_bounds: dict[str, int] = {}
+
+    @functools.cached_property
+    def index_bounds(self) -> dict[str, int]:
+        """Integer inputs that index a table (token ids into an embedding): their bound. Read
+        when first asked: the LLM engine feeds its graph token ids from its own tokenizer
+        and never asks, so an LLM worker neither parses its graph nor imports onnx (17 MB)."""
         if any(t.datatype.startswith(("INT", "UINT")) for t in self.inputs):
-            self.index_bounds = index_bounds(path)
+            return index_bounds(self.path)
+        return {}
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         # v2 BYTES arrive as `bytes`; onnxruntime's string tensors take and give `str`.
@@ -237,6 +246,8 @@ def index_bounds(path: Path) -> dict[str, int]:
     perhaps quantized): input name -> rows of the table. onnxruntime reads a negative index
     from the end and fails on one past the end, so a token id outside 0..rows-1 is either
     silently wrong or an error deep in the graph; the codec rejects it up front."""
+    import onnx  # here, not at the top: see OnnxSession.index_bounds
+
     try:
         graph = onnx.load(str(path), load_external_data=False).graph
     except Exception:  # unreadable here: nothing known, onnxruntime still checks
@@ -266,7 +277,7 @@ def index_bounds(path: Path) -> dict[str, int]:
 
 
 def _table(
-    name: str, tables: dict[str, list[int]], produced: dict[str, onnx.NodeProto], hops: int = 3
+    name: str, tables: dict[str, list[int]], produced: dict[str, NodeProto], hops: int = 3
 ) -> list[int] | None:
     """The dims of the constant table `name` comes from, through up to `hops` pass-through
     nodes. A function of its own, not a closure in index_bounds: a recursive closure is a
@@ -286,6 +297,8 @@ def strings_reader(path: Path) -> str | None:
     """None when every node that takes a string tensor in the graph only moves it (so BYTES
     may carry any bytes); otherwise the first operator that reads strings as text (or a
     reason it could not be told, e.g. a string constant, whose UTF-8 bytes must stay so)."""
+    import onnx  # here, not at the top: see OnnxSession.index_bounds
+
     try:
         model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     except Exception as e:  # unreadable by onnx's checker: assume text, the strict choice
