@@ -113,10 +113,12 @@ def run_tokens(cached: int) -> int:
     return RUN_TOKENS + cached // ATTEND_ROWS_PER_TOKEN
 
 
-# A copy's cost, in rows per prompt token: a reused prefix or a moved sequence copied into
-# pages not yet resident took 30-40 us a row (2,224 rows: 71-80 ms; page faults, not the
-# memcpy), so while streams decode, a step's copies come out of its token budget too
-COPY_ROWS_PER_TOKEN = 32
+# A copy's cost, in rows per prompt token (1.37 ms): a reused prefix or a moved sequence
+# copied into pages a free slot kept is a memcpy (8-10 ms per 1,000 rows), into pages given
+# back it faults them in (30-40 us a row: 2,224 rows took 71-80 ms). While streams decode a
+# step's copies come out of its token budget at 64 rows a token, between the two (one
+# anchor run each at 32 and 64: 195 and 202 tok/s at 16 streams, ITL p99/p50 2.48 and 2.51)
+COPY_ROWS_PER_TOKEN = 64
 
 
 def copy_tokens(rows: int) -> int:

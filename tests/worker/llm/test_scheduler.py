@@ -288,8 +288,8 @@ def test_prefix_copies_come_out_of_the_step_budget_while_streams_decode() -> Non
     budget holds; the others wait for the next step. With nothing decoding, all go at once."""
     room = PrefixCache(8, 8000, block_tokens=4)
     sched = Scheduler(room, SchedulerConfig(24, 512, 8, step_tokens_per_row=4))
-    long_prompt = [[1000 * (i + 1) + t for t in range(400)] for i in range(2)]
-    first = [Sequence(id=next(_ids), prompt=p, reserve=420) for p in long_prompt]
+    long_prompt = [[2000 * (i + 1) + t for t in range(1000)] for i in range(2)]
+    first = [Sequence(id=next(_ids), prompt=p, reserve=1020) for p in long_prompt]
     for s in first:
         sched.add(s)
     while any(s.prefilling for s in first):  # nothing decodes: 512 prompt tokens a step
@@ -298,14 +298,14 @@ def test_prefix_copies_come_out_of_the_step_budget_while_streams_decode() -> Non
         s.finish_reason = "length"
         sched.finish(s)  # their prompts stay cached, in the retained region
     streams = decoding(sched, 2, 4)
-    again = [Sequence(id=next(_ids), prompt=p, reserve=420) for p in long_prompt]
+    again = [Sequence(id=next(_ids), prompt=p, reserve=1020) for p in long_prompt]
     for s in again:
         sched.add(s)
     plan = sched.schedule()
-    # 2 rows: a budget of 24, less 2 rows; the first hit's 398 rows cost 13 tokens, which
-    # leaves 9: the second (13 more) waits
-    assert copy_tokens(398) == 13
+    # 2 rows: a budget of 24, less 2 rows; the first hit's 998 rows cost 16 tokens, which
+    # leaves 6: the second (16 more) waits
+    assert copy_tokens(998) == 16
     assert plan.admitted == (again[0],) and plan.decode == tuple(streams)
-    assert [(c.start, c.stop) for c in plan.copies if not c.move] == [(0, 398)]
+    assert [(c.start, c.stop) for c in plan.copies if not c.move] == [(0, 998)]
     run(plan)
     assert sched.schedule().admitted == (again[1],)
