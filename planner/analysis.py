@@ -342,8 +342,8 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 def analyse_file(
     path: Path, name: str, version: str, config: mc.ModelConfig | None = None
 ) -> ModelAnalysis:
-    try:
-        model = onnx.load(str(path))
+    try:  # shapes and types are all it reads: weights kept beside the graph stay on disk
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError, OSError, ...
         raise AnalysisError(f"{path}: not a readable ONNX model ({e})") from e
     config = config or mc.ModelConfig(name=name)

@@ -151,6 +151,9 @@ class RouterServicer:
             *(_stub(r).ModelStatistics(request, timeout=UPSTREAM_TIMEOUT_S) for r in replicas),
             return_exceptions=True,
         )
+        for replica, reply in zip(replicas, replies, strict=True):
+            if isinstance(reply, BaseException):  # its figures are missing from the sum: say so
+                log.warning("statistics_failed", worker=replica.info.id, error=str(reply))
         summed = sum_statistics([r for r in replies if isinstance(r, pb.ModelStatisticsResponse)])
         if tenant is not None and not request.name:  # only the models the tenant may use
             kept = [s for s in summed.model_stats if self._allowed(tenant, s.name)]
