@@ -9,6 +9,7 @@ asked, never at import.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 _PACKAGE_PARENT = Path(__file__).resolve().parents[1]
@@ -41,3 +42,11 @@ def results(*parts: str) -> Path:
     root = source_root()
     base = root / "benchmarks" / "results" if root is not None else build_dir() / "results"
     return base.joinpath(*parts)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` as a hard link to `src` when both are on one disk (no second copy), else a copy."""
+    try:
+        dst.hardlink_to(src)
+    except OSError:
+        shutil.copy(src, dst)

@@ -42,6 +42,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from common import paths
 from devmesh.processes import LocalMesh
 from loadtest.runner import Load, closed_loop, open_loop
 from planner.analysis import ModelAnalysis
@@ -134,10 +135,7 @@ def repository(path: Path, model: str, max_batch: int, root: Path) -> Path:
     """A one-model repository serving `path` at batch limit `max_batch`."""
     folder = root / model
     (folder / "1").mkdir(parents=True)
-    try:  # a hard link when on the same disk: no second copy
-        (folder / "1" / "model.onnx").hardlink_to(path)
-    except OSError:
-        (folder / "1" / "model.onnx").write_bytes(path.read_bytes())
+    paths.link_or_copy(path, folder / "1" / "model.onnx")
     (folder / "config.pbtxt").write_text(
         f'name: "{model}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch}\n'
         "dynamic_batching { }\n"

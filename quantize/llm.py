@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx
 
-from common import model_keys
+from common import model_keys, paths
 from quantize import checkpoint, checkpoints, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 from quantize.repository import llm_config_text
@@ -68,10 +68,7 @@ def install(
         (tmp / TOKENIZER_CONFIG_FILE).write_text(chat)  # the chat template (worker/llm/chat.py)
         (tmp / "1").mkdir()
         for file in llm_graph.served_files(served):
-            try:  # a hard link when the cache is on the same disk: no second copy
-                (tmp / "1" / file.name).hardlink_to(file)
-            except OSError:
-                shutil.copy(file, tmp / "1" / file.name)
+            paths.link_or_copy(file, tmp / "1" / file.name)
         (tmp / "config.pbtxt").write_text(config_text(name, recipe_name, max_model_len))
 
     pipeline._staged(output / name, write)

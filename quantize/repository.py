@@ -9,7 +9,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from common import model_keys
+from common import model_keys, paths
 from common.model_config import config_text as write_config
 from protos import model_config_pb2 as mc
 from quantize import pipeline
@@ -62,10 +62,7 @@ def install_model(name: str, accepted: list[str], cache: Path, output: Path) -> 
         for version, label in versions.items():
             (tmp / str(version)).mkdir()
             src = pipeline.artifact_for(cache, name, label).model
-            try:  # a hard link when the cache is on the same disk: no second copy
-                (tmp / str(version) / MODEL_FILE).hardlink_to(src)
-            except OSError:
-                shutil.copy(src, tmp / str(version) / MODEL_FILE)
+            paths.link_or_copy(src, tmp / str(version) / MODEL_FILE)
         (tmp / "config.pbtxt").write_text(config_text(model, versions))
 
     pipeline._staged(output / name, write)

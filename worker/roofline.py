@@ -90,14 +90,14 @@ class Roofs:
         return cls(probed, threads or None)
 
     def analysis(self, path: Path, name: str, version: str) -> ModelAnalysis | None:
-        # here, not at the top: the analysis (and onnx, 17 MB resident) is loaded once a
-        # model's roofline is first asked for, not by every worker at start
-        from planner.analysis import AnalysisError, analyse_file, read_config
-
         if path not in self._analyses:
             if path.name != "model.onnx" or path.parent.name != version:
                 self._analyses[path] = None  # a TP shard segment: not the whole model
                 return None
+            # here, not at the top: the analysis (and onnx, 17 MB resident) is loaded when a
+            # model's roofline is first asked for, not by every worker at start
+            from planner.analysis import AnalysisError, analyse_file, read_config
+
             try:
                 config = read_config(path.parent.parent)
                 self._analyses[path] = analyse_file(path, name, version, config)

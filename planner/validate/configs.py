@@ -96,10 +96,7 @@ def repository(root: Path, c: Config, cache: Path) -> Path:
     folder = root / c.label.replace(" ", "_") / c.model
     (folder / "1").mkdir(parents=True)
     src = artifact(c.model, c.recipe, cache)
-    try:  # a hard link when on the same disk: no second copy
-        (folder / "1" / "model.onnx").hardlink_to(src)
-    except OSError:
-        shutil.copy(src, folder / "1" / "model.onnx")
+    paths.link_or_copy(src, folder / "1" / "model.onnx")
     if c.llm:
         shutil.copy(src.parent / "tokenizer.json", folder / "tokenizer.json")
         text = llm.config_text(c.model, c.recipe, 2048)

@@ -189,6 +189,10 @@ class Copy:
     stop: int
     move: bool = False
 
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
 
 @dataclass(frozen=True)
 class StepPlan(Generic[S]):
@@ -246,14 +250,14 @@ class Scheduler(Generic[S]):
         # and its reading of the rows cached before it, and each copy (a compaction move, a
         # reused prefix) its rows
         if decode:
-            budget -= sum(copy_tokens(x.stop - x.start) for x in copies)
+            budget -= sum(copy_tokens(x.rows) for x in copies)
         while self.waiting:
             head, before = self.waiting[0], len(copies)
             if not self._admit_one(head, copies, budget if decode and admitted else None):
                 break
             admitted.append(self.waiting.popleft())
             if decode:
-                budget -= sum(copy_tokens(x.stop - x.start) for x in copies[before:])
+                budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
         for seq in self.running:
             if not seq.prefilling or not self._catch_up(seq, copies):

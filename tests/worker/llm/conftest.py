@@ -12,7 +12,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from quantize import llm_graph, weights
+from devmesh.processes import ROOT
+from quantize import llm, llm_graph, weights
 from quantize.models import DecoderConfig, LlamaDecoder
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
@@ -20,6 +21,15 @@ from worker.llm.speculative import DraftConfig
 from worker.runtime import RuntimeOptions
 
 CPU = ["CPUExecutionProvider"]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served SmolLM2 int8 model folder (its graph built once into build/quantize)."""
+    folder, _ = llm.build(
+        tmp_path_factory.mktemp("smollm2"), llm.DEFAULT_RECIPE, ROOT / "build" / "quantize"
+    )
+    return folder
 
 
 @pytest.fixture(scope="session")

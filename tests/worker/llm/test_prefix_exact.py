@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from devmesh.processes import ROOT
-from quantize import llm
 from worker.llm.engine import Engine, EngineConfig, Sequence
 from worker.llm.model import StepModel
 from worker.llm.prefix import root_key
@@ -37,14 +35,6 @@ QUESTIONS = (
 
 def chat(question: str) -> str:
     return f"{CHAT}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder, _ = llm.build(
-        tmp_path_factory.mktemp("smollm2"), llm.DEFAULT_RECIPE, ROOT / "build" / "quantize"
-    )
-    return folder
 
 
 @contextlib.asynccontextmanager

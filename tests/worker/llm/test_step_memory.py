@@ -11,22 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quantize import llm
 from worker.llm import model as step
 from worker.llm.cache import KVCache
 from worker.llm.model import StepModel
 from worker.runtime import RuntimeOptions
 
-ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 400  # tokens: 9 heads x 400 x 2,048 positions of scores = 29 MB
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder, _ = llm.build(
-        tmp_path_factory.mktemp("smollm2"), llm.DEFAULT_RECIPE, ROOT / "build" / "quantize"
-    )
-    return folder / "1" / "model.onnx"
 
 
 def anon_mb() -> float:
@@ -52,7 +42,8 @@ def growth_after_chunk(path: Path, shrink_tokens: int, monkeypatch: pytest.Monke
 def test_a_long_chunks_step_buffers_go_back_to_the_os(
     smollm2: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kept = growth_after_chunk(smollm2, step.SHRINK_TOKENS, monkeypatch)
-    arena = growth_after_chunk(smollm2, CHUNK + 1, monkeypatch)  # the same run, not shrunk
+    graph = smollm2 / "1" / "model.onnx"
+    kept = growth_after_chunk(graph, step.SHRINK_TOKENS, monkeypatch)
+    arena = growth_after_chunk(graph, CHUNK + 1, monkeypatch)  # the same run, not shrunk
     assert arena > 25, f"the arena kept only {arena:.1f} MB: this test no longer tells"
     assert kept < arena / 2, f"kept {kept:.1f} MB after the chunk (the arena: {arena:.1f})"
