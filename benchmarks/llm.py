@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 from benchmarks import llm_genai_perf, llm_run, llm_summary
 from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
 from benchmarks.readings import table
+from common.paths import link_or_copy
 
 LENGTHS = (32, 128, 500, 1500)
 
@@ -91,6 +93,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "'default' leaves it unset. With spinning threads on a busy 2-core machine a decode "
         "step waits for descheduled threads: measured here at load 8, 0.8-1.4 tok/s "
         "unset vs 36-39 tok/s PASSIVE. The system 'llamacpp-default-omp' measures unset.",
+    )
+    p.add_argument(
+        "--llama-server-omp",
+        nargs="+",
+        default=["default", "PASSIVE"],
+        help="the anchor runs llama-server once under each OMP_WAIT_POLICY ('default': "
+        "unset, llama.cpp's own spinning wait) and compares the worker with its strongest "
+        "figure per target",
+    )
+    p.add_argument(
+        "--model-parameter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config.pbtxt parameter for the measured worker (a copy of --model-repository "
+        "gets it), e.g. meshserve.intra_op_spinning=true",
     )
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64, help="per request under concurrency")
@@ -147,15 +165,44 @@ def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[st
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    worker = processes.worker_process(
-        args.model_repository, port, logs, None, *args.worker_args
-    ).start()
+    repo = with_parameters(args.model_repository, parameters(args.model_parameter), logs)
+    worker = processes.worker_process(repo, port, logs, None, *args.worker_args).start()
     try:
         processes.wait_serving(address, worker, timeout=300)
         assert worker.popen is not None
         yield address, worker.popen.pid
     finally:
         worker.stop(30)
+
+
+def parameters(pairs: list[str]) -> dict[str, str]:
+    """--model-parameter KEY=VALUE flags as a dict (a pair without '=' is refused)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--model-parameter {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def with_parameters(repo: Path, params: dict[str, str], logs: Path) -> Path:
+    """`repo` itself, or a copy under `logs` (files linked, not copied) whose every model's
+    config.pbtxt also sets `params`."""
+    if not params:
+        return repo
+    copy = logs / "repo-with-parameters"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(
+        repo.resolve(), copy, symlinks=True, copy_function=lambda a, b: link_or_copy(Path(a), Path(b))
+    )
+    extra = "".join(
+        f'\nparameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
+    )
+    for config in copy.glob("*/config.pbtxt"):
+        config.unlink()  # a link to the original: write a file of its own
+        config.write_text((repo / config.parent.name / "config.pbtxt").read_text() + extra + "\n")
+    return copy
 
 
 NOTE = (
@@ -241,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
-    """llama-server, then the meshserve worker, each under the same loadtest runs."""
+    """llama-server under each OMP wait policy, then the meshserve worker, each under the same
+    loadtest runs; the verdict is against llama-server's strongest figure per target."""
     from benchmarks import llm_serve
 
     if not args.llama_server_bin.exists():
@@ -251,22 +299,24 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
     plan = llm_serve.Plan(
         threads=args.threads, rounds=args.repeats, level_seconds=args.anchor_seconds
     )
-    out: dict = {"plan": plan.__dict__}
+    out: dict = {"plan": plan.__dict__, "llama_server_runs": {}}
 
-    async def server() -> dict:
+    async def server(policy: str) -> dict:
         async with llm_serve.llama_server(
             args.llama_server_bin,
             ctx.gguf,
             plan,
-            logs / "llama-server.log",
-            llm_run.omp_env(args.omp_wait_policy),
+            logs / f"llama-server-{policy}.log",
+            llm_run.omp_env(policy),
         ) as (url, pid, argv):
             out["llama_server_args"] = argv[1:]
-            out["llama_server_omp_wait_policy"] = args.omp_wait_policy
             return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
 
-    before = wait_quiet(args.quiet_load, args.quiet_wait_s)
-    out["llama_server"] = {**asyncio.run(server()), "load_before": before}
+    for policy in args.llama_server_omp:
+        before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+        out["llama_server_runs"][policy] = {**asyncio.run(server(policy)), "load_before": before}
+    out["llama_server"] = llm_serve.strongest(out["llama_server_runs"])
+    out["meshserve_parameters"] = parameters(args.model_parameter)
     with meshserve_address(args, logs) as (address, pid):
         before = wait_quiet(args.quiet_load, args.quiet_wait_s)
         assert pid is not None, "--meshserve-pid is needed for the worker's RSS"

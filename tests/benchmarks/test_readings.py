@@ -189,3 +189,53 @@ def test_router_section_names_client_limited_points() -> None:
     text = router.section(flagged)
     assert "Client-limited, so measuring the load generator rather than the mesh: " in text
     assert "policy p2c (send lag p99 80 ms (above 50 ms))." in text
+
+
+# -- the LLM anchor: llama-server's strongest configuration per target --------------------------
+
+
+def _server(decode: float, ttft: float, tok_s: tuple[float, ...], peak: float) -> dict:
+    levels = [
+        {"streams": c, "output_tokens_per_s": t, "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0}}
+        for c, t in zip((8, 16, 32), tok_s, strict=True)
+    ]
+    return {
+        "single": {"decode_tokens_per_s": decode, "ttft_ms": ttft},
+        "load": levels,
+        "rss_mb": {"start": 100.0, "peak": peak},
+    }
+
+
+def test_the_anchor_checks_each_target_against_llama_servers_strongest_figure() -> None:
+    from benchmarks import llm_serve
+
+    runs = {
+        "default": _server(100.0, 20.0, (80.0, 100.0, 90.0), 1100.0),
+        "PASSIVE": _server(40.0, 90.0, (85.0, 120.0, 80.0), 1090.0),
+    }
+    best = llm_serve.strongest(runs)
+    assert best["single"] == {
+        "decode_tokens_per_s": 100.0,
+        "ttft_ms": 20.0,
+        "by": {"decode": "default", "ttft": "default"},
+    }
+    assert [(lv["output_tokens_per_s"], lv["by"]) for lv in best["load"]] == [
+        (85.0, "PASSIVE"),
+        (120.0, "PASSIVE"),
+        (90.0, "default"),
+    ]
+    assert best["rss_mb"]["peak"] == 1090.0 and best["rss_mb"]["by"] == "PASSIVE"
+
+    worker = _server(115.0, 19.0, (200.0, 235.0, 230.0), 1000.0)
+    for lv in worker["load"]:
+        lv["itl_ms"] = {"p50": 10.0, "p99": 20.0}
+    checks, lines = llm_serve.verdict(best, worker)
+    assert checks["single_decode_vs_llama_server"]["met"]  # 1.15x the spinning run's 100
+    sixteen = checks["aggregate_16_vs_llama_server"]  # 235 / 120 (PASSIVE's) = 1.96
+    assert sixteen["value"] == 1.96 and not sixteen["met"]
+    assert checks["aggregate_32_vs_llama_server"]["value"] == round(230 / 90, 2)
+    line = next(x for x in lines if x.startswith("aggregate_16"))
+    assert line.endswith("(target >= 2.0, against llama-server, OMP_WAIT_POLICY PASSIVE): MISSED")
+    # against the passive run alone, the single stream would have looked 2.9x
+    alone = llm_serve.verdict(llm_serve.strongest({"PASSIVE": runs["PASSIVE"]}), worker)[0]
+    assert alone["single_decode_vs_llama_server"]["value"] == round(115 / 40, 2)
