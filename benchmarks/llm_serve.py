@@ -300,12 +300,14 @@ def section(r: dict) -> str:
         for name, s in systems.items()
         for lv in s["load"]
     ]
+    m = r["machine"]
+    cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
     params = a.get("meshserve_parameters") or {}
     worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
     return "\n\n".join(
         [
             "## LLM engine against llama-server (continuous batching, same GGUF)",
-            f"`python -m benchmarks.llm --systems llama-server` — {r['note']} Plan: "
+            f"`python -m benchmarks.llm --systems llama-server` on {cpu} — {r['note']} Plan: "
             f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}, once per "
             "OMP_WAIT_POLICY ('default': unset); the worker: "
             f"{worker}. Medians of the rounds; each round's figures are in the file. Each "
