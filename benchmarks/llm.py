@@ -193,9 +193,11 @@ def with_parameters(repo: Path, params: dict[str, str], logs: Path) -> Path:
         return repo
     copy = logs / "repo-with-parameters"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(
-        repo.resolve(), copy, symlinks=True, copy_function=lambda a, b: link_or_copy(Path(a), Path(b))
-    )
+
+    def link(src: str, dst: str) -> None:
+        link_or_copy(Path(src), Path(dst))
+
+    shutil.copytree(repo.resolve(), copy, symlinks=True, copy_function=link)
     extra = "".join(
         f'\nparameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
     )

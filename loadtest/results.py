@@ -14,7 +14,6 @@ from pathlib import Path
 
 import onnxruntime
 
-
 # The vector instruction sets onnxruntime's CPU kernels (MLAS) pick their kernels by: a VM's
 # "AMD EPYC" has run with AVX-512 and VNNI one day and AVX2 only the next, and the int8 and
 # int4 MatMulNBits kernels rank differently on the two (docs/llm.md).
