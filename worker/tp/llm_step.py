@@ -36,7 +36,7 @@ from common.shard_format import HIDDEN, HIDDEN_OUT, OP_STEP, PARTIAL, REDUCED
 from common.shard_format import LOGITS_SHARD as SHARD
 from common.step_graph import IDS, SEQLENS, TOTAL
 from worker.llm.cache import CacheShape, KVCache
-from worker.llm.model import GraphFacts
+from worker.llm.model import GraphFacts, run_options
 from worker.runtime import OnnxSession, RuntimeOptions
 from worker.tp.parallel import TpGroup
 from worker.tp.runtime import ShardSet, Timing
@@ -200,7 +200,7 @@ class RankSteps:
                 try:
                     if index == 0:
                         views = self._cache_for(step).views(step.lo, step.hi)
-                    results = self.run_segment(name, inputs, outputs, env, views)
+                    results = self.run_segment(name, inputs, outputs, env, views, new)
                 except Exception as e:  # this step fails; the group keeps its lockstep
                     error = f"{type(e).__name__}: {e}"  # no traceback kept (it holds the cache)
                     log.exception("tp_step_failed", rank=self.rank, segment=name)
@@ -228,8 +228,11 @@ class RankSteps:
         outputs: list[str],
         env: dict[str, np.ndarray],
         views: list,
+        new: int,
     ) -> dict[str, np.ndarray]:
-        """One segment, its cache inputs and outputs bound to the cache (in place)."""
+        """One segment, its cache inputs and outputs bound to the cache (in place); a run of
+        `new` >= SHRINK_TOKENS tokens hands its step buffers back when it ends, as on one
+        process (worker/llm/model.py)."""
         sess = self.sessions[name].session
         io = sess.io_binding()
         for n in inputs:
@@ -247,7 +250,7 @@ class RankSteps:
             if n.startswith("present_"):
                 kind, layer = n[len("present_") :].split(".")
                 io.bind_ortvalue_output(n, views[int(layer)][kind == "value"])
-        sess.run_with_iobinding(io)
+        sess.run_with_iobinding(io, run_options(new))
         values = io.get_outputs()
         return {n: values[i].numpy() for i, n in enumerate(plain)}
 

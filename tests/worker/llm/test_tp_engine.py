@@ -5,6 +5,8 @@ token id or a rank's exception fails one step's requests, never the group."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from tokenizers import Tokenizer
 
 from quantize import llm_graph, llm_shard
 from quantize.models import DecoderConfig, LlamaDecoder
+from worker.llm import model as step_model
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.engine import EngineConfig
 from worker.llm.model import StepModel
@@ -213,3 +216,42 @@ def test_a_rank_allocates_its_cache_and_frees_the_slots_the_leader_freed(group_r
     finally:
         destroy_tp_group()
         rank.close()
+
+
+def _anon_mb() -> float:
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("RssAnon")) / 1024
+
+
+def _kept_after_chunk(repo: Path, shrink_tokens: int, monkeypatch: pytest.MonkeyPatch) -> float:
+    """MB a rank keeps after one 500-token prefill run, beyond the KV rows it wrote."""
+    monkeypatch.setattr(step_model, "SHRINK_TOKENS", shrink_tokens)
+    (shards,) = [s for s in find_shard_sets(repo, 1) if s.model == "tiny"]
+    rank = RankSteps(shards, 0, RuntimeOptions(intra_op_threads=1), CPU)
+    f = rank.facts
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, MAX_POSITIONS), 1024)
+    group = init_tp_group(0, 1)  # one process: collectives are the identity
+    rng = np.random.default_rng(0)
+    try:
+        rank.attach(cache)
+        rank.step(group, pack(cache.shape, 0, 1, rng.integers(0, 49152, (1, 8)), np.array([8]), []))
+        before = _anon_mb()
+        chunk = rng.integers(0, 49152, (1, 500))
+        rank.step(group, pack(cache.shape, 1, 2, chunk, np.array([500]), []))
+        return _anon_mb() - before - 500 * cache.shape.bytes_per_token / 2**20
+    finally:
+        destroy_tp_group()
+        rank.close()
+        cache.close()
+
+
+def test_a_ranks_long_chunk_hands_its_step_buffers_back(group_repo, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A rank's segments shrink their arena after a long chunk, as one process's step does
+    (worker/llm/model.run_options; tests/worker/llm/test_step_memory.py)."""
+    repo, _, _ = group_repo
+    kept = _kept_after_chunk(repo, step_model.SHRINK_TOKENS, monkeypatch)
+    arena = _kept_after_chunk(repo, 501, monkeypatch)  # the same run, not shrunk
+    assert arena > 8, f"the arena kept only {arena:.1f} MB: this test no longer tells"
+    assert kept < arena / 2, f"kept {kept:.1f} MB after the chunk (the arena: {arena:.1f})"
