@@ -12,7 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common import paths
-from quantize import llm, pipeline
+from quantize import llm, llm_graph, pipeline
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 TOKENS = 16  # MiniLM items: 16 tokens (the TEXT padding unit)
@@ -96,7 +96,12 @@ def repository(root: Path, c: Config, cache: Path) -> Path:
     folder = root / c.label.replace(" ", "_") / c.model
     (folder / "1").mkdir(parents=True)
     src = artifact(c.model, c.recipe, cache)
-    paths.link_or_copy(src, folder / "1" / "model.onnx")
+    if c.llm:  # the graph with its weights beside it, as a worker serves it (quantize/llm.py)
+        served = llm.served_graph(pipeline.artifact_for(cache, c.model, c.recipe))
+        for file in llm_graph.served_files(served):
+            paths.link_or_copy(file, folder / "1" / file.name)
+    else:
+        paths.link_or_copy(src, folder / "1" / "model.onnx")
     if c.llm:
         shutil.copy(src.parent / "tokenizer.json", folder / "tokenizer.json")
         text = llm.config_text(c.model, c.recipe, 2048)
