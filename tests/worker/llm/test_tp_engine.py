@@ -5,8 +5,6 @@ token id or a rank's exception fails one step's requests, never the group."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ from tokenizers import Tokenizer
 
 from quantize import llm_graph, llm_shard
 from quantize.models import DecoderConfig, LlamaDecoder
+from tests.worker.llm.test_step_memory import anon_mb
 from worker.llm import model as step_model
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.engine import EngineConfig
@@ -218,13 +217,6 @@ def test_a_rank_allocates_its_cache_and_frees_the_slots_the_leader_freed(group_r
         rank.close()
 
 
-def _anon_mb() -> float:
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    status = Path("/proc/self/status").read_text().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("RssAnon")) / 1024
-
-
 def _kept_after_chunk(repo: Path, shrink_tokens: int, monkeypatch: pytest.MonkeyPatch) -> float:
     """MB a rank keeps after one 500-token prefill run, beyond the KV rows it wrote."""
     monkeypatch.setattr(step_model, "SHRINK_TOKENS", shrink_tokens)
@@ -237,10 +229,10 @@ def _kept_after_chunk(repo: Path, shrink_tokens: int, monkeypatch: pytest.Monkey
     try:
         rank.attach(cache)
         rank.step(group, pack(cache.shape, 0, 1, rng.integers(0, 49152, (1, 8)), np.array([8]), []))
-        before = _anon_mb()
+        before = anon_mb()
         chunk = rng.integers(0, 49152, (1, 500))
         rank.step(group, pack(cache.shape, 1, 2, chunk, np.array([500]), []))
-        return _anon_mb() - before - 500 * cache.shape.bytes_per_token / 2**20
+        return anon_mb() - before - 500 * cache.shape.bytes_per_token / 2**20
     finally:
         destroy_tp_group()
         rank.close()
