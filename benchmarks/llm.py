@@ -131,7 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
     p.add_argument("--quiet-wait-s", type=float, default=180.0)
     p.add_argument("--out", default="llm", help="results name (benchmarks/results/NAME.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
+    return args
 
 
 def load_avg() -> list[float]:
@@ -165,7 +167,7 @@ def meshserve_address(args: argparse.Namespace, logs: Path) -> Iterator[tuple[st
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    repo = with_parameters(args.model_repository, parameters(args.model_parameter), logs)
+    repo = with_parameters(args.model_repository, args.model_parameter, logs)
     worker = processes.worker_process(repo, port, logs, None, *args.worker_args).start()
     try:
         processes.wait_serving(address, worker, timeout=300)
@@ -202,8 +204,9 @@ def with_parameters(repo: Path, params: dict[str, str], logs: Path) -> Path:
         f'\nparameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
     )
     for config in copy.glob("*/config.pbtxt"):
+        text = config.read_text()
         config.unlink()  # a link to the original: write a file of its own
-        config.write_text((repo / config.parent.name / "config.pbtxt").read_text() + extra + "\n")
+        config.write_text(text + extra + "\n")
     return copy
 
 
@@ -318,7 +321,7 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
         before = wait_quiet(args.quiet_load, args.quiet_wait_s)
         out["llama_server_runs"][policy] = {**asyncio.run(server(policy)), "load_before": before}
     out["llama_server"] = llm_serve.strongest(out["llama_server_runs"])
-    out["meshserve_parameters"] = parameters(args.model_parameter)
+    out["meshserve_parameters"] = args.model_parameter
     with meshserve_address(args, logs) as (address, pid):
         before = wait_quiet(args.quiet_load, args.quiet_wait_s)
         assert pid is not None, "--meshserve-pid is needed for the worker's RSS"

@@ -3,7 +3,6 @@ call carries, the targets, and the model repositories each configuration is serv
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common import paths
-from quantize import llm, llm_graph, pipeline
+from quantize import llm, pipeline
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
 TOKENS = 16  # MiniLM items: 16 tokens (the TEXT padding unit)
@@ -94,24 +93,18 @@ def artifact(model: str, recipe: str, cache: Path) -> Path:
 def repository(root: Path, c: Config, cache: Path) -> Path:
     """A model repository under `root` serving `c`'s model at its batch limit."""
     folder = root / c.label.replace(" ", "_") / c.model
-    (folder / "1").mkdir(parents=True)
-    src = artifact(c.model, c.recipe, cache)
-    if c.llm:  # the graph with its weights beside it, as a worker serves it (quantize/llm.py)
-        served = llm.served_graph(pipeline.artifact_for(cache, c.model, c.recipe))
-        for file in llm_graph.served_files(served):
-            paths.link_or_copy(file, folder / "1" / file.name)
-    else:
-        paths.link_or_copy(src, folder / "1" / "model.onnx")
-    if c.llm:
-        shutil.copy(src.parent / "tokenizer.json", folder / "tokenizer.json")
-        text = llm.config_text(c.model, c.recipe, 2048)
+    src = artifact(c.model, c.recipe, cache)  # built (and gated) when missing
+    if c.llm:  # installed as for a worker: the graph with its weights beside it, the tokenizer
+        llm.install(folder.parent, c.recipe, cache, c.model, 2048)
         seqs = f'value {{ string_value: "{c.max_batch}" }}'
-        text += f'parameters {{ key: "meshserve.max_num_seqs" {seqs} }}\n'
-    else:
-        text = (
-            f'name: "{c.model}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {c.max_batch}\n'
-            "dynamic_batching { default_queue_policy { max_queue_size: 1024 } }\n"
-            f'parameters {{ key: "meshserve.version.1" value {{ string_value: "{c.recipe}" }} }}\n'
-        )
-    (folder / "config.pbtxt").write_text(text)
+        with (folder / "config.pbtxt").open("a") as config:
+            config.write(f'parameters {{ key: "meshserve.max_num_seqs" {seqs} }}\n')
+        return folder.parent
+    (folder / "1").mkdir(parents=True)
+    paths.link_or_copy(src, folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(
+        f'name: "{c.model}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {c.max_batch}\n'
+        "dynamic_batching { default_queue_policy { max_queue_size: 1024 } }\n"
+        f'parameters {{ key: "meshserve.version.1" value {{ string_value: "{c.recipe}" }} }}\n'
+    )
     return folder.parent
