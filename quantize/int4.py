@@ -12,8 +12,9 @@ needed. Here every block is written as
 
 MatMulNBits computes x @ d*(q - z) from the very codes the GGUF holds, and the residuals
 r (one float per block and output column) are added back as blocksum(x) @ R, where
-blocksum sums x over each block of 32 inputs: a [..., K/32] x [K/32, N] MatMul, 1/32 of
-the MatMul's rows. Weight values are then reproduced to fp32 rounding. A Q8_0 block
+blocksum sums x over each block of 32 inputs (x @ a 0/1 [K, K/32] matrix, once per input)
+and x [..., K/32] @ R [K/32, N] is 1/32 of the MatMul's rows. Weight values are then
+reproduced to fp32 rounding. A Q8_0 block
 (w = d*q, q in -127..127) is MatMulNBits 8-bit with codes q + 128 and no residual: exact
 too, so Q8_0 tensors (token_embd / a tied lm_head) stay 8-bit rather than being pushed
 down to 4.
@@ -189,6 +190,7 @@ def quantize_matmuls(
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     blocksums: dict[tuple[str, int], str] = {}
+    indicators: dict[str, onnx.TensorProto] = {}
     dropped: set[str] = set()
     replaced: set[str] = set()
     for node in model.graph.node:
@@ -215,8 +217,13 @@ def quantize_matmuls(
         if blocks.residual is not None and np.any(blocks.residual):
             key = (node.input[0], blocks.codes.shape[1])
             if key not in blocksums:
-                extra, blocksums[key] = _blocksum(key[0], prefix, key[1], block_size)
-                nodes = extra + nodes
+                ones = _block_ones(w.shape[0], key[1], block_size)
+                if ones.name not in indicators:
+                    indicators[ones.name] = ones
+                    new_inits.append(ones)
+                blocksums[key] = f"{prefix}_blocksum"
+                sums = helper.make_node("MatMul", [key[0], ones.name], [blocksums[key]])
+                nodes = [sums, *nodes]
             nodes, more = _add_residual(nodes, node.output[0], blocksums[key], prefix, blocks)
             inits += more
         new_nodes += nodes
@@ -276,25 +283,13 @@ def _matmulnbits(
     return [out], inits
 
 
-def _blocksum(x: str, prefix: str, nb: int, block: int) -> tuple[list[onnx.NodeProto], str]:
-    """Nodes computing the sums of x [..., K] over blocks of `block`: [..., K/block]."""
-    p = f"{prefix}_blocksum"
-    nodes = [
-        helper.make_node("Shape", [x], [f"{p}_shape"], end=-1),
-        helper.make_node(
-            "Constant",
-            [],
-            [f"{p}_tail"],
-            value=numpy_helper.from_array(np.array([nb, block], np.int64)),
-        ),
-        helper.make_node("Concat", [f"{p}_shape", f"{p}_tail"], [f"{p}_to"], axis=0),
-        helper.make_node("Reshape", [x, f"{p}_to"], [f"{p}_blocks"]),
-        helper.make_node(
-            "Constant", [], [f"{p}_axis"], value=numpy_helper.from_array(np.array([-1], np.int64))
-        ),
-        helper.make_node("ReduceSum", [f"{p}_blocks", f"{p}_axis"], [p], keepdims=0),
-    ]
-    return nodes, p
+def _block_ones(k: int, nb: int, block: int) -> onnx.TensorProto:
+    """The 0/1 matrix [K, K/block] that sums x [..., K] over its blocks as one MatMul (one
+    node whatever x's rank, where Shape, Concat, Reshape and ReduceSum took four), shared by
+    every residual over inputs of width K."""
+    ones = np.zeros((k, nb), np.float32)
+    ones[np.arange(k), np.arange(k) // block] = 1.0
+    return numpy_helper.from_array(ones, f"blocksum_ones_{k}x{nb}")
 
 
 def _add_residual(
