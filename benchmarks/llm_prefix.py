@@ -85,8 +85,8 @@ def repository(path: Path) -> tuple[Path, Path]:
     """The SmolLM2 repository (built once), and a copy with the prefix cache off."""
     from quantize import llm
 
-    if not (path / MODEL / "config.pbtxt").exists():
-        llm.build(path, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
+    if not (path / MODEL / "config.pbtxt").exists():  # the graph for this CPU: llm.BY_CPU
+        llm.build(path, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", by_cpu=llm.BY_CPU)
     off = path.parent / "repo-nocache"
     if not off.exists():
         shutil.copytree(path, off, symlinks=True)

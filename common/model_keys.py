@@ -28,6 +28,13 @@ PRIVATE = frozenset(
 # ---- serving ---------------------------------------------------------------------------
 # Set by the worker on the config it serves: the execution provider it actually runs on.
 EXECUTION_PROVIDER = "meshserve.execution_provider"
+# Which file of a version folder to serve on which CPU, as Triton's cc_model_filenames does
+# by GPU: "FLAG:FILE ..." in order, the first FLAG this CPU has (/proc/cpuinfo) wins, "*"
+# matches any; none matching: default_model_filename (model.onnx). FILE is relative to the
+# version folder, e.g. "avx512_vnni:model.onnx *:int4/model.onnx".
+CPU_MODEL_FILENAMES = "meshserve.cpu_model_filenames"
+# Set by the worker on the config it serves: the file it chose, relative to the version folder.
+MODEL_FILE = "meshserve.model_file"
 # Adds this many microseconds of waiting to every execution while holding the model
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
 # machine whose few cores cannot also host real compute for several replicas.

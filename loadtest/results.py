@@ -14,6 +14,8 @@ from pathlib import Path
 
 import onnxruntime
 
+from common import cpu
+
 # The vector instruction sets onnxruntime's CPU kernels (MLAS) pick their kernels by: a VM's
 # "AMD EPYC" has run with AVX-512 and VNNI one day and AVX2 only the next, and the int8 and
 # int4 MatMulNBits kernels rank differently on the two (docs/llm.md).
@@ -23,18 +25,9 @@ SIMD = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
 def machine() -> dict:
     """The CPU model and vector instruction sets, cores, Python, onnxruntime and platform of
     this machine."""
-    cpu, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "unknown":
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu.flags()
     return {
-        "cpu": cpu,
+        "cpu": cpu.name(),
         "simd": [f for f in SIMD if f in flags],
         "cores": os.cpu_count(),
         "python": platform.python_version(),

@@ -33,6 +33,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from common import cpu
 from planner.profiles import Profile
 
 GEMM_N = 1024
@@ -142,13 +143,6 @@ def llc_bytes() -> int:
     return best
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def probe(budget_s: float = 3.0) -> Profile:
     background = background_cores(min(budget_s, 1.0))
     cores = _cores()
@@ -159,7 +153,7 @@ def probe(budget_s: float = 3.0) -> Profile:
     int8 = gemm_flops("int8", cores, budget_s)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return Profile(
-        name=f"local ({cpu_name()}, {cores} cores)",
+        name=f"local ({cpu.name()}, {cores} cores)",
         kind="cpu",
         cores=cores,
         memory_bandwidth=dram["copy"],

@@ -75,6 +75,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="any llama / qwen2 GGUF file or Hugging Face folder, served as stored",
     )
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument(
+        "--by-cpu",
+        action="store_true",
+        help="also the int4 graph, served on CPUs without VNNI (quantize/llm.py BY_CPU)",
+    )
     p = sub.add_parser("distill", help="a smaller student of the teacher (quantize/distill.py)")
     p.add_argument("--model", required=True)
     p.add_argument("--layers", type=int, required=True, help="the student's layers (K)")
@@ -264,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
                 args.name,
                 args.reports,
                 args.max_model_len or 2048,
+                llm.BY_CPU if args.by_cpu else (),
             )
         if metrics:
             console.print(f"{args.recipe}: {metrics}")

@@ -9,12 +9,16 @@ and installs it alone, as `make run` and the tests want it:
                                  beside it), with tokenizer.json, a decoupled
                                  config.pbtxt (Triton's vLLM-backend tensors) and
                                  tokenizer_config.json (the GGUF's chat template)
+
+or, built `by_cpu` (BY_CPU), with each other recipe's graph in 1/<recipe>/model.onnx and the
+config's meshserve.cpu_model_filenames saying which one a worker serves on which CPU.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,12 +36,33 @@ MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name
 
 
-def config_text(name: str, label: str, max_model_len: int) -> str:
-    source = replace(
-        pipeline.source(MODEL),
-        name=name,
-        config={**pipeline.source(MODEL).config, MAX_MODEL_LEN: str(max_model_len)},
-    )
+# The recipe to serve by CPU (`build(by_cpu=True)`): onnxruntime's int8 MatMulNBits kernel is
+# fast with VNNI (AVX-512 or AVX) and slow on AVX2 alone, where its int4 kernel is the faster
+# one (docs/llm.md: a 16-row decode step 74 against 87 ms, a 64-token chunk 141 against
+# 199 ms on an AVX2-only AMD EPYC; on AVX-512 VNNI int8 is faster, 8.6 against 12.5 ms a
+# one-row step). In order; the first flag the CPU has wins, "*" any.
+BY_CPU = (
+    ("avx512_vnni", DEFAULT_RECIPE),
+    ("avx_vnni", DEFAULT_RECIPE),
+    ("*", "decoder-int4-weight-only"),
+)
+
+
+def variant_file(recipe_name: str, main: str) -> str:
+    """Where a recipe's graph lives in the version folder: the main one as model.onnx, each
+    other in a folder named after it (its weights file beside it keeps its own name)."""
+    return MODEL_FILE if recipe_name == main else f"{recipe_name}/{MODEL_FILE}"
+
+
+def config_text(
+    name: str, label: str, max_model_len: int, by_cpu: Sequence[tuple[str, str]] = ()
+) -> str:
+    params = {**pipeline.source(MODEL).config, MAX_MODEL_LEN: str(max_model_len)}
+    if by_cpu:
+        params[model_keys.CPU_MODEL_FILENAMES] = " ".join(
+            f"{flag}:{variant_file(recipe, label)}" for flag, recipe in by_cpu
+        )
+    source = replace(pipeline.source(MODEL), name=name, config=params)
     return llm_config_text(source, {1: label})
 
 
@@ -54,22 +79,33 @@ def gate(recipe_name: str, cache: Path, reports: Path) -> tuple[dict, list[str]]
 
 
 def install(
-    output: Path, recipe_name: str, cache: Path, name: str = MODEL, max_model_len: int = 2048
+    output: Path,
+    recipe_name: str,
+    cache: Path,
+    name: str = MODEL,
+    max_model_len: int = 2048,
+    by_cpu: Sequence[tuple[str, str]] = (),
 ) -> Path:
-    """Write OUTPUT/<name>/ with the recipe's engine graph as version 1."""
+    """Write OUTPUT/<name>/ with the recipe's engine graph as version 1; with `by_cpu`
+    ((flag, recipe) pairs, as BY_CPU), every recipe named there too, and the config's
+    meshserve.cpu_model_filenames choosing among them (worker/config.model_filename)."""
     src = pipeline.artifact_for(cache, MODEL, recipe_name)
 
     chat = json.dumps(weights.smollm2_tokenizer_config(), indent=2) + "\n"
 
-    served = served_graph(src)
+    recipes = dict.fromkeys([recipe_name, *(recipe for _, recipe in by_cpu)])
+    served = {r: served_graph(pipeline.artifact_for(cache, MODEL, r)) for r in recipes}
 
     def write(tmp: Path) -> None:
         shutil.copy(src.tokenizer, tmp / TOKENIZER_FILE)
         (tmp / TOKENIZER_CONFIG_FILE).write_text(chat)  # the chat template (worker/llm/chat.py)
-        (tmp / "1").mkdir()
-        for file in llm_graph.served_files(served):
-            paths.link_or_copy(file, tmp / "1" / file.name)
-        (tmp / "config.pbtxt").write_text(config_text(name, recipe_name, max_model_len))
+        for recipe, graph in served.items():
+            folder = (tmp / "1" / variant_file(recipe, recipe_name)).parent
+            folder.mkdir(parents=True, exist_ok=True)
+            for file in llm_graph.served_files(graph):
+                paths.link_or_copy(file, folder / file.name)
+        text = config_text(name, recipe_name, max_model_len, by_cpu)
+        (tmp / "config.pbtxt").write_text(text)
 
     pipeline._staged(output / name, write)
     return output / name
@@ -96,18 +132,22 @@ def build(
     name: str = MODEL,
     reports: Path | None = None,
     max_model_len: int = 2048,
+    by_cpu: Sequence[tuple[str, str]] = (),
 ) -> tuple[Path, dict]:
-    """Export, quantize, gate and install; a refused recipe installs nothing."""
+    """Export, quantize, gate and install (with `by_cpu`, every recipe named there too); a
+    refused recipe installs nothing. Returns the main recipe's gate metrics."""
     pipeline.export_model(MODEL, cache)
-    metrics: dict = {}
-    if recipe_name != FP32:
-        pipeline.quantize_model(MODEL, recipe_name, cache)
-        metrics, failures = gate(recipe_name, cache, reports or cache / "reports")
+    found: dict[str, dict] = {}
+    for recipe in dict.fromkeys([recipe_name, *(r for _, r in by_cpu)]):
+        if recipe == FP32:
+            continue
+        pipeline.quantize_model(MODEL, recipe, cache)
+        found[recipe], failures = gate(recipe, cache, reports or cache / "reports")
         if failures:
-            raise BuildError(
-                f"recipe {recipe_name!r} refused on the engine graph: " + "; ".join(failures)
-            )
-    return install(output, recipe_name, cache, name, max_model_len), metrics
+            refused = "; ".join(failures)
+            raise BuildError(f"recipe {recipe!r} refused on the engine graph: {refused}")
+    path = install(output, recipe_name, cache, name, max_model_len, by_cpu)
+    return path, found.get(recipe_name, {})
 
 
 # ---- any Llama-family checkpoint, from its own metadata (quantize/checkpoint.py) -----------

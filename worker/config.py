@@ -7,6 +7,7 @@ past this module works on the small `ModelSpec` dataclass instead.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from protos import model_config_pb2 as mc
 # meshserve's own keys in ModelConfig.parameters (Triton ignores unknown parameters); the
 # prices and training cost are in common.tenancy, which hides them from clients.
 EXECUTION_PROVIDER = model_keys.EXECUTION_PROVIDER
+CPU_MODEL_FILENAMES = model_keys.CPU_MODEL_FILENAMES
+MODEL_FILE = model_keys.MODEL_FILE
+DEFAULT_MODEL_FILENAME = "model.onnx"  # Triton's, for the onnxruntime backend
 # Adds this many microseconds of waiting to every execution while holding the model
 # instance, as an accelerator-bound model would. For benchmarks and balancing tests on a
 # machine whose few cores cannot also host real compute for several replicas.
@@ -200,6 +204,7 @@ def _check_parameters(config: mc.ModelConfig) -> None:
                     f"model {config.name!r}: parameter {key} must be a non-negative integer, "
                     f"got {raw!r}"
                 )
+    cpu_filenames(config)
     if DELAY_WHEN_IDLE in config.parameters:
         raw = config.parameters[DELAY_WHEN_IDLE].string_value
         if raw not in ("true", "false"):
@@ -207,6 +212,41 @@ def _check_parameters(config: mc.ModelConfig) -> None:
                 f"model {config.name!r}: parameter {DELAY_WHEN_IDLE} must be true or false, "
                 f"got {raw!r}"
             )
+
+
+def default_filename(config: mc.ModelConfig) -> str:
+    """The file a version folder must hold: Triton's default_model_filename, or model.onnx."""
+    return config.default_model_filename or DEFAULT_MODEL_FILENAME
+
+
+def cpu_filenames(config: mc.ModelConfig) -> list[tuple[str, str]]:
+    """The model's `meshserve.cpu_model_filenames` as (flag, file) pairs, in order."""
+    if CPU_MODEL_FILENAMES not in config.parameters:  # (reading a map key would add it)
+        return []
+    raw = config.parameters[CPU_MODEL_FILENAMES].string_value
+    pairs = []
+    for entry in raw.split():
+        flag, sep, file = entry.partition(":")
+        parts = Path(file).parts
+        if not sep or not flag or not file or Path(file).is_absolute() or ".." in parts:
+            raise ConfigError(
+                f"model {config.name!r}: parameter {CPU_MODEL_FILENAMES} entry {entry!r} must "
+                "be FLAG:FILE with FILE relative to the version folder (e.g. "
+                "'avx512_vnni:model.onnx *:int4/model.onnx')"
+            )
+        pairs.append((flag, file))
+    if not pairs:
+        raise ConfigError(f"model {config.name!r}: parameter {CPU_MODEL_FILENAMES} is empty")
+    return pairs
+
+
+def model_filename(config: mc.ModelConfig, cpu_flags: AbstractSet[str]) -> str:
+    """The file to serve on a CPU with `cpu_flags`: the first `meshserve.cpu_model_filenames`
+    entry whose flag it has ("*": any), else the default file."""
+    for flag, file in cpu_filenames(config):
+        if flag == "*" or flag in cpu_flags:
+            return file
+    return default_filename(config)
 
 
 def bool_parameter(model: str, key: str, value: str | None, default: bool) -> bool:

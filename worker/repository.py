@@ -1,4 +1,5 @@
-"""The model repository in Triton's layout, loaded: DIR/<model>/<version>/model.onnx.
+"""The model repository in Triton's layout, loaded: DIR/<model>/<version>/model.onnx (or the
+file the model's config chooses for this CPU: worker/config.model_filename).
 
 Each loaded model version owns its onnxruntime session, its batcher and its statistics.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from common import model_keys
+from common import cpu, model_keys
 from common.errors import NotFound
 from protos import model_config_pb2 as mc
 from worker import config as cfg
@@ -55,10 +56,12 @@ class LoadedModel:
         await self.backend.close()
 
 
-def _versions(model_dir: Path, policy: mc.ModelVersionPolicy) -> list[str]:
+def _versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
+    default = cfg.default_filename(config)
     found = sorted(
-        int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / "model.onnx").exists()
+        int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / default).exists()
     )
+    policy = config.version_policy
     choice = policy.WhichOneof("policy_choice")
     if choice == "all":
         chosen = found
@@ -121,10 +124,11 @@ class Repository:
             raise cfg.ConfigError(f"model repository {self.root} is not a directory")
         for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
             config = cfg.read(model_dir)
-            versions = _versions(model_dir, config.version_policy)
+            versions = _versions(model_dir, config)
             if not versions:
                 raise cfg.ConfigError(
-                    f"model {model_dir.name!r}: no version folder with a model.onnx in {model_dir}"
+                    f"model {model_dir.name!r}: no version folder with a "
+                    f"{cfg.default_filename(config)} in {model_dir}"
                 )
             for version in versions:
                 self.models.setdefault(model_dir.name, {})[version] = self._load_version(
@@ -132,7 +136,13 @@ class Repository:
                 )
 
     def _load_version(self, model_dir: Path, version: str, config: mc.ModelConfig) -> LoadedModel:
-        path = model_dir / version / "model.onnx"
+        file = cfg.model_filename(config, cpu.flags())
+        path = model_dir / version / file
+        if not path.is_file():
+            raise cfg.ConfigError(
+                f"model {config.name!r} version {version}: {file}, the file "
+                f"{cfg.CPU_MODEL_FILENAMES} chooses for this CPU, is not in {path.parent}"
+            )
         options = self.options
         if cfg.is_llm(config):
             # Off unless the model says `meshserve.intra_op_spinning: "true"`. The engine's
@@ -155,6 +165,7 @@ class Repository:
             self.default_max_queue_size,
         )
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        completed.parameters[cfg.MODEL_FILE].string_value = file
         cfg.add_index_bounds(completed, session.index_bounds)
         cfg.add_text_tensors(completed)
         spec = cfg.spec(completed, version)
@@ -174,6 +185,7 @@ class Repository:
             "model_loaded",
             model=spec.name,
             version=version,
+            model_file=file,
             provider=session.provider,
             max_batch_size=spec.max_batch_size,
             dynamic_batching=spec.dynamic_batching,
@@ -194,6 +206,8 @@ class Repository:
             )
         completed = cfg.complete_llm(config, self.default_max_queue_size)
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
+        file = session.path.relative_to(model_dir / version).as_posix()
+        completed.parameters[cfg.MODEL_FILE].string_value = file
         spec = cfg.spec(completed, version)
         path = draft_path(spec, model_dir)
         draft = None
@@ -201,7 +215,9 @@ class Repository:
             options = dataclasses.replace(self.options, allow_spinning=False)
             draft = StepModel(OnnxSession(path, options, [session.provider]))
         model = StepModel(session)
-        llm, stats = serve_llm(spec, model, model_dir, draft, provider=session.provider)
+        llm, stats = serve_llm(
+            spec, model, model_dir, draft, provider=session.provider, model_file=file
+        )
         return LoadedModel(spec, completed, session, stats, LLMBackend(spec, llm))
 
     def get(self, name: str, version: str = "") -> LoadedModel:

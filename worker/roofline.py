@@ -91,15 +91,18 @@ class Roofs:
 
     def analysis(self, path: Path, name: str, version: str) -> ModelAnalysis | None:
         if path not in self._analyses:
-            if path.name != "model.onnx" or path.parent.name != version:
-                self._analyses[path] = None  # a TP shard segment: not the whole model
+            # the version folder's model.onnx, or a variant's in a folder of its own there
+            # (worker/config.model_filename); a TP shard segment is not the whole model
+            folder = next((p for p in path.parents[:2] if p.name == version), None)
+            if path.name != "model.onnx" or folder is None:
+                self._analyses[path] = None
                 return None
             # here, not at the top: the analysis (and onnx, 17 MB resident) is loaded when a
             # model's roofline is first asked for, not by every worker at start
             from planner.analysis import AnalysisError, analyse_file, read_config
 
             try:
-                config = read_config(path.parent.parent)
+                config = read_config(folder.parent)
                 self._analyses[path] = analyse_file(path, name, version, config)
             except AnalysisError as e:
                 log.warning("roofline_analysis_failed", model=name, version=version, error=str(e))
