@@ -38,6 +38,7 @@ from pathlib import Path
 from benchmarks import llm_genai_perf, llm_run, llm_summary
 from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
 from benchmarks.readings import table
+from common.model_keys import MODEL_FILE
 from common.paths import link_or_copy
 
 LENGTHS = (32, 128, 500, 1500)
@@ -327,8 +328,19 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
         assert pid is not None, "--meshserve-pid is needed for the worker's RSS"
         measured = llm_serve.measure(address, "triton", args.model, ctx.tokenizer, plan, pid)
         out["meshserve"] = {**asyncio.run(measured), "load_before": before}
+        out["meshserve_model_file"] = served_file(address, args.model)
     out["checks"], out["reading"] = llm_serve.verdict(out["llama_server"], out["meshserve"])
     return out
+
+
+def served_file(address: str, model: str) -> str:
+    """The file of its version folder the worker serves on this CPU (meshserve.model_file in
+    its ModelConfig: worker/config.model_filename)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(address) as client:
+        config = client.get_model_config(model).config
+    return str(config.parameters[MODEL_FILE].string_value)
 
 
 def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, logs: Path) -> dict:

@@ -304,6 +304,8 @@ def section(r: dict) -> str:
     cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
     params = a.get("meshserve_parameters") or {}
     worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
+    if a.get("meshserve_model_file"):
+        worker += f", serving {a['meshserve_model_file']} on this CPU"
     return "\n\n".join(
         [
             "## LLM engine against llama-server (continuous batching, same GGUF)",
