@@ -1,6 +1,7 @@
 """python -m devmesh.models --output DIR: the repository the mesh serves, each model built once
 (skipped while DIR/<model>/config.pbtxt exists): the toy models, MiniLM fp32 + int8 and
-SmolLM2-135M int8 for the LLM engine, each quantized model behind its accuracy gate.
+SmolLM2-135M int8 + int4 for the LLM engine (`build-llm --by-cpu`: a worker serves int8 on a
+CPU with VNNI, int4 on one without), each quantized model behind its accuracy gate.
 
 `make run` (devmesh/launch.py) and the compose stack's `models` service run it. A real model
 that fails to build is reported and left out; the toy models are always there.
@@ -35,8 +36,11 @@ def build(repository: Path) -> None:
             "encoder-int8-dynamic",
         )
     if not (repository / "smollm2" / "config.pbtxt").exists():
-        print(f"building SmolLM2 int8 for the LLM engine into {repository}/smollm2 (once, ~2 min)")
-        _quantize("SmolLM2", "build-llm", "--output", str(repository))
+        print(
+            f"building SmolLM2 int8 + int4 for the LLM engine into {repository}/smollm2 (once, "
+            "~4 min; the worker serves the one for its CPU)"
+        )
+        _quantize("SmolLM2", "build-llm", "--output", str(repository), "--by-cpu")
 
 
 def _quantize(label: str, *args: str) -> None:
