@@ -15,19 +15,19 @@ CPUINFO = Path("/proc/cpuinfo")
 
 @functools.cache
 def _read() -> tuple[str, frozenset[str]]:
-    name, flags = "unknown CPU", frozenset[str]()
     try:
         lines = CPUINFO.read_text().splitlines()
     except OSError:
-        return name, flags
+        lines = []
+    name, flags = None, frozenset[str]()
     for line in lines:
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and name == "unknown CPU":
+        if key.strip() == "model name" and name is None:
             name = value.strip()
         elif key.strip() == "flags":
             flags = frozenset(value.split())
             break  # every core lists the same flags
-    return name, flags
+    return name or "unknown CPU", flags
 
 
 def name() -> str:

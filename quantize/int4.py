@@ -190,7 +190,7 @@ def quantize_matmuls(
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     blocksums: dict[tuple[str, int], str] = {}
-    indicators: dict[str, onnx.TensorProto] = {}
+    indicators: set[str] = set()  # the 0/1 block-sum matrices added, by name
     dropped: set[str] = set()
     replaced: set[str] = set()
     for node in model.graph.node:
@@ -219,7 +219,7 @@ def quantize_matmuls(
             if key not in blocksums:
                 ones = _block_ones(w.shape[0], key[1], block_size)
                 if ones.name not in indicators:
-                    indicators[ones.name] = ones
+                    indicators.add(ones.name)
                     new_inits.append(ones)
                 blocksums[key] = f"{prefix}_blocksum"
                 sums = helper.make_node("MatMul", [key[0], ones.name], [blocksums[key]])

@@ -48,6 +48,11 @@ BY_CPU = (
 )
 
 
+def recipes_of(recipe_name: str, by_cpu: Sequence[tuple[str, str]]) -> list[str]:
+    """The main recipe, then each other one `by_cpu` names, once each."""
+    return list(dict.fromkeys([recipe_name, *(recipe for _, recipe in by_cpu)]))
+
+
 def variant_file(recipe_name: str, main: str) -> str:
     """Where a recipe's graph lives in the version folder: the main one as model.onnx, each
     other in a folder named after it (its weights file beside it keeps its own name)."""
@@ -93,7 +98,7 @@ def install(
 
     chat = json.dumps(weights.smollm2_tokenizer_config(), indent=2) + "\n"
 
-    recipes = dict.fromkeys([recipe_name, *(recipe for _, recipe in by_cpu)])
+    recipes = recipes_of(recipe_name, by_cpu)
     served = {r: served_graph(pipeline.artifact_for(cache, MODEL, r)) for r in recipes}
 
     def write(tmp: Path) -> None:
@@ -138,7 +143,7 @@ def build(
     refused recipe installs nothing. Returns the main recipe's gate metrics."""
     pipeline.export_model(MODEL, cache)
     found: dict[str, dict] = {}
-    for recipe in dict.fromkeys([recipe_name, *(r for _, r in by_cpu)]):
+    for recipe in recipes_of(recipe_name, by_cpu):
         if recipe == FP32:
             continue
         pipeline.quantize_model(MODEL, recipe, cache)

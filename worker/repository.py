@@ -156,7 +156,7 @@ class Repository:
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
         if cfg.is_llm(config):
-            return self._load_llm(model_dir, version, config, session)
+            return self._load_llm(model_dir, version, config, session, file)
         completed = cfg.complete(
             config,
             session.inputs,
@@ -196,7 +196,12 @@ class Repository:
         return LoadedModel(spec, completed, session, stats, backend)
 
     def _load_llm(
-        self, model_dir: Path, version: str, config: mc.ModelConfig, session: OnnxSession
+        self,
+        model_dir: Path,
+        version: str,
+        config: mc.ModelConfig,
+        session: OnnxSession,
+        file: str,
     ) -> LoadedModel:
         if not is_step_graph(session):
             raise cfg.ConfigError(
@@ -206,7 +211,6 @@ class Repository:
             )
         completed = cfg.complete_llm(config, self.default_max_queue_size)
         completed.parameters[cfg.EXECUTION_PROVIDER].string_value = session.provider
-        file = session.path.relative_to(model_dir / version).as_posix()
         completed.parameters[cfg.MODEL_FILE].string_value = file
         spec = cfg.spec(completed, version)
         path = draft_path(spec, model_dir)
