@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server genaiperf-venv
+.PHONY: venv proto test test-unit run lint bench compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server genaiperf-venv FORCE
 
 venv: $(STAMP)
 
@@ -71,11 +71,11 @@ bench: $(STUBS)
 # extension only where /proc/cpuinfo names it (a CPU with avx512f need not have VNNI or VBMI).
 LLAMACPP_VENV := build/llamacpp-venv
 cpu_has = $(if $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
-LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-	-DGGML_F16C=ON -DGGML_AVX512=$(call cpu_has,avx512f) \
+GGML_CPU_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AVX512=$(call cpu_has,avx512f) \
 	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
-	-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
-	-DLLAVA_BUILD=OFF
+	-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMACPP_CMAKE_ARGS := $(GGML_CPU_ARGS) -DLLAVA_BUILD=OFF
 llamacpp-venv: $(LLAMACPP_VENV)/bin/llama-cpp-stamp
 $(LLAMACPP_VENV)/bin/llama-cpp-stamp:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
@@ -97,22 +97,29 @@ $(GENAIPERF_VENV)/bin/genai-perf: $(STAMP)
 
 # llama.cpp's own server (continuous batching over --parallel slots) for benchmarks.llm, built
 # from the llama.cpp sources that the llama-cpp-python 0.3.36 sdist vendors: cmake, target
-# llama-server, no curl; ~15 min on 2 cores, once (the binary is the cache). AVX2/FMA/F16C, not
-# -march=native: a VM's CPU can change under it, and a native build then dies of SIGILL.
+# llama-server, no curl; ~15 min on 2 cores. With the CPU features this machine names
+# (GGML_CPU_ARGS, as llama-cpp-python's), so that on an AVX-512 / VNNI VM it runs ggml's
+# kernels for them, as a native build would. The features it was built for are its stamp:
+# a VM whose CPU changed rebuilds it rather than dying of SIGILL or running AVX2 kernels.
 LLAMA_SERVER := build/llama-server
 LLAMA_CPP_PYTHON := llama_cpp_python-0.3.36
+LLAMA_SERVER_SRC := $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 llama-server: $(LLAMA_SERVER)/bin/llama-server
-$(LLAMA_SERVER)/bin/llama-server:
+$(LLAMA_SERVER)/cpu-args: FORCE
+	@mkdir -p $(@D)
+	@echo '$(GGML_CPU_ARGS)' | cmp -s - $@ || echo '$(GGML_CPU_ARGS)' > $@
+$(LLAMA_SERVER)/bin/llama-server: $(LLAMA_SERVER)/cpu-args
 	mkdir -p $(LLAMA_SERVER)/src $(LLAMA_SERVER)/bin
-	$(PYTHON) -m pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(LLAMA_SERVER)/src
+	test -f $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON).tar.gz || \
+	  $(PYTHON) -m pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(LLAMA_SERVER)/src
+	rm -rf $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)
 	tar xzf $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_SERVER)/src
-	cd $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp && \
-	  cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-	    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	cd $(LLAMA_SERVER_SRC) && \
+	  cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release $(GGML_CPU_ARGS) \
 	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON && \
 	  cmake --build build --target llama-server -j 2
-	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/*.so* $(LLAMA_SERVER)/bin/ 2>/dev/null || true
-	cp $(LLAMA_SERVER)/src/$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/llama-server $@
+	cp $(LLAMA_SERVER_SRC)/build/bin/*.so* $(LLAMA_SERVER)/bin/ 2>/dev/null || true
+	cp $(LLAMA_SERVER_SRC)/build/bin/llama-server $@
 
 # docker-compose 1.29.2 in build/compose-venv validates deploy/compose*.yaml, no engine needed
 # (tests/deploy runs the same check under `make test`).
@@ -149,3 +156,5 @@ k8s-apply:
 
 clean:
 	rm -rf $(VENV) build protos/*_pb2*.py protos/*_pb2*.pyi
+
+FORCE:

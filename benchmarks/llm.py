@@ -318,6 +318,8 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
             out["llama_server_args"] = argv[1:]
             return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
 
+    out["llama_server_cpu_features"] = llm_serve.cpu_features(args.llama_server_bin, ctx.gguf)
+
     for policy in args.llama_server_omp:
         before = wait_quiet(args.quiet_load, args.quiet_wait_s)
         out["llama_server_runs"][policy] = {**asyncio.run(server(policy)), "load_before": before}

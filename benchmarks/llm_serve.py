@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import subprocess
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -184,6 +185,28 @@ async def llama_server(
                 proc.kill()
 
 
+def cpu_features(binary: Path, gguf: Path, timeout_s: float = 60.0) -> list[str]:
+    """The CPU features llama-server's ggml runs with (its `system_info` line, "CPU : SSE3 = 1
+    | ... | AVX512 = 1 | ...", logged at trace level only, so read from a short start of its
+    own): the build's, as `make llama-server` chose them for this machine."""
+    port = str(free_port())
+    args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", port, "-lv", "4"]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
+    timer = threading.Timer(timeout_s, proc.kill)  # ends the read below if the line never comes
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        info = next((line for line in proc.stdout if "system_info:" in line), "")
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
+    fields = [f.strip() for f in info.split("|")]
+    return [f.split("=")[0].split(":")[-1].strip() for f in fields if f.endswith("= 1")]
+
+
 def strongest(runs: dict[str, dict]) -> dict:
     """llama-server's strongest figure per target over its configurations (`runs`, by name):
     the highest single-stream decode and aggregate tok/s, the lowest TTFT and RSS peak, each
@@ -304,6 +327,7 @@ def section(r: dict) -> str:
     cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
     params = a.get("meshserve_parameters") or {}
     worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
+    ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
     if a.get("meshserve_model_file"):
         worker += f", serving {a['meshserve_model_file']} on this CPU"
     return "\n\n".join(
@@ -311,7 +335,7 @@ def section(r: dict) -> str:
             "## LLM engine against llama-server (continuous batching, same GGUF)",
             f"`python -m benchmarks.llm --systems llama-server` on {cpu} — {r['note']} Plan: "
             f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}, once per "
-            "OMP_WAIT_POLICY ('default': unset); the worker: "
+            f"OMP_WAIT_POLICY ('default': unset), ggml {ggml}; the worker: "
             f"{worker}. Medians of the rounds; each round's figures are in the file. Each "
             "target is checked against llama-server's strongest figure for it.",
             table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
