@@ -11,6 +11,7 @@ import pytest
 import tiny_gguf
 import torch
 from gguf import GGMLQuantizationType as T
+from onnx import helper
 from safetensors.torch import save_file
 
 from quantize import checkpoints, evaluate, llm, llm_graph
@@ -52,6 +53,25 @@ def test_a_served_checkpoint_keeps_its_weights_beside_its_graph(tmp_path: Path) 
     assert runtime.index_bounds(graph) == {"input_ids": 320}
     served = evaluate.greedy(evaluate.step_model(graph), ck.tokenizer, [PROMPT], 8)
     assert served == evaluate.greedy(evaluate.step_model(single), ck.tokenizer, [PROMPT], 8)
+
+
+@torch.no_grad()
+def test_attention_runs_at_scale_one_and_the_logits_stay_the_models(tmp_path: Path) -> None:
+    """The step graph's attention op runs with scale 1 (onnxruntime's one-row q.k routine
+    is taken only then), its RoPE tables carrying the 1 / sqrt(head_dim): decoding one token
+    a step, its logits at every position equal the torch model's, which scales q.k itself."""
+    ck = checkpoints.load(tiny_gguf.write(tmp_path / "l.gguf", "llama", "F32"))
+    proto = llm.checkpoint_graph(ck)
+    attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention
+    assert {helper.get_node_attr_value(n, "scale") for n in attention} == {1.0}
+    served = evaluate.teacher_forced(
+        evaluate.step_model(llm_graph.save(proto, tmp_path / "model.onnx")), [PROMPT]
+    )[0]
+    model = ck.model()
+    ids = torch.tensor([PROMPT])
+    logits, _, _ = model(ids, torch.ones_like(ids), *model.empty_cache(1))
+    np.testing.assert_allclose(served, logits[0].numpy(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
