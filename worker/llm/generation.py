@@ -69,10 +69,13 @@ class EngineStats:
     accepted_tokens: int = 0  # drafts the target kept
     draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
     top_runs: int = 0  # runs that read the graph's top-k instead of the logits
-    # where a step's time goes: its model runs by kind, and the whole step (the rest of
-    # step_ns is copies, sampling, detokenizing and the event loop's other work)
+    # where a step's time goes: its model runs by kind, its copies (reused prefixes and
+    # moved sequences, page faults included), and the whole step (the rest of step_ns is
+    # sampling, detokenizing and the event loop's other work)
     prefill_ns: int = 0
     decode_ns: int = 0
+    copy_ns: int = 0
+    copied_rows: int = 0
     step_ns: int = 0
 
     @property

@@ -83,7 +83,10 @@ class StepRunner:
     async def _run_plan(self, plan: scheduler.StepPlan[Sequence]) -> None:
         loop = asyncio.get_running_loop()
         if plan.copies:
+            start = time.perf_counter_ns()
             await loop.run_in_executor(self.pool, self._copy, plan.copies)
+            self.stats.copy_ns += time.perf_counter_ns() - start
+            self.stats.copied_rows += sum(c.rows for c in plan.copies)
         for chunk in plan.prefill:
             await self._prefill(loop, chunk, joining=bool(plan.decode))
         decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]

@@ -62,6 +62,8 @@ def test_a_hit_changes_no_token_mid_block_wholly_cached_and_next_turn(make_engin
     # are computed again, as a cold prefill would)
     assert cached[3] == len(longer)
     assert engine.prefix.stats.moved_tokens >= len(longer)  # finished prompts were kept
+    # each hit's rows were copied into its own slot, and the copies' time is counted
+    assert engine.stats.copied_rows >= sum(cached) and engine.stats.copy_ns > 0
     assert tokens == uncached(make_engine, [first, longer, longer, turn])
     assert engine.stats.prefill_tokens == 37 + (len(longer) - 37) + 2 + (len(turn) - cached[3])
 
