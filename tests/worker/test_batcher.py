@@ -289,26 +289,34 @@ def test_an_idle_fast_model_runs_on_the_callers_task() -> None:
             ran_on.append(None)
         return [feeds["x"] * 2]
 
-    async def body(batcher: Batcher, stats: ModelStats) -> asyncio.Task | None:
+    async def body(batcher: Batcher, stats: ModelStats) -> tuple[asyncio.Task | None, int]:
         for _ in range(3):  # the first run is on the thread (unknown cost), then inline
             await batcher.submit(one(), ["y"])
-        ran_on.clear()
-        result = await batcher.submit(one(), ["y"])
-        np.testing.assert_array_equal(result["y"], one()["x"] * 2)
-        return asyncio.current_task()
+        # A run the OS preempted times as slow and sends the next one to the thread (as it
+        # should), so on a busy machine one request may miss; a model that never runs
+        # inline misses them all.
+        attempts = 0
+        while attempts < 20:
+            attempts += 1
+            ran_on.clear()
+            result = await batcher.submit(one(), ["y"])
+            np.testing.assert_array_equal(result["y"], one()["x"] * 2)
+            if ran_on == [asyncio.current_task()]:
+                break
+        return asyncio.current_task(), attempts
 
     stats = ModelStats()
 
-    async def run() -> asyncio.Task | None:
+    async def run() -> tuple[asyncio.Task | None, int]:
         batcher = Batcher(make_spec(delay_us=5_000_000), model, stats, 64)
         try:
             return await body(batcher, stats)
         finally:
             await batcher.close()
 
-    caller = asyncio.run(run())
+    caller, attempts = asyncio.run(run())
     assert ran_on == [caller]
-    assert stats.execution_count == 4
+    assert stats.execution_count == 3 + attempts
 
 
 def test_requests_waiting_behind_an_idle_fast_models_leader_join_its_batch() -> None:
