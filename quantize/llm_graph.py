@@ -60,10 +60,8 @@ def rope_tables(c: DecoderConfig, max_positions: int) -> tuple[np.ndarray, np.nd
     attention's 1 / sqrt(head_dim) and the attention op runs with scale 1 (QK_SCALE)."""
     freq = inv_freq(c).numpy()
     angles = np.arange(max_positions, dtype=np.float64)[:, None] * freq[None]
-    factor = c.head_dim**-0.25
-    return (np.cos(angles) * factor).astype(np.float32), (np.sin(angles) * factor).astype(
-        np.float32
-    )
+    cos, sin = (c.head_dim**-0.25 * np.stack([np.cos(angles), np.sin(angles)])).astype(np.float32)
+    return cos, sin
 
 
 # GroupQueryAttention's own scale of q.k: 1, since the RoPE tables carry 1 / sqrt(head_dim).
