@@ -70,9 +70,14 @@ PREFIX_CACHING = "meshserve.prefix_caching"
 # "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,
 # far slower on a busy one); default "false"
 INTRA_OP_SPINNING = "meshserve.intra_op_spinning"
-# speculative decoding: a draft step graph (a path in the model's folder), and k
+# speculative decoding: the method ("draft_model", the default when a draft is named, or
+# "ngram": prompt lookup), a draft step graph (a path in the model's folder), k, and the
+# n-gram lookup's shortest and longest suffix (vLLM's prompt_lookup_min / _max)
+SPECULATIVE_METHOD = "meshserve.speculative_method"
 DRAFT_MODEL = "meshserve.draft_model"
 NUM_SPECULATIVE_TOKENS = "meshserve.num_speculative_tokens"
+PROMPT_LOOKUP_MIN = "meshserve.prompt_lookup_min"
+PROMPT_LOOKUP_MAX = "meshserve.prompt_lookup_max"
 
 # ---- a shard group (worker/tp/) ----------------------------------------------------------
 TP = "meshserve.tp"

@@ -9,8 +9,10 @@ inside the attention op from cos/sin tables baked into the graph, so positions f
 row's length and no row is ever padded. Only the last position reaches the LM head, so a
 prefill of 1,500 tokens returns one row of logits, not 1,500. With `all_positions`
 (`with_position_logits`), an extra scalar input `num_logits` says how many of the last new
-positions reach the head instead: logits [rows, num_logits, vocab], what a speculative
-decoding verify run reads (every drafted position at once); metadata `num_logits_input` = 1.
+positions reach the head instead: logits [rows, num_logits, vocab] (and top_values /
+top_ids [rows, num_logits, TOP_K]), what a speculative decoding verify run reads (every
+drafted position at once); metadata `num_logits_input` = 1. Served graphs have it
+(`save_served`), so any served model can verify drafts.
 
 Inputs: input_ids [rows, new] int64, seqlens_k [rows] int32, total_sequence_length []
 int32, past_key.{i} / past_value.{i}. Outputs: logits [rows, vocab] float32, top_values /
@@ -277,8 +279,7 @@ def build(
         x = g.one("Add", [x, mlp(g, x, state, i, c.eps)])
     logits = lm_head(g, x, state, c.hidden, c.eps)
     g.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="logits"))
-    if not all_positions:
-        outputs += top_k(g, LOGITS, c.vocab_size)
+    outputs += top_k(g, LOGITS, c.vocab_size)
     meta = {
         "layers": c.layers,
         "heads": c.heads,
@@ -294,13 +295,10 @@ def build(
 
 def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
     """The step graph (fp32 or quantized: only the head's Gather changes) returning logits at
-    the last `num_logits` new positions of each row, [rows, num_logits, vocab]; num_logits = 1
-    gives the last position, as before. Modifies and returns `proto`."""
+    the last `num_logits` new positions of each row, [rows, num_logits, vocab], and its
+    top-k of each, [rows, num_logits, k]; num_logits = 1 gives the last position, as before.
+    Modifies and returns `proto`."""
     g = proto.graph
-    for node in [n for n in g.node if n.op_type == "TopK" and n.input[0] == LOGITS]:
-        g.node.remove(node)  # the top-k output is the last position's only
-        for out in [o for o in g.output if o.name in node.output]:
-            g.output.remove(out)
     gather = next(
         (n for n in g.node if n.op_type == "Gather" and n.input[1:] == ["last_position"]), None
     )
@@ -341,6 +339,14 @@ def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
     logits.CopyFrom(
         helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", "positions", vocab])
     )
+    # the graph's top-k, if it has one, now runs over each position's logits
+    for out in [o for o in g.output if o.name in (TOP_VALUES, TOP_IDS)]:
+        t = out.type.tensor_type
+        out.CopyFrom(
+            helper.make_tensor_value_info(
+                out.name, t.elem_type, ["rows", "positions", t.shape.dim[-1].dim_value]
+            )
+        )
     helper.set_model_props(
         proto,
         {**{p.key: p.value for p in proto.metadata_props}, META + "num_logits_input": "1"},
@@ -368,7 +374,11 @@ def save_served(proto: onnx.ModelProto, path: Path) -> Path:
     what it prepacks (MatMulNBits) it copies and lets go, and the 8-bit embedding is read
     in place, so only the rows of tokens seen become resident (SmolLM2 int8: session 273 ->
     239 MB, load peak 331 -> 265 MB). The worker's own reads of the graph (index bounds,
-    string inputs) parse 100 KB instead of the whole file. Empties `proto`'s tensors."""
+    string inputs) parse 100 KB instead of the whole file. With logits at the last
+    `num_logits` positions (`with_position_logits`), so that the worker can verify drafts
+    (speculative decoding); a plain step reads the same top-k. Empties `proto`'s tensors."""
+    if not any(i.name == NUM_LOGITS for i in proto.graph.input):
+        with_position_logits(proto)
     path.parent.mkdir(parents=True, exist_ok=True)
     weights = served_files(path)[1]
     weights.unlink(missing_ok=True)  # onnx appends to an existing data file

@@ -44,7 +44,7 @@ from worker.llm.generation import (
 from worker.llm.model import Model
 from worker.llm.prefix import PrefixCache, retained_slots
 from worker.llm.sampling import Sampler, SamplingParams
-from worker.llm.speculative import DraftConfig, Drafter
+from worker.llm.speculative import DraftConfig, SpeculativeConfig, proposer
 from worker.llm.step import OnExecution, StepRunner
 
 log = structlog.get_logger()
@@ -67,22 +67,23 @@ class EngineConfig:
     prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
 
 
-def positions_limit(model: Model, config: EngineConfig, draft: DraftConfig | None) -> int:
+def positions_limit(model: Model, config: EngineConfig, draft: SpeculativeConfig | None) -> int:
     """The positions a run may use (the RoPE tables of the target and its draft), checked
     against the config; a draft that cannot serve this target is refused here."""
     facts = model.facts
     positions = [facts.max_positions]
-    if draft is not None:
+    if isinstance(draft, DraftConfig):
         positions.append(draft.model.facts.max_positions)
         if draft.model.facts.vocab_size != facts.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft.model.facts.vocab_size}) is not the "
                 f"target's ({facts.vocab_size})"
             )
+    if draft is not None:
         if not getattr(model, "position_logits", False):
             raise ValueError(
-                "the target's step graph returns the last position's logits only; a draft "
-                "needs one built with all_positions (quantize/llm_graph.py)"
+                "the target's step graph returns the last position's logits only; verifying "
+                "drafts needs one built with all_positions (quantize/llm_graph.py)"
             )
         if draft.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens {draft.num_tokens}: must be >= 1")
@@ -101,7 +102,7 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         on_execution: OnExecution | None = None,
-        draft: DraftConfig | None = None,
+        draft: SpeculativeConfig | None = None,
     ) -> None:
         positions = positions_limit(model, config, draft)
         facts = model.facts
@@ -127,7 +128,7 @@ class Engine:
         self.cache.room = self.prefix
         self.drafter = None
         if draft is not None:
-            self.drafter = Drafter(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
+            self.drafter = proposer(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
         self.scheduler: scheduler.Scheduler[Sequence] = scheduler.Scheduler(
             self.cache.room,
             scheduler.SchedulerConfig(

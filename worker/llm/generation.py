@@ -65,9 +65,9 @@ class EngineStats:
     joined_running: int = 0  # sequences that began decoding while others were decoding
     finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
     rejected: int = 0
-    draft_tokens: int = 0  # proposed by the draft model (k per speculative step)
+    draft_tokens: int = 0  # proposed (by the draft model or n-gram lookup), up to k a step
     accepted_tokens: int = 0  # drafts the target kept
-    draft_ns: int = 0  # time in the draft model's runs (not in on_execution's)
+    draft_ns: int = 0  # time proposing: the draft model's runs (not in on_execution's)
     top_runs: int = 0  # runs that read the graph's top-k instead of the logits
     # where a step's time goes: its model runs by kind, its copies (reused prefixes and
     # moved sequences, page faults included), and the whole step (the rest of step_ns is

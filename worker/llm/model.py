@@ -144,8 +144,10 @@ class StepModel:
         io = self._binding(cache, lo, hi, 0)
         self._feed(io, ids, lengths, 1)
         self.session.session.run_with_iobinding(io, run_options(ids.shape[1]))
-        values, top = io.get_outputs()[:2]  # then the cache, bound in place
-        return np.array(values.numpy()), np.array(top.numpy())
+        values, top = (v.numpy() for v in io.get_outputs()[:2])  # then the cache, in place
+        if self.position_logits:  # [rows, 1, k]: the one position asked for
+            values, top = values[:, -1], top[:, -1]
+        return np.array(values), np.array(top)
 
     def run_positions(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int

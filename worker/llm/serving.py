@@ -29,7 +29,7 @@ from worker.llm import prefix, sampling
 from worker.llm.chat import ChatTemplate
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
-from worker.llm.speculative import DraftConfig
+from worker.llm.speculative import DraftConfig, NgramConfig, SpeculativeConfig
 
 log = structlog.get_logger()
 
@@ -51,10 +51,14 @@ PREFILL_CHUNK = model_keys.PREFILL_CHUNK
 MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
 STEP_TOKENS_PER_ROW = model_keys.STEP_TOKENS_PER_ROW
 MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
-# speculative decoding: a draft step graph (a path in the model's folder), and k
+# speculative decoding: a draft step graph (a path in the model's folder) or n-gram lookup
+SPECULATIVE_METHOD = model_keys.SPECULATIVE_METHOD
 DRAFT_MODEL = model_keys.DRAFT_MODEL
 NUM_SPECULATIVE_TOKENS = model_keys.NUM_SPECULATIVE_TOKENS
+PROMPT_LOOKUP_MIN = model_keys.PROMPT_LOOKUP_MIN
+PROMPT_LOOKUP_MAX = model_keys.PROMPT_LOOKUP_MAX
 DEFAULT_SPECULATIVE_TOKENS = 4
+METHODS = ("draft_model", "ngram")
 INT_PARAMETERS = (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -64,6 +68,8 @@ INT_PARAMETERS = (
     STEP_TOKENS_PER_ROW,
     MAX_TOKENS_LIMIT,
     NUM_SPECULATIVE_TOKENS,
+    PROMPT_LOOKUP_MIN,
+    PROMPT_LOOKUP_MAX,
 )
 
 
@@ -121,12 +127,34 @@ def draft_path(spec: ModelSpec, model_dir: Path) -> Path | None:
     return path
 
 
-def draft_config(spec: ModelSpec, draft: Model | None) -> DraftConfig | None:
+def speculative_config(spec: ModelSpec, draft: Model | None) -> SpeculativeConfig | None:
+    """The config's speculative decoding: a draft model (the one loaded from
+    meshserve.draft_model), n-gram lookup, or none."""
+    p = spec.parameters
+    method = p.get(SPECULATIVE_METHOD, "draft_model" if DRAFT_MODEL in p else "")
+    if method and method not in METHODS:
+        raise ConfigError(
+            f"model {spec.name!r}: {SPECULATIVE_METHOD} {method!r}: expected one of {METHODS}"
+        )
+    if method == "ngram" and DRAFT_MODEL in p:
+        raise ConfigError(
+            f"model {spec.name!r}: {SPECULATIVE_METHOD} 'ngram' takes no {DRAFT_MODEL}"
+        )
+    k = int(p.get(NUM_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS))
+    if method and k < 1:
+        raise ConfigError(f"model {spec.name!r}: {NUM_SPECULATIVE_TOKENS} must be >= 1")
+    if method == "ngram":
+        default = NgramConfig()
+        lo = int(p.get(PROMPT_LOOKUP_MIN, default.min_n))
+        hi = int(p.get(PROMPT_LOOKUP_MAX, max(default.max_n, lo)))
+        if not 1 <= lo <= hi:
+            raise ConfigError(
+                f"model {spec.name!r}: {PROMPT_LOOKUP_MIN} {lo} and {PROMPT_LOOKUP_MAX} {hi}: "
+                "expected 1 <= min <= max"
+            )
+        return NgramConfig(k, lo, hi)
     if draft is None:
         return None
-    k = int(spec.parameters.get(NUM_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS))
-    if k < 1:
-        raise ConfigError(f"model {spec.name!r}: {NUM_SPECULATIVE_TOKENS} must be >= 1")
     return DraftConfig(draft, k)
 
 
@@ -144,7 +172,9 @@ class LLMServing:
         self.chat = ChatTemplate.from_folder(model_dir, spec.name)
         self.config = engine_config(spec, model)
         try:
-            self.engine = Engine(model, tokenizer, self.config, draft=draft_config(spec, draft))
+            self.engine = Engine(
+                model, tokenizer, self.config, draft=speculative_config(spec, draft)
+            )
         except ValueError as e:
             raise ConfigError(f"model {spec.name!r}: {e}") from e
         self.max_tokens_limit = int(

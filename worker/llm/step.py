@@ -41,7 +41,7 @@ from worker.llm.cache import KVCache
 from worker.llm.generation import EngineStats, Results, Row, Sequence
 from worker.llm.model import Model, TopModel, VerifyingModel
 from worker.llm.prefix import PrefixCache
-from worker.llm.speculative import Drafter
+from worker.llm.speculative import Proposer
 
 # (kind, rows, tokens, ns) of every model run, for Triton's statistics
 OnExecution = Callable[[str, int, int, int], None]
@@ -54,7 +54,7 @@ class StepRunner:
         cache: KVCache,
         prefix: PrefixCache,
         sched: scheduler.Scheduler[Sequence],
-        drafter: Drafter | None,
+        drafter: Proposer | None,
         results: Results,
         stats: EngineStats,
     ) -> None:
@@ -92,8 +92,7 @@ class StepRunner:
         decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
         if not decoding:
             return
-        if plan.drafts:
-            await self._speculate(loop, decoding[0], plan.drafts)
+        if plan.drafts and await self._speculate(loop, decoding[0], plan.drafts):
             return
         await self._decode(loop, decoding)
 
@@ -170,15 +169,20 @@ class StepRunner:
         )
         return lambda i: logits[i]
 
-    async def _speculate(self, loop: asyncio.AbstractEventLoop, seq: Sequence, k: int) -> None:
-        """One decode step of one sequence with k drafts: the draft catches up and proposes,
-        the target scores the last token and the drafts in one run, the sequence keeps the
-        longest prefix the target agrees with plus the target's own next token."""
+    async def _speculate(self, loop: asyncio.AbstractEventLoop, seq: Sequence, k: int) -> bool:
+        """One decode step of one sequence with up to k drafts: the proposer proposes (a
+        draft model catches up first), the target scores the last token and the drafts in
+        one run, the sequence keeps the longest prefix the target agrees with plus the
+        target's own next token. False: nothing was proposed, nothing ran."""
         assert self.drafter is not None
-        pending = seq.since(seq.drafted)  # tokens the draft has not seen yet (1 or 2 mostly)
-        drafts = await loop.run_in_executor(
-            self.pool, self.drafter.propose, pending, seq.length, seq.slot, k
-        )
+        if self.drafter.runs_model:
+            drafts = await loop.run_in_executor(self.pool, self.drafter.propose, seq, k)
+        else:
+            drafts = self.drafter.propose(seq, k)
+        self.stats.draft_ns = self.drafter.ns
+        if not drafts:
+            return False
+        k = len(drafts)
         ids = np.asarray([[seq.tokens[-1], *drafts]], np.int64)
         target = cast(VerifyingModel, self.model)
         start = time.perf_counter_ns()
@@ -195,7 +199,6 @@ class StepRunner:
         self.stats.decode_runs += 1
         self.stats.decode_batches[1] += 1
         self.stats.draft_tokens += k
-        self.stats.draft_ns = self.drafter.ns
         length = seq.length
         emitted = 0
         while not seq.cancelled and seq.finish_reason is None and emitted <= k:
@@ -210,6 +213,7 @@ class StepRunner:
         # the last draft in the draft's; what lies past them is dead in both.
         seq.computed += max(emitted, 1)
         seq.drafted = min(seq.computed, length + k - 1)
+        return True
 
     def _copy(self, copies: tuple[scheduler.Copy, ...]) -> None:
         """The plan's reused prefixes and moved sequences, row by row into their new slots

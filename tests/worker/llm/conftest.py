@@ -17,7 +17,7 @@ from quantize import llm, llm_graph, weights
 from quantize.models import DecoderConfig, LlamaDecoder
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
-from worker.llm.speculative import DraftConfig
+from worker.llm.speculative import DraftConfig, NgramConfig, SpeculativeConfig
 from worker.runtime import RuntimeOptions
 
 CPU = ["CPUExecutionProvider"]
@@ -87,18 +87,20 @@ def speculative_graphs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
 def make_engine(tiny_step_graph: Path, smollm2_tokenizer: Tokenizer):  # type: ignore[no-untyped-def]
     """`async with make_engine(**config) as engine:` an engine over the tiny graph (or
     `graph`), started on the running loop and closed on exit; with `draft` (a step graph)
-    and `num_speculative_tokens`, a speculative decoding engine."""
+    and `num_speculative_tokens`, a speculative decoding engine; with `ngram`, one proposing
+    by n-gram lookup."""
 
     @contextlib.asynccontextmanager
     async def make(
         graph: Path | None = None,
         draft: Path | None = None,
         num_speculative_tokens: int = 4,
+        ngram: NgramConfig | None = None,
         **overrides: int,
     ) -> AsyncIterator[Engine]:
         options = RuntimeOptions(intra_op_threads=1)
         model = StepModel.load(graph or tiny_step_graph, options, CPU)
-        drafting = None
+        drafting: SpeculativeConfig | None = ngram
         if draft is not None:
             drafting = DraftConfig(StepModel.load(draft, options, CPU), num_speculative_tokens)
         defaults = {"max_model_len": 256, "max_num_seqs": 4, "kv_cache_tokens": 1024}

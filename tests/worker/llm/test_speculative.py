@@ -254,3 +254,191 @@ def test_a_repository_model_names_its_draft_and_reports_acceptance(  # type: ign
             await repository.close()
 
     asyncio.run(main())
+
+
+# ---- n-gram lookup (prompt lookup decoding) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        # the longest suffix that occurs earlier wins: (3, 4) -> 9, not (4,) -> 5
+        ([1, 2, 3, 4, 9, 7, 4, 5, 3, 4], 2, [9, 7]),
+        # the latest earlier occurrence of it
+        ([5, 6, 1, 5, 6, 2, 5, 6], 1, [2]),
+        # a loop continues itself past the sequence's end
+        ([8, 1, 2, 1, 2], 5, [1, 2, 1, 2, 1]),
+        # the shortest suffix allowed (1) is tried last
+        ([4, 7, 0, 7], 3, [0, 7, 0]),
+        ([1, 2, 3], 4, []),  # nothing repeats: no proposal
+        ([6], 4, []),
+    ],
+)
+def test_ngram_lookup_proposes_what_followed_the_suffix_before(
+    tokens: list[int], k: int, expected: list[int]
+) -> None:
+    import numpy as np
+
+    from worker.llm.speculative import lookup
+
+    assert lookup(np.asarray(tokens), 1, 3, k) == expected
+
+
+def test_ngram_lookup_needs_min_n_tokens_to_match() -> None:
+    import numpy as np
+
+    from worker.llm.speculative import lookup
+
+    tokens = np.asarray([4, 7, 0, 7])
+    assert lookup(tokens, 2, 3, 3) == []  # only the one-token suffix (7,) occurs earlier
+    assert lookup(np.asarray([3, 4, 7, 3, 4]), 2, 3, 2) == [7, 3]
+
+
+def generate_ngram(make_engine, graphs, params: SamplingParams, prompts, **ngram):  # type: ignore[no-untyped-def]
+    """As `generate`, with n-gram lookup proposing on the all-positions target."""
+    from worker.llm.speculative import NgramConfig
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with make_engine(graph=graphs["verify"], ngram=NgramConfig(**ngram)) as engine:
+            seqs, outs = [], []
+            for prompt in prompts:
+                seqs.append(engine.add(prompt, params))
+                outs.append(await collect(engine, seqs[-1]))
+            return [s.tokens for s in seqs], outs, engine.stats
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_lookup_output_is_the_targets_token_for_token(  # type: ignore[no-untyped-def]
+    make_engine, speculative_graphs, k
+) -> None:
+    """The fp32 target's greedy output, with lookups proposing from repeated prompts (kept
+    where the target agrees) and from its own text; fewer target runs than tokens."""
+    prompts = [p * 3 for p in PROMPTS]  # text that repeats: lookups find continuations
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain: list[list[int]] = []
+    plain_outs: list[list[Output]] = []
+
+    async def reference():  # type: ignore[no-untyped-def]
+        async with make_engine(graph=speculative_graphs["target"]) as engine:
+            for prompt in prompts:
+                seq = engine.add(prompt, params)
+                plain_outs.append(await collect(engine, seq))
+                plain.append(seq.tokens)
+
+    asyncio.run(reference())
+    tokens, outs, stats = generate_ngram(
+        make_engine, speculative_graphs, params, prompts, num_tokens=k
+    )
+    assert tokens == plain
+    for out, ref in zip(outs, plain_outs, strict=True):
+        assert "".join(o.text for o in out) == "".join(o.text for o in ref)
+        assert out[-1].finish_reason == LENGTH and out[-1].completion_tokens == 40
+    assert 0 < stats.accepted_tokens <= stats.draft_tokens
+    assert stats.decode_tokens == 3 * 39
+    assert stats.decode_runs < 3 * 39  # drafts were kept
+    # a step without a proposal decodes as without speculation, from the graph's top-k
+    assert stats.top_runs > 0
+
+
+def tiny_repository(root: Path, graphs, tokenizer, **parameters: str) -> Path:  # type: ignore[no-untyped-def]
+    """A repository holding the tiny all-positions target as model "tiny", its draft as
+    draft.onnx beside it, with these meshserve parameters."""
+    import shutil
+
+    folder = root / "tiny"
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(graphs["verify"], folder / "1" / "model.onnx")
+    shutil.copy(graphs["draft"], folder / "draft.onnx")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    base = {
+        "meshserve.engine": "llm",
+        "meshserve.tokenizer": "tokenizer.json",
+        "meshserve.max_model_len": "256",
+    }
+    (folder / "config.pbtxt").write_text(
+        'name: "tiny"\nmax_batch_size: 0\n'
+        + "".join(
+            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
+            for k, v in {**base, **parameters}.items()
+        )
+    )
+    return root
+
+
+def test_a_repository_model_speculates_by_ngram_lookup(  # type: ignore[no-untyped-def]
+    speculative_graphs, smollm2_tokenizer, tmp_path
+) -> None:
+    """meshserve.speculative_method "ngram" and its lookup sizes reach the engine, which
+    proposes from a repeated prompt without any draft model."""
+    from worker.llm.serving import LLMRequest
+    from worker.llm.speculative import NgramProposer
+    from worker.repository import Repository
+    from worker.runtime import RuntimeOptions
+
+    root = tiny_repository(
+        tmp_path,
+        speculative_graphs,
+        smollm2_tokenizer,
+        **{
+            "meshserve.speculative_method": "ngram",
+            "meshserve.num_speculative_tokens": "5",
+            "meshserve.prompt_lookup_min": "2",
+            "meshserve.prompt_lookup_max": "4",
+        },
+    )
+
+    async def main() -> None:
+        repository = Repository(root, RuntimeOptions(intra_op_threads=1, providers="cpu"))
+        repository.load()
+        try:
+            llm = repository.get("tiny").llm
+            assert llm is not None
+            drafter = llm.engine.drafter
+            assert isinstance(drafter, NgramProposer)
+            assert (drafter.num_tokens, drafter.min_n, drafter.max_n) == (5, 2, 4)
+            params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            request = LLMRequest("", PROMPTS[2] * 2, params, stream=True, exclude_input=True)
+            outs = [out async for out in llm.generate(request)]
+            assert outs[-1].completion_tokens == 20
+            assert llm.engine.stats.draft_tokens > 0
+        finally:
+            await repository.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"meshserve.speculative_method": "medusa"}, "expected one of"),
+        (
+            {"meshserve.speculative_method": "ngram", "meshserve.draft_model": "draft.onnx"},
+            "takes no meshserve.draft_model",
+        ),
+        (
+            {
+                "meshserve.speculative_method": "ngram",
+                "meshserve.prompt_lookup_min": "4",
+                "meshserve.prompt_lookup_max": "2",
+            },
+            "1 <= min <= max",
+        ),
+        (
+            {"meshserve.speculative_method": "ngram", "meshserve.num_speculative_tokens": "0"},
+            "must be >= 1",
+        ),
+    ],
+)
+def test_a_speculative_config_that_cannot_work_is_refused_at_load(  # type: ignore[no-untyped-def]
+    speculative_graphs, smollm2_tokenizer, tmp_path, parameters, message
+) -> None:
+    from worker.config import ConfigError
+    from worker.repository import Repository
+    from worker.runtime import RuntimeOptions
+
+    root = tiny_repository(tmp_path, speculative_graphs, smollm2_tokenizer, **parameters)
+    repository = Repository(root, RuntimeOptions(intra_op_threads=1, providers="cpu"))
+    with pytest.raises(ConfigError, match=message):
+        repository.load()
