@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "figure per target",
     )
     p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        help="both sides speculate by n-gram lookup: the worker with "
+        "meshserve.speculative_method=ngram (llm_serve.NGRAM_WORKER), llama-server in each "
+        "of its n-gram --spec-type settings (llm_serve.NGRAM_SERVER) as well as without; the "
+        "worker is checked against llama-server's strongest setting per target",
+    )
+    p.add_argument(
         "--model-parameter",
         action="append",
         default=[],
@@ -134,6 +142,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="llm", help="results name (benchmarks/results/NAME.json)")
     args = p.parse_args(argv)
     args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
+    if args.speculative == "ngram":
+        from benchmarks import llm_serve
+
+        args.model_parameter = {**llm_serve.NGRAM_WORKER, **args.model_parameter}
     return args
 
 
@@ -307,22 +319,28 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
     )
     out: dict = {"plan": plan.__dict__, "llama_server_runs": {}}
 
-    async def server(policy: str) -> dict:
+    async def server(policy: str, spec: tuple[str, ...], log: str) -> dict:
         async with llm_serve.llama_server(
             args.llama_server_bin,
             ctx.gguf,
             plan,
-            logs / f"llama-server-{policy}.log",
+            logs / f"llama-server-{log}.log",
             llm_run.omp_env(policy),
+            spec,
         ) as (url, pid, argv):
-            out["llama_server_args"] = argv[1:]
+            out["llama_server_args"] = argv[1 : len(argv) - len(spec)]
             return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
 
     out["llama_server_cpu_features"] = llm_serve.cpu_features(args.llama_server_bin, ctx.gguf)
 
+    specs = {"": ()} | (llm_serve.NGRAM_SERVER if args.speculative == "ngram" else {})
     for policy in args.llama_server_omp:
-        before = wait_quiet(args.quiet_load, args.quiet_wait_s)
-        out["llama_server_runs"][policy] = {**asyncio.run(server(policy)), "load_before": before}
+        for spec_name, spec in specs.items():
+            # a run's name: its OMP_WAIT_POLICY, then its speculative setting if any
+            name = f"{policy}, {spec_name}" if spec_name else policy
+            before = wait_quiet(args.quiet_load, args.quiet_wait_s)
+            run = asyncio.run(server(policy, spec, name.replace(", ", "-")))
+            out["llama_server_runs"][name] = {**run, "spec_args": list(spec), "load_before": before}
     out["llama_server"] = llm_serve.strongest(out["llama_server_runs"])
     out["meshserve_parameters"] = args.model_parameter
     with meshserve_address(args, logs) as (address, pid):

@@ -42,6 +42,27 @@ from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 
 SAMPLING = {"temperature": 0, "ignore_eos": True}
+
+# `--speculative ngram`: the worker's n-gram lookup (worker/llm/speculative.py: suffixes of
+# 2-4 tokens, k = 4 drafts), and llama-server's own n-gram speculative settings, each measured
+# (its defaults, and sizes near the worker's: a 2-3 token lookup drafting 4-8 tokens)
+NGRAM_WORKER = {
+    "meshserve.speculative_method": "ngram",
+    "meshserve.num_speculative_tokens": "4",
+    "meshserve.prompt_lookup_min": "2",
+    "meshserve.prompt_lookup_max": "4",
+}
+NGRAM_SERVER = {
+    "ngram-simple n3 m8": (
+        "--spec-type", "ngram-simple",
+        "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8",
+    ),
+    "ngram-map-k n2 m4": (
+        "--spec-type", "ngram-map-k",
+        "--spec-ngram-map-k-size-n", "2", "--spec-ngram-map-k-size-m", "4",
+    ),
+    "ngram-mod": ("--spec-type", "ngram-mod"),
+}  # fmt: skip
 LOAD_SIZES = (20, 40, 60, 100, 150, 200, 300, 400, 500, 700, 1000, 30, 50, 80, 250, 600)
 
 
@@ -158,7 +179,12 @@ def level(streams: int, rounds: list[dict]) -> dict:
 
 @contextlib.asynccontextmanager
 async def llama_server(
-    binary: Path, gguf: Path, plan: Plan, log: Path, env: dict[str, str] | None = None
+    binary: Path,
+    gguf: Path,
+    plan: Plan,
+    log: Path,
+    env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[str, int, list[str]]]:
     port = free_port()
     args = [
@@ -171,6 +197,7 @@ async def llama_server(
         "-np", str(plan.slots),
         "-c", str(plan.context),
         "--cont-batching",
+        *extra,
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -245,7 +272,7 @@ def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
     def check(name: str, value: float | None, target: float, better: str, by: str = "") -> None:
         ok = value is not None and (value >= target if better == "higher" else value <= target)
         checks[name] = {"value": value, "target": target, "met": ok}
-        if by:
+        if by:  # a run's name: its OMP_WAIT_POLICY, then its speculative setting if any
             checks[name]["against"] = f"llama-server, OMP_WAIT_POLICY {by}"
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -330,12 +357,24 @@ def section(r: dict) -> str:
     ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
     if a.get("meshserve_model_file"):
         worker += f", serving {a['meshserve_model_file']} on this CPU"
+    specs = {
+        name.partition(", ")[2]: " ".join(run["spec_args"])
+        for name, run in a["llama_server_runs"].items()
+        if run.get("spec_args")
+    }
+    title = "## LLM engine against llama-server (continuous batching, same GGUF)"
+    runs = "once per OMP_WAIT_POLICY ('default': unset)"
+    if specs:
+        title = "## LLM engine against llama-server, both speculating by n-gram lookup"
+        runs += ", without speculation and with each n-gram setting: " + "; ".join(
+            f"{name} ({args})" for name, args in specs.items()
+        )
     return "\n\n".join(
         [
-            "## LLM engine against llama-server (continuous batching, same GGUF)",
+            title,
             f"`python -m benchmarks.llm --systems llama-server` on {cpu} — {r['note']} Plan: "
-            f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}, once per "
-            f"OMP_WAIT_POLICY ('default': unset), ggml {ggml}; the worker: "
+            f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}, {runs}, "
+            f"ggml {ggml}; the worker: "
             f"{worker}. Medians of the rounds; each round's figures are in the file. Each "
             "target is checked against llama-server's strongest figure for it.",
             table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),

@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "llm_speculative_fp32": "llm_speculative",
     "llm_genai_perf": "llm_genai_perf",
     "llm_anchor": "llm_serve",
+    "llm_anchor_ngram": "llm_serve",
     "llm_prefix": "llm_prefix",
     "planner": "planner.validate.report",
     "tenants": "tenants",
