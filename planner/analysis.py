@@ -308,7 +308,8 @@ def _output_bytes(graph: onnx.GraphProto) -> int:
         if out.name.startswith("present"):
             continue
         t = out.type.tensor_type
-        dims = [d.dim_value for d in t.shape.dim[1:]]
+        # a step graph's num_logits positions: one in a decode step
+        dims = [1 if d.dim_param == step_graph.POSITIONS else d.dim_value for d in t.shape.dim[1:]]
         if all(d > 0 for d in dims):
             size = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
             total += int(np.prod(dims)) * size if dims else size

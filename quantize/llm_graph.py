@@ -40,6 +40,7 @@ from common.step_graph import (
     LOGITS,
     META,
     NUM_LOGITS,
+    POSITIONS,
     SEQLENS,
     TOP_IDS,
     TOP_K,
@@ -337,14 +338,14 @@ def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
     logits = next(o for o in g.output if o.name == LOGITS)
     vocab = logits.type.tensor_type.shape.dim[-1].dim_value
     logits.CopyFrom(
-        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", "positions", vocab])
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", POSITIONS, vocab])
     )
     # the graph's top-k, if it has one, now runs over each position's logits
     for out in [o for o in g.output if o.name in (TOP_VALUES, TOP_IDS)]:
         t = out.type.tensor_type
         out.CopyFrom(
             helper.make_tensor_value_info(
-                out.name, t.elem_type, ["rows", "positions", t.shape.dim[-1].dim_value]
+                out.name, t.elem_type, ["rows", POSITIONS, t.shape.dim[-1].dim_value]
             )
         )
     helper.set_model_props(

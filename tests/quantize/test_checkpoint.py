@@ -55,6 +55,27 @@ def test_a_served_checkpoint_keeps_its_weights_beside_its_graph(tmp_path: Path) 
     assert served == evaluate.greedy(evaluate.step_model(single), ck.tokenizer, [PROMPT], 8)
 
 
+def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> None:
+    """save_served gives the graph the num_logits input (speculative decoding's verify run)
+    and keeps its own top-k: one run gives every new position's logits, whose argmax is what
+    the top-k says for the last position."""
+    from worker.llm.cache import KVCache
+
+    ck = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q8_0"))
+    folder = llm.build_checkpoint(tmp_path / "s.gguf", tmp_path / "repo", "tiny")
+    model = evaluate.step_model(folder / "1" / "model.onnx")
+    assert model.position_logits and model.top_k == 64
+    f = model.facts
+    cache = KVCache(f.cache_shape(1, 64), 64)
+    ids, lengths = np.asarray([PROMPT]), np.asarray([len(PROMPT)])
+    positions = model.run_positions(cache, ids, lengths, 0, 1)
+    assert positions.shape == (1, len(PROMPT), ck.config.vocab_size)
+    values, top = model.run_top(cache, ids, lengths, 0, 1)
+    assert top.shape == (1, 64) and top[0, 0] == positions[0, -1].argmax()
+    np.testing.assert_allclose(values[0, 0], positions[0, -1].max(), rtol=1e-6)
+    cache.close()
+
+
 @torch.no_grad()
 def test_attention_runs_at_scale_one_and_the_logits_stay_the_models(tmp_path: Path) -> None:
     """The step graph's attention op runs with scale 1 (onnxruntime's one-row q.k routine

@@ -8,11 +8,13 @@ chunk that ends its prompt gives the first token, a decode row the next one. Mod
 to one thread (onnxruntime releases the GIL), so gRPC keeps being served while a step
 computes; sampling and detokenizing run on the event loop between runs.
 
-With a draft model (speculative decoding, worker/llm/speculative.py) and one sequence
-decoding, its decode run becomes: the draft proposes k tokens, greedily; the target scores
-the last token and the k drafts in one run (logits at all k + 1 positions); the sequence
-then samples position by position with its own sampler, keeping tokens while they equal the
-drafts, and ends with the first that differs (or the bonus token after k hits). With
+With speculative decoding (worker/llm/speculative.py: a draft model, or n-gram lookup) and
+one sequence decoding, its decode run becomes: the proposer proposes up to k tokens (a draft
+model greedily; a lookup finding nothing proposes none, and the plain decode run goes
+instead); the target scores the last token and the drafts in one run (logits at all of
+those positions); the sequence then samples position by position with its own sampler,
+keeping tokens while they equal the drafts, and ends with the first that differs (or the
+bonus token after all hit). With
 several sequences decoding, the plain batched step runs: a verify run cannot batch rows,
 and separate runs per row would read the target's weights once per row where one decode
 step reads them once for all (vLLM, too, turns speculation off above a batch size).
