@@ -213,3 +213,42 @@ def test_a_free_slots_kept_pages_go_first_when_room_is_needed() -> None:
     _, d = served(cache, [6] * 8, reserve=44)  # 12 + 44 + 40 kept > 60: slot 1's pages go
     assert discarded[-1] == (c.slot, 0) or d.slot == c.slot
     assert cache.reserved_tokens + cache.retained_tokens + cache.stale_tokens <= 60
+
+
+def test_budget_eviction_gives_back_a_slots_pages_once_however_many_blocks_go() -> None:
+    """Trimming a retained slot block by block for room ends in one discard for it (a
+    madvise per layer and head), from its first dropped row."""
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(2, 60, B, discard=lambda slot, start: discarded.append((slot, start)))
+    prompt = list(range(40))
+    _, plan = served(cache, prompt, reserve=40)
+    finish(cache, plan.slot, prompt, 40)
+    kept = cache.lookup(ROOT, prompt).slot
+    assert cache.retained_tokens == 40
+    discarded.clear()
+    _, other = served(cache, [999] * 10, reserve=50)  # 50 + 40 > 60: 30 rows, 8 blocks go
+    assert cache.stats.evicted_blocks == 8
+    assert [d for d in discarded if d[0] == kept] == [(kept, 8)]  # 2 blocks stay
+    assert cache.lookup(ROOT, prompt).tokens == 8
+    del other
+
+
+def test_a_finished_prompt_evicts_the_least_recently_used_retained_slot_whole() -> None:
+    """No retained slot free: the one used longest ago is dropped whole and its pages stay
+    for the moved rows (no discard), the other keeps all its blocks."""
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(2, 400, B, discard=lambda slot, start: discarded.append((slot, start)))
+    a, b, c = (list(range(k, k + 24)) for k in (0, 100, 200))
+    for prompt in (a, b):
+        _, plan = served(cache, prompt)
+        finish(cache, plan.slot, prompt, 40)
+    assert cache.lookup(ROOT, a).tokens == cache.lookup(ROOT, b).tokens == 22  # all but 2
+    discarded.clear()
+    _, plan = served(cache, c)
+    finish(cache, plan.slot, c, 40)  # both retained slots held: the older, `a`, goes whole
+    assert cache.lookup(ROOT, a) == Match(-1, 0)
+    assert cache.lookup(ROOT, b).tokens == 22 and cache.lookup(ROOT, c).tokens == 22
+    assert cache.stats.evicted_blocks == 6
+    # no retained slot trimmed block by block (a running slot taken trims its own pages
+    # past the new reservation)
+    assert not [d for d in discarded if d[0] >= cache.slots and d[1] > 0]
