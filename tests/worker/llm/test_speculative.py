@@ -18,19 +18,24 @@ async def collect(engine: Engine, seq: Sequence) -> list[Output]:
     return [out async for out in engine.stream(seq)]
 
 
-def generate(make_engine, graphs, params: SamplingParams, draft: str | None = None, **config):  # type: ignore[no-untyped-def]
+def generate(
+    make_engine, graphs, params: SamplingParams, draft: str | None = None, prompts=PROMPTS, **config
+):  # type: ignore[no-untyped-def]
     """Each prompt's tokens and outputs from the target alone, or with the draft `draft`
-    ("draft" or "target" itself), generated one after the other (the engine speculates while
-    one sequence decodes), and the engine's stats."""
+    ("draft" or "target" itself; "ngram": n-gram lookup, `ngram` in config), generated one
+    after the other (the engine speculates while one sequence decodes), and the engine's
+    stats."""
     if draft is None:
         config.update(graph=graphs["target"])
+    elif draft == "ngram":
+        config.update(graph=graphs["verify"])
     else:
         config.update(graph=graphs["verify"], draft=graphs[draft])
 
     async def main():  # type: ignore[no-untyped-def]
         async with make_engine(**config) as engine:
             seqs, outs = [], []
-            for prompt in PROMPTS:
+            for prompt in prompts:
                 seqs.append(engine.add(prompt, params))
                 outs.append(await collect(engine, seqs[-1]))
             return [s.tokens for s in seqs], outs, engine.stats
@@ -187,41 +192,51 @@ def test_a_target_without_position_logits_is_refused(  # type: ignore[no-untyped
         )
 
 
+def tiny_repository(root: Path, graphs, tokenizer, **parameters: str) -> Path:  # type: ignore[no-untyped-def]
+    """A repository holding the tiny all-positions target as model "tiny", its draft as
+    draft.onnx beside it, with these meshserve parameters."""
+    import shutil
+
+    folder = root / "tiny"
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(graphs["verify"], folder / "1" / "model.onnx")
+    shutil.copy(graphs["draft"], folder / "draft.onnx")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    base = {
+        "meshserve.engine": "llm",
+        "meshserve.tokenizer": "tokenizer.json",
+        "meshserve.max_model_len": "256",
+    }
+    (folder / "config.pbtxt").write_text(
+        'name: "tiny"\nmax_batch_size: 0\n'
+        + "".join(
+            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
+            for k, v in {**base, **parameters}.items()
+        )
+    )
+    return root
+
+
 def test_a_repository_model_names_its_draft_and_reports_acceptance(  # type: ignore[no-untyped-def]
     speculative_graphs, smollm2_tokenizer, tmp_path
 ) -> None:
     """config.pbtxt's meshserve.draft_model and num_speculative_tokens reach the engine; the
     draft counters reach the metrics endpoint's collector and ModelStatistics."""
-    import shutil
-
     from worker.llm.serving import LLMRequest
     from worker.metrics import RepositoryCollector
     from worker.repository import Repository
     from worker.runtime import RuntimeOptions
     from worker.servicer import _statistics
 
-    folder = tmp_path / "tiny"
-    (folder / "1").mkdir(parents=True)
-    shutil.copy(speculative_graphs["verify"], folder / "1" / "model.onnx")
-    shutil.copy(speculative_graphs["draft"], folder / "draft.onnx")
-    smollm2_tokenizer.save(str(folder / "tokenizer.json"))
-    parameters = {
-        "meshserve.engine": "llm",
-        "meshserve.tokenizer": "tokenizer.json",
-        "meshserve.max_model_len": "256",
-        "meshserve.draft_model": "draft.onnx",
-        "meshserve.num_speculative_tokens": "3",
-    }
-    (folder / "config.pbtxt").write_text(
-        'name: "tiny"\nmax_batch_size: 0\n'
-        + "".join(
-            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
-            for k, v in parameters.items()
-        )
+    root = tiny_repository(
+        tmp_path,
+        speculative_graphs,
+        smollm2_tokenizer,
+        **{"meshserve.draft_model": "draft.onnx", "meshserve.num_speculative_tokens": "3"},
     )
 
     async def main() -> None:
-        repository = Repository(tmp_path, RuntimeOptions(intra_op_threads=1, providers="cpu"))
+        repository = Repository(root, RuntimeOptions(intra_op_threads=1, providers="cpu"))
         repository.load()
         try:
             model = repository.get("tiny")
@@ -294,21 +309,6 @@ def test_ngram_lookup_needs_min_n_tokens_to_match() -> None:
     assert lookup(np.asarray([3, 4, 7, 3, 4]), 2, 3, 2) == [7, 3]
 
 
-def generate_ngram(make_engine, graphs, params: SamplingParams, prompts, **ngram):  # type: ignore[no-untyped-def]
-    """As `generate`, with n-gram lookup proposing on the all-positions target."""
-    from worker.llm.speculative import NgramConfig
-
-    async def main():  # type: ignore[no-untyped-def]
-        async with make_engine(graph=graphs["verify"], ngram=NgramConfig(**ngram)) as engine:
-            seqs, outs = [], []
-            for prompt in prompts:
-                seqs.append(engine.add(prompt, params))
-                outs.append(await collect(engine, seqs[-1]))
-            return [s.tokens for s in seqs], outs, engine.stats
-
-    return asyncio.run(main())
-
-
 @pytest.mark.parametrize("k", [1, 4])
 def test_ngram_lookup_output_is_the_targets_token_for_token(  # type: ignore[no-untyped-def]
     make_engine, speculative_graphs, k
@@ -316,20 +316,13 @@ def test_ngram_lookup_output_is_the_targets_token_for_token(  # type: ignore[no-
     """The fp32 target's greedy output, with lookups proposing from repeated prompts (kept
     where the target agrees) and from its own text; fewer target runs than tokens."""
     prompts = [p * 3 for p in PROMPTS]  # text that repeats: lookups find continuations
+    from worker.llm.speculative import NgramConfig
+
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain: list[list[int]] = []
-    plain_outs: list[list[Output]] = []
-
-    async def reference():  # type: ignore[no-untyped-def]
-        async with make_engine(graph=speculative_graphs["target"]) as engine:
-            for prompt in prompts:
-                seq = engine.add(prompt, params)
-                plain_outs.append(await collect(engine, seq))
-                plain.append(seq.tokens)
-
-    asyncio.run(reference())
-    tokens, outs, stats = generate_ngram(
-        make_engine, speculative_graphs, params, prompts, num_tokens=k
+    plain, plain_outs, _ = generate(make_engine, speculative_graphs, params, prompts=prompts)
+    ngram = NgramConfig(num_tokens=k)
+    tokens, outs, stats = generate(
+        make_engine, speculative_graphs, params, "ngram", prompts=prompts, ngram=ngram
     )
     assert tokens == plain
     for out, ref in zip(outs, plain_outs, strict=True):
@@ -340,31 +333,6 @@ def test_ngram_lookup_output_is_the_targets_token_for_token(  # type: ignore[no-
     assert stats.decode_runs < 3 * 39  # drafts were kept
     # a step without a proposal decodes as without speculation, from the graph's top-k
     assert stats.top_runs > 0
-
-
-def tiny_repository(root: Path, graphs, tokenizer, **parameters: str) -> Path:  # type: ignore[no-untyped-def]
-    """A repository holding the tiny all-positions target as model "tiny", its draft as
-    draft.onnx beside it, with these meshserve parameters."""
-    import shutil
-
-    folder = root / "tiny"
-    (folder / "1").mkdir(parents=True)
-    shutil.copy(graphs["verify"], folder / "1" / "model.onnx")
-    shutil.copy(graphs["draft"], folder / "draft.onnx")
-    tokenizer.save(str(folder / "tokenizer.json"))
-    base = {
-        "meshserve.engine": "llm",
-        "meshserve.tokenizer": "tokenizer.json",
-        "meshserve.max_model_len": "256",
-    }
-    (folder / "config.pbtxt").write_text(
-        'name: "tiny"\nmax_batch_size: 0\n'
-        + "".join(
-            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
-            for k, v in {**base, **parameters}.items()
-        )
-    )
-    return root
 
 
 def test_a_repository_model_speculates_by_ngram_lookup(  # type: ignore[no-untyped-def]
