@@ -147,12 +147,12 @@ def speculative_config(spec: ModelSpec, draft: Model | None) -> SpeculativeConfi
         default = NgramConfig()
         lo = int(p.get(PROMPT_LOOKUP_MIN, default.min_n))
         hi = int(p.get(PROMPT_LOOKUP_MAX, max(default.max_n, lo)))
-        if not 1 <= lo <= hi:
+        try:
+            return NgramConfig(k, lo, hi)
+        except ValueError as e:
             raise ConfigError(
-                f"model {spec.name!r}: {PROMPT_LOOKUP_MIN} {lo} and {PROMPT_LOOKUP_MAX} {hi}: "
-                "expected 1 <= min <= max"
-            )
-        return NgramConfig(k, lo, hi)
+                f"model {spec.name!r}: {PROMPT_LOOKUP_MIN} / {PROMPT_LOOKUP_MAX}: {e}"
+            ) from e
     if draft is None:
         return None
     return DraftConfig(draft, k)

@@ -49,6 +49,13 @@ class NgramConfig:
     min_n: int = 1  # the shortest suffix looked up (vLLM's prompt_lookup_min)
     max_n: int = 3  # the longest (prompt_lookup_max), tried first
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"n-gram lookup sizes: expected 1 <= min <= max, got min {self.min_n}, "
+                f"max {self.max_n}"
+            )
+
 
 SpeculativeConfig = DraftConfig | NgramConfig
 
@@ -110,11 +117,6 @@ class NgramProposer:
     runs_model = False
 
     def __init__(self, config: NgramConfig) -> None:
-        if not 1 <= config.min_n <= config.max_n:
-            raise ValueError(
-                f"n-gram lookup: min {config.min_n} and max {config.max_n} must satisfy "
-                "1 <= min <= max"
-            )
         self.num_tokens = config.num_tokens
         self.min_n, self.max_n = config.min_n, config.max_n
         self.ns = 0
