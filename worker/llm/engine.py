@@ -126,6 +126,8 @@ class Engine:
             move=lambda src, dst, n: self.cache.copy_rows(src, dst, 0, n),
         )
         self.cache.room = self.prefix
+        self.stats = EngineStats()
+        self.results = Results(self.eos, config.max_model_len, self.stats, self._leave)
         self.drafter = None
         if draft is not None:
             self.drafter = proposer(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
@@ -140,9 +142,8 @@ class Engine:
                 # positions a run may write to (a draft writes up to k past a length)
                 position_limit=min(self.cache.shape.max_len, positions),
             ),
+            whole=self.results.can_sample,
         )
-        self.stats = EngineStats()
-        self.results = Results(self.eos, config.max_model_len, self.stats, self._leave)
         self.runner = StepRunner(
             model, self.cache, self.prefix, self.scheduler, self.drafter, self.results, self.stats
         )

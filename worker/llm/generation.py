@@ -69,6 +69,8 @@ class EngineStats:
     accepted_tokens: int = 0  # drafts the target kept
     draft_ns: int = 0  # time proposing: the draft model's runs (not in on_execution's)
     top_runs: int = 0  # runs that read the graph's top-k instead of the logits
+    # whole prompts whose first token came from the row the prefix cache kept (no run)
+    first_from_cache: int = 0
     # where a step's time goes: its model runs by kind, its copies (reused prefixes and
     # moved sequences, page faults included), and the whole step (the rest of step_ns is
     # sampling, detokenizing and the event loop's other work)
@@ -102,6 +104,14 @@ class Results:
         """The ids the sequence may not sample next: EOS while under min_tokens."""
         p = seq.params
         return sorted(self.eos) if len(seq.tokens) < p.min_tokens and not p.ignore_eos else []
+
+    def can_sample(self, seq: Sequence, row: object) -> bool:
+        """Whether the sequence's next token can be sampled from `row`: the logits always,
+        the graph's top-k when it holds as many as the sampler needs."""
+        if not isinstance(row, tuple):
+            return True
+        needed = self.top_needed(seq)
+        return needed is not None and needed <= len(row[0])
 
     def top_needed(self, seq: Sequence) -> int | None:
         """How many of its row's largest logits the sequence's next token needs (None: the

@@ -16,8 +16,15 @@ memory is needed. A new prompt looks up the longest prefix some slot holds, and 
 - **Exact.** A hit changes no token: only prompt rows are kept (computed in runs of >= 2
   tokens, which give bit-equal rows however the prompt was chunked), never generated rows
   (computed one per run, which onnxruntime rounds differently: worker/llm/scheduler.py's
-  MIN_CHUNK), and a wholly cached prompt still runs its last two tokens (`RERUN`) in one
-  run, as a cold prefill computes them; their logits give the first generated token.
+  MIN_CHUNK). A prompt that is cached only in part runs its last two tokens (`RERUN`) at
+  least, in one run, as a cold prefill computes them; their logits give the first
+  generated token.
+- **Whole prompts.** A slot whose rows are a whole prompt also keeps that run's row for the
+  prompt's last position (`Held.last`: its logits, or the step graph's top-k of them), and
+  the same prompt again (same root) is served without any run: its rows are copied and its
+  first token is sampled from the kept row, the very numbers the cold run sampled from
+  (`lookup(..., whole=True)`, `Match.last`). A row is kept only while the slot holds the
+  whole prompt; evicting any of its blocks drops it.
 - **Two regions.** Slots 0..slots-1 are the running region: only running sequences live
   there, so a decode run (one run over the contiguous slots its rows span) pays for no
   retained prefix between its rows. Slots slots..slots+kept-1 hold retained prefixes: a
@@ -96,12 +103,16 @@ class Held:
     running: bool = True
     reserve: int = 0  # tokens reserved while running
     pins: int = 0  # copies from it in flight
+    # the run's row for the last of `tokens` when they are a whole prompt (logits, or the
+    # graph's top-k as (values, ids)): the prompt's first token, without a run
+    last: object | None = None
 
 
 @dataclass(frozen=True)
 class Match:
     slot: int  # the slot holding the prefix
     tokens: int  # prompt tokens it holds (0: no match)
+    last: object | None = None  # a whole prompt: the row its first token is sampled from
 
 
 @dataclass(frozen=True)
@@ -257,10 +268,17 @@ class PrefixCache:
 
     # ---- the index -----------------------------------------------------------------------
 
-    def lookup(self, root: bytes, prompt: Sequence[int]) -> Match:
+    def lookup(
+        self,
+        root: bytes,
+        prompt: Sequence[int],
+        whole: Callable[[object], bool] | None = None,
+    ) -> Match:
         """The longest prefix of `prompt` some slot holds, at most len(prompt) - 2 tokens
         (the last two run, in one run, as they would cold: scheduler.MIN_CHUNK), and at
-        least one whole block; Match(-1, 0) when none."""
+        least one whole block; Match(-1, 0) when none. With `whole` (which kept rows the
+        caller can sample from), a slot holding exactly this prompt and its last row
+        matches it all: Match(slot, len(prompt), row)."""
         if not self.enabled:
             return Match(-1, 0)
         last: dict[int, None] = {}
@@ -271,6 +289,12 @@ class PrefixCache:
                 break
             last = holders
             n += 1
+        if whole is not None:
+            for slot in last:  # a slot holding this very prompt, with its last row kept
+                held = self._held[slot]
+                if held.last is not None and held.tokens == list(prompt) and whole(held.last):
+                    self._touch(held.slot, n)
+                    return Match(held.slot, len(prompt), held.last)
         best: Held | None = None
         m = 0
         for slot in last:  # of the slots holding the last block: the longest match
@@ -285,10 +309,14 @@ class PrefixCache:
         m = min(m, len(prompt) - RERUN)
         if best is None or m <= 0:
             return Match(-1, 0)
-        for b in range(min(n, -(-m // self.block)) - 1, -1, -1):
-            if (best.slot, b) in self._lru:
-                self._lru.move_to_end((best.slot, b))
+        self._touch(best.slot, min(n, -(-m // self.block)))
         return Match(best.slot, m)
+
+    def _touch(self, slot: int, blocks: int) -> None:
+        """A match used the slot's first `blocks` blocks: most recently used, deepest first."""
+        for b in range(blocks - 1, -1, -1):
+            if (slot, b) in self._lru:
+                self._lru.move_to_end((slot, b))
 
     def waits(self, slot: int, root: bytes, prompt: Sequence[int], computed: int) -> bool:
         """Whether the sequence in `slot` should wait rather than compute its next block:
@@ -310,6 +338,8 @@ class PrefixCache:
             return
         if len(tokens) < len(held.tokens):
             return
+        if len(tokens) > len(held.tokens):
+            held.last = None  # kept for a shorter prompt
         held.tokens = list(tokens)
         start = len(held.keys)
         parent = held.keys[-1] if held.keys else held.root
@@ -318,6 +348,13 @@ class PrefixCache:
             self._index.setdefault(key, {})[slot] = None
             if self._claims.get(key) == slot:
                 del self._claims[key]
+
+    def keep_last(self, slot: int, prompt: Sequence[int], row: object) -> None:
+        """The run that computed the slot's last prompt row gave `row` for it (the caller's
+        own copy): kept while the slot holds exactly this prompt."""
+        held = self._held.get(slot)
+        if held is not None and self.enabled and held.tokens == list(prompt):
+            held.last = row
 
     def catch_up(self, slot: int, root: bytes, prompt: Sequence[int], computed: int) -> Match:
         """A running sequence at `computed` whose next blocks another sequence computed
@@ -448,6 +485,8 @@ class PrefixCache:
         old = len(held.tokens)
         rows = held.reserve if held.running or held.slot < self.slots else old
         self.retained_tokens -= old - min(old, b * self.block)
+        if b * self.block < old:
+            held.last = None  # no longer the whole prompt
         del held.keys[b:]
         del held.tokens[b * self.block :]
         if b == 0:  # a free slot, its pages kept for the next rows written there

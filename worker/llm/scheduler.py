@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -203,10 +204,13 @@ class StepPlan(Generic[S]):
     drafts: int = 0  # k > 0: the one decode row verifies k drafts
     freed: tuple[int, ...] = ()  # slots given back by the cancelled sequences
     copies: tuple[Copy, ...] = ()  # cached prefixes to copy first
+    # admitted whole prompts the prefix cache held with their last row: (seq, row), each
+    # sampling its first token from that row once the copies are done, without a run
+    first: tuple[tuple[S, object], ...] = ()
 
     @property
     def idle(self) -> bool:
-        return not self.prefill and not self.decode and not self.copies
+        return not self.prefill and not self.decode and not self.copies and not self.first
 
     @property
     def tokens(self) -> int:
@@ -215,7 +219,12 @@ class StepPlan(Generic[S]):
 
 
 class Scheduler(Generic[S]):
-    def __init__(self, room: Room, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        room: Room,
+        config: SchedulerConfig,
+        whole: Callable[[S, object], bool] | None = None,
+    ) -> None:
         if config.max_step_tokens < 1 or config.prefill_chunk < MIN_CHUNK:
             raise ValueError(
                 f"max_step_tokens {config.max_step_tokens} must be >= 1 and prefill_chunk "
@@ -225,6 +234,9 @@ class Scheduler(Generic[S]):
         # a room that also holds retained prefixes: admission reuses them (worker/llm/prefix.py)
         self.prefix = room if isinstance(room, PrefixCache) else None
         self.config = config
+        # whether a sequence can sample its first token from a kept row (the logits, or the
+        # graph's top-k of them); None: a whole prompt still runs its last two tokens
+        self.whole = whole
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
 
@@ -240,6 +252,7 @@ class Scheduler(Generic[S]):
         cancelled, freed = self._drop_cancelled()
         admitted: list[S] = []
         copies: list[Copy] = []
+        first: list[tuple[S, object]] = []
         self._compact(copies)
         decode = tuple(s for s in self.running if not s.prefilling)  # admitted ones prefill
         drafts = self._drafts(decode)
@@ -253,7 +266,7 @@ class Scheduler(Generic[S]):
             budget -= sum(copy_tokens(x.rows) for x in copies)
         while self.waiting:
             head, before = self.waiting[0], len(copies)
-            if not self._admit_one(head, copies, budget if decode and admitted else None):
+            if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
             admitted.append(self.waiting.popleft())
             if decode:
@@ -279,6 +292,7 @@ class Scheduler(Generic[S]):
             drafts,
             freed,
             tuple(copies),
+            tuple(first),
         )
 
     def step_budget(self, decoding: int) -> int:
@@ -308,9 +322,17 @@ class Scheduler(Generic[S]):
         copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
         top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
 
-    def _admit_one(self, seq: S, copies: list[Copy], copy_budget: int | None = None) -> bool:
+    def _admit_one(
+        self,
+        seq: S,
+        copies: list[Copy],
+        first: list[tuple[S, object]],
+        copy_budget: int | None = None,
+    ) -> bool:
         """Give `seq` a slot and its reservation if the cache has room for them; with a
-        prefix cache, the longest cached prefix of its prompt comes with the slot. With a
+        prefix cache, the longest cached prefix of its prompt comes with the slot (the whole
+        prompt, with the row its first token is sampled from, when the cache kept one that
+        `whole` says it can sample from: it then prefills nothing, `first`). With a
         `copy_budget` (tokens; a step that already admitted while streams decode), a prefix
         whose copy would cost more waits for the next step; the step's first admission
         always goes, so the head of the queue progresses."""
@@ -319,7 +341,9 @@ class Scheduler(Generic[S]):
         if self.prefix is None:
             seq.slot = self.room.allocate(seq.reserve)
         else:
-            match = self.prefix.lookup(seq.root, seq.prompt)
+            whole = self.whole
+            usable = None if whole is None else (lambda row: whole(seq, row))
+            match = self.prefix.lookup(seq.root, seq.prompt, usable)
             if not self.prefix.fits(seq.reserve, match):  # no room to keep the source too
                 match = Match(-1, 0)
             if copy_budget is not None and copy_tokens(match.tokens) > copy_budget:
@@ -329,6 +353,8 @@ class Scheduler(Generic[S]):
             seq.computed = seq.cached = plan.cached
             if plan.copy_from >= 0:
                 copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
+            if match.last is not None:
+                first.append((seq, match.last))
         self.running.append(seq)
         return True
 

@@ -89,6 +89,8 @@ class StepRunner:
             await loop.run_in_executor(self.pool, self._copy, plan.copies)
             self.stats.copy_ns += time.perf_counter_ns() - start
             self.stats.copied_rows += sum(c.rows for c in plan.copies)
+        for seq, row in plan.first:
+            self._first(seq, row)
         for chunk in plan.prefill:
             await self._prefill(loop, chunk, joining=bool(plan.decode))
         decoding = [s for s in plan.decode if s.finish_reason is None and not s.cancelled]
@@ -112,10 +114,22 @@ class StepRunner:
         self.scheduler.computed(seq)
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
-        if chunk.completes and not seq.cancelled:
-            if joining:
-                self.stats.joined_running += 1
-            self.results.accept(seq, rows(0))
+        if chunk.completes:
+            row = rows(0)
+            self.prefix.keep_last(seq.slot, seq.prompt, copied(row))
+            if not seq.cancelled:
+                if joining:
+                    self.stats.joined_running += 1
+                self.results.accept(seq, row)
+
+    def _first(self, seq: Sequence, row: object) -> None:
+        """A whole prompt the prefix cache held, its rows copied into the sequence's slot:
+        its first token is sampled from the row the prompt's own run gave, with no run."""
+        self.scheduler.computed(seq)  # its slot holds the prompt: others may share it now
+        self.prefix.keep_last(seq.slot, seq.prompt, row)
+        self.stats.first_from_cache += 1
+        if not seq.cancelled:
+            self.results.accept(seq, copied(cast(Row, row)))  # sampling may alter its row
 
     async def _decode(self, loop: asyncio.AbstractEventLoop, decoding: list[Sequence]) -> None:
         """One token for every decoding row, in one run over the slots they span."""
@@ -235,3 +249,10 @@ class StepRunner:
             self.stats.decode_ns += ns
         if self.on_execution is not None:
             self.on_execution(kind, rows, tokens, ns)
+
+
+def copied(row: Row) -> Row:
+    """A row of its own: the sampler adjusts a logits row in place (penalties, bans)."""
+    if isinstance(row, tuple):
+        return (np.array(row[0]), np.array(row[1]))
+    return np.array(row)

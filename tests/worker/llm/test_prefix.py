@@ -252,3 +252,33 @@ def test_a_finished_prompt_evicts_the_least_recently_used_retained_slot_whole() 
     # no retained slot trimmed block by block (a running slot taken trims its own pages
     # past the new reservation)
     assert not [d for d in discarded if d[0] >= cache.slots and d[1] > 0]
+
+
+def test_a_whole_prompt_comes_with_its_last_row_while_the_slot_holds_exactly_it() -> None:
+    """keep_last: the row the prompt's run gave for its last position is matched with the
+    whole prompt when the caller can sample from it; not for a longer or shorter prompt,
+    and not once a block of the slot has gone."""
+    cache = PrefixCache(2, 60, B)
+    prompt = list(range(10))
+    _, plan = served(cache, prompt)
+    cache.computed(plan.slot, prompt)
+    row = object()
+    cache.keep_last(plan.slot, [*prompt, 5], row)  # not the prompt the slot holds: ignored
+    assert cache.lookup(ROOT, prompt, lambda r: True).last is None
+    cache.keep_last(plan.slot, prompt, row)
+    # while running, and once retained: the whole prompt and its row
+    assert cache.lookup(ROOT, prompt, lambda r: True) == Match(plan.slot, 10, row)
+    finish(cache, plan.slot, prompt, 20)
+    kept = cache.slots
+    assert cache.lookup(ROOT, prompt, lambda r: r is row) == Match(kept, 10, row)
+    # a row the caller cannot sample from (it needs the logits, the row is a top-k), or no
+    # caller asking: the last two tokens run, as before
+    assert cache.lookup(ROOT, prompt, lambda r: False) == Match(kept, 8)
+    assert cache.lookup(ROOT, prompt) == Match(kept, 8)
+    assert cache.lookup(ROOT, [*prompt, 7, 7], lambda r: True) == Match(kept, 10)
+    assert cache.lookup(ROOT, prompt[:9], lambda r: True) == Match(kept, 7)
+    # its last block evicted (a reservation needs the room): the row goes with it
+    _, big = served(cache, [999] * 10, reserve=55)
+    assert cache.stats.evicted_blocks >= 1
+    assert cache.lookup(ROOT, prompt, lambda r: True) == Match(kept, 4)
+    del big

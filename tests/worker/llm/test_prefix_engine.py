@@ -1,13 +1,16 @@
 """The prefix cache in the engine (tiny random decoder, real onnxruntime): greedy output with
 a hit equals the output without one, token for token, for a prefix ending mid-block, a
-wholly cached prompt and a conversation's next turn (test_prefix_exact.py: the real
-quantized model, where a near-tie would show a difference); sharers prefill once; a sequence
-cancelled mid-prefill leaves nothing to serve; eviction under a small budget."""
+wholly cached prompt (served with no run) and a conversation's next turn
+(test_prefix_exact.py: the real quantized model, where a near-tie would show a difference);
+sharers prefill once; a sequence cancelled mid-prefill leaves nothing to serve; eviction
+under a small budget."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import numpy as np
 
 from worker.llm.engine import Engine, Output, Sequence
 from worker.llm.prefix import root_key
@@ -57,7 +60,10 @@ def test_a_hit_changes_no_token_mid_block_wholly_cached_and_next_turn(make_engin
     tokens, cached, engine, turn = asyncio.run(main())
     assert cached[0] == 0
     assert cached[1] == 37  # two whole blocks and 5 tokens past them: to the token
-    assert cached[2] == len(longer) - 2  # wholly cached: the last two tokens still run
+    # wholly cached: no run at all, the first token sampled from the row the prompt's own
+    # run gave for its last position
+    assert cached[2] == len(longer)
+    assert engine.stats.first_from_cache == 1
     # the next turn: the previous prompt's rows (its answer's, computed one token per run,
     # are computed again, as a cold prefill would)
     assert cached[3] == len(longer)
@@ -65,7 +71,7 @@ def test_a_hit_changes_no_token_mid_block_wholly_cached_and_next_turn(make_engin
     # each hit's rows were copied into its own slot, and the copies' time is counted
     assert engine.stats.copied_rows >= sum(cached) and engine.stats.copy_ns > 0
     assert tokens == uncached(make_engine, [first, longer, longer, turn])
-    assert engine.stats.prefill_tokens == 37 + (len(longer) - 37) + 2 + (len(turn) - cached[3])
+    assert engine.stats.prefill_tokens == 37 + (len(longer) - 37) + (len(turn) - cached[3])
 
 
 def test_a_salt_or_another_version_never_shares(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -77,7 +83,7 @@ def test_a_salt_or_another_version_never_shares(make_engine) -> None:  # type: i
             outs.append(await run(engine, SYSTEM))
             return [o.cached_tokens for _, o in outs]
 
-    assert asyncio.run(main()) == [0, 0, len(SYSTEM) - 2]
+    assert asyncio.run(main()) == [0, 0, len(SYSTEM)]
 
 
 def test_concurrent_sharers_prefill_the_shared_prompt_once(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -131,3 +137,45 @@ def test_eviction_under_a_small_budget_keeps_every_answer_exact(make_engine) -> 
     tokens, engine = asyncio.run(main())
     assert engine.prefix.stats.evicted_blocks > 0 and engine.prefix.stats.hits > 0
     assert tokens == uncached(make_engine, prompts)
+
+
+def test_a_whole_prompt_samples_from_the_kept_row_seed_for_seed(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Sampled with a seed and a penalty (the sampler adjusts a logits row in place): the
+    whole prompt again runs nothing and gives the cold run's tokens. A greedy run keeps only
+    the graph's top-k; a sampler that needs every logit then runs the last two tokens."""
+    seeded = SamplingParams(
+        max_tokens=8, temperature=0.9, seed=11, repetition_penalty=1.3, ignore_eos=True
+    )
+    prompt = [*SYSTEM, 61, 62, 63]
+    other = [*SYSTEM, 71, 72]
+
+    async def go(engine: Engine, p: list[int], params: SamplingParams) -> Sequence:
+        seq = engine.add(p, params, ROOT)
+        await drain(engine, seq)
+        return seq
+
+    def kept(engine: Engine) -> np.ndarray:
+        last = engine.prefix.lookup(ROOT, prompt, lambda row: True).last
+        assert isinstance(last, np.ndarray)  # the logits: this sampler needs them all
+        return last.copy()
+
+    async def cached() -> tuple[list[Sequence], Engine]:
+        async with make_engine() as engine:
+            seqs = [await go(engine, prompt, seeded)]
+            row = kept(engine)
+            seqs += [await go(engine, prompt, seeded) for _ in range(2)]
+            assert np.array_equal(kept(engine), row)  # sampling from it changed nothing kept
+            seqs.append(await go(engine, other, GREEDY))  # keeps the top-k only
+            seqs.append(await go(engine, other, seeded))  # needs the logits: reruns two
+            return seqs, engine
+
+    async def cold() -> list[list[int]]:
+        async with make_engine(prefix_caching=False) as engine:
+            return [(await go(engine, p, s)).tokens for p, s in ((prompt, seeded), (other, seeded))]
+
+    seqs, engine = asyncio.run(cached())
+    want, want_other = asyncio.run(cold())
+    assert [s.tokens for s in seqs[:3]] == [want] * 3
+    assert [s.cached for s in seqs[:3]] == [0, len(prompt), len(prompt)]
+    assert seqs[4].tokens == want_other and seqs[4].cached == len(other) - 2
+    assert engine.stats.first_from_cache == 2

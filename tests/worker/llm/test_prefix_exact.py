@@ -99,7 +99,7 @@ def test_a_mid_block_prefix_and_a_wholly_cached_prompt_change_no_token(smollm2: 
     )
     assert tokens == want
     assert cached[1::3] == [len(p) for p in parts]  # to the token, mid-block
-    assert cached[2::3] == [len(p) - 2 for p in full]  # wholly cached: the last two run
+    assert cached[2::3] == [len(p) for p in full]  # wholly cached: no run, the kept row
 
 
 def test_a_hit_joining_running_streams_changes_no_token(smollm2: Path) -> None:
