@@ -29,7 +29,9 @@ memory is needed. A new prompt looks up the longest prefix some slot holds, and 
   there, so a decode run (one run over the contiguous slots its rows span) pays for no
   retained prefix between its rows. Slots slots..slots+kept-1 hold retained prefixes: a
   sequence that finishes normally has its prompt rows moved there (`move`, a memcpy), and
-  its running slot is free at once.
+  its running slot is free at once; unless a retained slot holds those rows already (its
+  `_twin`, most often the slot they were copied from): then nothing moves, and no second
+  copy of the same rows takes the room of other prefixes.
 - **Reuse.** A hit's rows are copied into the new sequence's running slot (`Plan.copy_from`),
   from a retained slot or from a running sequence that has computed them.
 - **Concurrent sharers.** A prompt's blocks are claimed by the first running sequence that
@@ -131,6 +133,7 @@ class PrefixStats:
     cached_tokens: int = 0  # prompt tokens not prefilled
     evicted_blocks: int = 0
     moved_tokens: int = 0  # finished prompts' rows moved to the retained region
+    twins: int = 0  # finished prompts not moved: a retained slot held their rows already
 
 
 class PrefixCache:
@@ -231,7 +234,13 @@ class PrefixCache:
         self._unclaim(slot)
         held.running = False
         self.retained_tokens += len(held.tokens)  # until dropped or moved
-        if not (keep and self.enabled and held.keys and self._room_kept()):
+        twin = self._twin(held) if keep and self.enabled and held.keys else None
+        if twin is not None:  # retained already (most often: where its rows were copied from)
+            if twin.last is None and held.last is not None and twin.tokens == held.tokens:
+                twin.last = held.last
+            self._touch(twin.slot, len(twin.keys))
+            self.stats.twins += 1
+        if twin is not None or not (keep and self.enabled and held.keys and self._room_kept()):
             self._drop_from(held, 0)
             return
         dst = self._free_kept.pop()
@@ -462,6 +471,15 @@ class PrefixCache:
             self.stats.evicted_blocks += len(held.keys)
             self._drop_from(held, 0)
         return True
+
+    def _twin(self, held: Held) -> Held | None:
+        """A retained slot that holds every row `held` holds (and maybe more)."""
+        n = len(held.tokens)
+        for slot in self._index.get(held.keys[-1], {}):
+            other = self._held[slot]
+            if not other.running and other is not held and other.tokens[:n] == held.tokens:
+                return other
+        return None
 
     def _evictable(self, held: Held) -> bool:
         return not held.running and not held.pins

@@ -282,3 +282,29 @@ def test_a_whole_prompt_comes_with_its_last_row_while_the_slot_holds_exactly_it(
     assert cache.stats.evicted_blocks >= 1
     assert cache.lookup(ROOT, prompt, lambda r: True) == Match(kept, 4)
     del big
+
+
+def test_a_finished_prompt_a_retained_slot_holds_already_is_not_moved_again() -> None:
+    """The same prompt served twice: the second finishes with rows its retained source
+    holds, so nothing moves and the retained region keeps one copy (with the kept row);
+    a longer prompt on the same prefix is moved, its rows being new."""
+    moves: list[tuple[int, int, int]] = []
+    cache = PrefixCache(2, 200, B, move=lambda src, dst, n: moves.append((src, dst, n)))
+    prompt = list(range(10))
+    _, plan = served(cache, prompt)
+    finish(cache, plan.slot, prompt, 20)
+    kept = cache.slots
+    assert moves == [(plan.slot, kept, 10)]
+    match, again = served(cache, prompt)
+    assert (again.copy_from, again.cached) == (kept, 8)
+    cache.computed(again.slot, prompt)
+    row = object()
+    cache.keep_last(again.slot, prompt, row)  # the retained copy had none: it gets this one
+    cache.release(again.slot, 20, keep=True)
+    assert moves == [(plan.slot, kept, 10)] and cache.stats.twins == 1
+    assert cache.retained_tokens == 10 and cache.free_slots == 2
+    assert cache.lookup(ROOT, prompt, lambda r: True) == Match(kept, 10, row)
+    longer = [*prompt, 20, 21, 22]
+    _, third = served(cache, longer)
+    finish(cache, third.slot, longer, 20)
+    assert moves[-1] == (third.slot, kept + 1, 13) and cache.retained_tokens == 23
