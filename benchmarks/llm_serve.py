@@ -270,13 +270,15 @@ def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
     checks: dict[str, dict] = {}
 
     def check(name: str, value: float | None, target: float, better: str, by: str = "") -> None:
+        # met or missed on the unrounded ratio: 1.002 is over a target of 1.0, not "1.0"
         ok = value is not None and (value >= target if better == "higher" else value <= target)
-        checks[name] = {"value": value, "target": target, "met": ok}
+        shown = None if value is None else round(value, 3 if round(value, 2) == target else 2)
+        checks[name] = {"value": shown, "target": target, "met": ok}
         if by:  # a run's name: its OMP_WAIT_POLICY, then its speculative setting if any
             checks[name]["against"] = f"llama-server, OMP_WAIT_POLICY {by}"
 
     def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 2) if a and b else None
+        return a / b if a and b else None
 
     by = s.get("by", {})
     check(
