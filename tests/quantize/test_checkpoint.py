@@ -58,11 +58,16 @@ def test_a_served_checkpoint_keeps_its_weights_beside_its_graph(tmp_path: Path) 
 def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> None:
     """save_served gives the graph the num_logits input (speculative decoding's verify run)
     and keeps its own top-k: one run gives every new position's logits, whose argmax is what
-    the top-k says for the last position."""
+    the top-k says for the last position. The LM head writes the logits output itself (no
+    Identity copying them every step)."""
+    import onnx
+
     from worker.llm.cache import KVCache
 
     ck = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q8_0"))
     folder = llm.build_checkpoint(tmp_path / "s.gguf", tmp_path / "repo", "tiny")
+    nodes = onnx.load(str(folder / "1" / "model.onnx"), load_external_data=False).graph.node
+    assert [n.op_type for n in nodes if "logits" in n.output] == ["MatMulNBits"]
     model = evaluate.step_model(folder / "1" / "model.onnx")
     assert model.position_logits and model.top_k == 64
     f = model.facts
