@@ -17,8 +17,10 @@ One step, in order:
    the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
    max_tokens` tokens of the budget, so a running sequence never runs out of cache and
    nothing is ever evicted; a request that could not fit an empty cache was refused by the
-   engine up front). The head waits rather than be overtaken, so nothing starves. While
-   streams decode, copies come out of the step's token budget (`copy_tokens`): a step
+   engine up front; a whole prompt the prefix cache holds, with the row its run gave for
+   its last position, prefills nothing: `StepPlan.first`). The head waits rather than be
+   overtaken, so nothing starves. While streams decode, copies come out of the step's
+   token budget (`copy_tokens`): a step
    admits the head whatever its prefix copy costs, and further prefix hits while the
    budget holds their copies.
 4. **Decode**: every running sequence past its prompt decodes one token (or verifies k

@@ -1,7 +1,8 @@
 """Running one StepPlan (worker/llm/scheduler.py): the "do" after the scheduler's "decide".
 
-In order: the plan's cache copies (reused prefixes), one prefill run per chunk
-(onnxruntime's GroupQueryAttention on CPU takes several new tokens for one row only), then
+In order: the plan's cache copies (reused prefixes), the first token of each whole prompt
+the prefix cache held (sampled from the row its own run gave: no run), one prefill run per
+chunk (onnxruntime's GroupQueryAttention on CPU takes several new tokens for one row only), then
 one decode run for every decoding row: rows of different lengths share one run, each
 attending to its own cache. Each result goes to worker/llm/generation.py's `Results`: a
 chunk that ends its prompt gives the first token, a decode row the next one. Model runs go
@@ -116,7 +117,8 @@ class StepRunner:
         self.stats.prefill_tokens += n
         if chunk.completes:
             row = rows(0)
-            self.prefix.keep_last(seq.slot, seq.prompt, copied(row))
+            if self.prefix.enabled:  # the same prompt again samples from it (prefix.py)
+                self.prefix.keep_last(seq.slot, seq.prompt, copied(row))
             if not seq.cancelled:
                 if joining:
                     self.stats.joined_running += 1
