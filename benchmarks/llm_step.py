@@ -8,6 +8,11 @@ under two onnxruntime releases (or spinning on/off) compare side by side.
 
 Rounds: every figure is the median of `--rounds` timed runs (after one warm-up run).
 Writes benchmarks/results/NAME.json (default llm_step).
+
+With `--compare OTHER.onnx ...`, the graphs run in one process and take turns run by run
+(`compare`), so that a VM whose speed drifts by 20% over minutes (this one does) moves
+every graph alike; spinning is off there, since idle sessions' spinning pools would take
+the cores from the one running.
 """
 
 from __future__ import annotations
@@ -68,6 +73,46 @@ def measure(model: StepModel, args: argparse.Namespace) -> dict:
         prefill[str(n)] = timed(model.run, (cache, ids, lengths, 0, 1), args.rounds)
     cache.close()
     return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
+
+
+def compare(paths: list[Path], options: RuntimeOptions, args: argparse.Namespace) -> dict:
+    """Each graph's median ms for a decode step of each `--rows` and a prefill chunk of each
+    `--chunks` (at `--context` cached tokens), the graphs taking turns: `--rounds` turns of
+    3 runs of each graph per shape."""
+    models = [StepModel.load(p, options, CPU) for p in paths]
+    f = models[0].facts
+    slots = max(args.rows)
+    max_len = page_aligned(
+        args.context + max(args.chunks) + 8,
+        f.kv_heads * f.head_dim,
+        itemsize=f.cache_shape(1, 1).itemsize,
+    )
+    caches = [KVCache(m.facts.cache_shape(slots, max_len), slots * max_len) for m in models]
+    rng = np.random.default_rng(0)
+    ctx = args.context
+    for slot in range(slots):
+        ids = rng.integers(100, 40000, (1, ctx))
+        for model, cache in zip(models, caches, strict=True):
+            model.run(cache, ids, np.array([ctx]), slot, slot + 1)
+    shapes = [(f"decode_{r}_rows", r, 1) for r in args.rows]
+    shapes += [(f"prefill_{n}", 1, n) for n in args.chunks]
+    out: dict[str, dict[str, float]] = {str(p): {} for p in paths}
+    for name, rows, new in shapes:
+        ids = rng.integers(100, 40000, (rows, new))
+        lengths = np.full(rows, ctx + new)
+        times: list[list[float]] = [[] for _ in models]
+        for turn in range(args.rounds + 1):
+            for i, (model, cache) in enumerate(zip(models, caches, strict=True)):
+                for _ in range(3):
+                    start = time.perf_counter()
+                    model.run(cache, ids, lengths, 0, rows)
+                    if turn:  # the first turn warms up
+                        times[i].append((time.perf_counter() - start) * 1000)
+        for path, t in zip(paths, times, strict=True):
+            out[str(path)][name] = round(statistics.median(t), 2)
+    for cache in caches:
+        cache.close()
+    return out
 
 
 def profile(path: Path, options: RuntimeOptions, folder: Path, context: int) -> dict:
@@ -131,8 +176,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="llm_step")
     p.add_argument("--profile", type=Path, help="also profile one step (trace files here)")
+    p.add_argument(
+        "--compare", type=Path, nargs="+", help="other graphs, taking turns with --model"
+    )
     args = p.parse_args(argv)
     options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=not args.no_spinning)
+    if args.compare:
+        paths = [args.model, *args.compare]
+        options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=False)
+        by_graph = compare(paths, options, args)
+        base = by_graph[str(args.model)]
+        result = {
+            "benchmark": "llm_step_compare",
+            "machine": machine(),
+            "onnxruntime": ort.__version__,
+            "settings": {
+                "threads": args.threads,
+                "spinning": False,
+                "context": args.context,
+                "turns": args.rounds,
+                "runs_per_turn": 3,
+            },
+            "ms_by_graph": by_graph,
+            "reading": [
+                f"{path}: "
+                + ", ".join(f"{k} {ms} ms ({ms / base[k]:.2f}x)" for k, ms in shapes.items())
+                for path, shapes in by_graph.items()
+            ],
+        }
+        out = write_result(args.out, result)
+        print("\n".join(result["reading"]))
+        print(f"wrote {out}")
+        return 0
     if args.profile:
         profiled = profile(args.model, options, args.profile, args.context)
         print(json.dumps(profiled, indent=1))

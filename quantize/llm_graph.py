@@ -76,7 +76,15 @@ QK_SCALE = 1.0
 
 
 # com.microsoft ops onnxruntime implements (its contrib ops); everything else is ONNX's own
-CONTRIB_OPS = frozenset({"GroupQueryAttention", "Attention", "SkipLayerNormalization", "BiasGelu"})
+CONTRIB_OPS = frozenset(
+    {
+        "GroupQueryAttention",
+        "Attention",
+        "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+        "BiasGelu",
+    }
+)
 
 
 class Graph:
@@ -107,6 +115,26 @@ class Graph:
 
     def rms_norm(self, x: str, weight: str, eps: float) -> str:
         return self.one("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps)
+
+    def add_rms_norm(self, x: str, skip: str | None, weight: str, eps: float) -> tuple[str, str]:
+        """(rms_norm(x + skip), x + skip): the residual add and the next norm as one node
+        (com.microsoft SkipSimplifiedLayerNormalization, whose fourth output is the sum),
+        since onnxruntime does not fuse them itself; without skip, (rms_norm(x), x)."""
+        if skip is None:
+            return self.rms_norm(x, weight, eps), x
+        self._n += 1
+        normed, total = f"skip_norm_{self._n}_0", f"skip_norm_{self._n}_3"
+        self.nodes.append(
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                [x, skip, weight],
+                [normed, "", "", total],
+                name=f"SkipSimplifiedLayerNormalization_{self._n}",
+                domain="com.microsoft",
+                epsilon=eps,
+            )
+        )
+        return normed, total
 
     def linear(self, x: str, weight: str, w: torch.Tensor) -> str:
         """x @ W^T with the torch weight [out, in] stored as an initializer [in, out]."""
@@ -149,14 +177,18 @@ def attention(
     eps: float,
     kv_dtype: str = "float32",
     rope: tuple[str, str] = ("rope.cos", "rope.sin"),
-) -> str:
-    """Layer `layer`'s attention on x, before the residual: norm, one packed q/k/v MatMul
+    skip: str | None = None,
+) -> tuple[str, str]:
+    """Layer `layer`'s attention on x (+ skip, the previous block's output, added in the
+    norm's node), as (its output before the residual, the residual stream x + skip): norm,
+    one packed q/k/v MatMul
     (`layers.{i}.qkv.weight`, q rows then k then v; plus their biases as in qwen2), the
     attention op on the packed projection (RoPE from the `rope` tables, the cache written in
     place, in kv_dtype), o. With the q/k/v rows and o columns of some heads only, it is
     those heads' share (tensor parallelism)."""
     p = f"layers.{layer}."
-    h = g.rms_norm(x, g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy()), eps)
+    norm = g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy())
+    h, x = g.add_rms_norm(x, skip, norm, eps)
     parts = [state[p + f"{n}.weight"] for n in ("q", "k", "v")]
     qkv = g.linear(h, p + "qkv.weight", torch.cat(parts))
     if p + "q.bias" in state:
@@ -184,20 +216,29 @@ def attention(
     out = f"attn_{layer}"
     if half:
         out = g.one("Cast", [out], to=TensorProto.FLOAT)
-    return g.linear(out, p + "o.weight", state[p + "o.weight"])
+    return g.linear(out, p + "o.weight", state[p + "o.weight"]), x
 
 
-def mlp(g: Graph, x: str, state: Mapping[str, torch.Tensor], layer: int, eps: float) -> str:
-    """Layer `layer`'s SwiGLU MLP on x, before the residual (or its share: some gate/up rows
-    and the matching down columns): gate and up as one MatMul (`layers.{i}.gate_up.weight`)."""
+def mlp(
+    g: Graph,
+    x: str,
+    state: Mapping[str, torch.Tensor],
+    layer: int,
+    eps: float,
+    skip: str | None = None,
+) -> tuple[str, str]:
+    """Layer `layer`'s SwiGLU MLP on x (+ skip, added in the norm's node), as (its output
+    before the residual, or its share: some gate/up rows and the matching down columns; the
+    residual stream x + skip): gate and up as one MatMul (`layers.{i}.gate_up.weight`)."""
     p = f"layers.{layer}."
-    h = g.rms_norm(x, g.const(p + "ffn_norm.weight", state[p + "ffn_norm.weight"].numpy()), eps)
+    norm = g.const(p + "ffn_norm.weight", state[p + "ffn_norm.weight"].numpy())
+    h, x = g.add_rms_norm(x, skip, norm, eps)
     gate_w, up_w = state[p + "gate.weight"], state[p + "up.weight"]
     gate_up = g.linear(h, p + "gate_up.weight", torch.cat([gate_w, up_w]))
     width = g.const(p + "gate_up.split", np.array([gate_w.shape[0], up_w.shape[0]], np.int64))
     gate, up = g.op("Split", [gate_up, width], outputs=2, axis=-1)
     silu = g.one("Mul", [gate, g.one("Sigmoid", [gate])])
-    return g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"])
+    return g.linear(g.one("Mul", [silu, up]), p + "down.weight", state[p + "down.weight"]), x
 
 
 def lm_head(g: Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, eps: float) -> str:
@@ -272,12 +313,16 @@ def build(
     x = embed(g, state)
     inputs = step_inputs()
     outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", c.vocab_size])]
+    # Each block's output joins the residual stream in the next block's norm node; the last
+    # one in an Add, since the head norms the last position only.
+    out = None
     for i in range(c.layers):
         past, present = cache_info(i, c.kv_heads, c.head_dim, kv_dtype)
         inputs += past
         outputs += present
-        x = g.one("Add", [x, attention(g, x, state, i, c.heads, c.kv_heads, c.eps, kv_dtype)])
-        x = g.one("Add", [x, mlp(g, x, state, i, c.eps)])
+        attn, x = attention(g, x, state, i, c.heads, c.kv_heads, c.eps, kv_dtype, skip=out)
+        out, x = mlp(g, x, state, i, c.eps, skip=attn)
+    x = g.one("Add", [x, out]) if out is not None else x
     logits = lm_head(g, x, state, c.hidden, c.eps)
     g.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="logits"))
     outputs += top_k(g, LOGITS, c.vocab_size)

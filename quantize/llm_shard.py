@@ -145,22 +145,19 @@ def plan(model: LlamaDecoder, rank: int, tp: int, max_positions: int) -> list[Se
         g = lg.Graph()
         inputs = [*lg.step_inputs(), *rope]
         if first:
-            x = lg.embed(g, state)
-            outs = [(x, _hidden_info(HIDDEN, c))]
-        else:
+            x, skip, out = lg.embed(g, state), None, HIDDEN
+        else:  # the residual add (hidden + the reduced partials) runs in the norm's node
             inputs = [_hidden_info(HIDDEN, c), _hidden_info(REDUCED, c), *inputs[1:]]
-            x = g.one("Add", [HIDDEN, REDUCED])
-            outs = [(x, _hidden_info(HIDDEN_OUT, c))]
+            x, skip, out = HIDDEN, REDUCED, HIDDEN_OUT
         past, present = lg.cache_info(layer, kv_heads, c.head_dim)
-        partial = lg.attention(g, x, state, layer, heads, kv_heads, c.eps)
-        outs.append((partial, _hidden_info(PARTIAL, c)))
+        partial, x = lg.attention(g, x, state, layer, heads, kv_heads, c.eps, skip=skip)
+        outs = [(x, _hidden_info(out, c)), (partial, _hidden_info(PARTIAL, c))]
         outs += [(p.name, p) for p in present]
         return _segment(g, name, [*inputs, *past], outs, meta)
 
     def mlp_segment(layer: int) -> Segment:
         g = lg.Graph()
-        x = g.one("Add", [HIDDEN, REDUCED])
-        partial = lg.mlp(g, x, state, layer, c.eps)
+        partial, x = lg.mlp(g, HIDDEN, state, layer, c.eps, skip=REDUCED)
         inputs = [_hidden_info(HIDDEN, c), _hidden_info(REDUCED, c)]
         outs = [(x, _hidden_info(HIDDEN_OUT, c)), (partial, _hidden_info(PARTIAL, c))]
         return _segment(g, f"L{layer}.mlp", inputs, outs, meta)
