@@ -63,37 +63,60 @@ def _int8_dynamic(src: Path, dst: Path) -> None:
     )
 
 
-# The decoder's 8-bit weight-only blocks: 64 weights along the input dimension per scale.
-# Against blocks of 32 (SmolLM2, onnxruntime 1.23.2, 2 threads, the served graphs taking
-# turns in one process, 300 cached tokens; results/llm_step_int8_blocks.json): a one-row
-# decode step 0.90x the time, 8 / 16 / 32 rows 0.92x / 0.99x / 0.96x, a 256-token prefill
-# chunk 0.95x, as MatMulNBits reads half the scales and its int8 activations get one scale
-# per 64. The gate passes with more room than with 32 (top-1
-# 0.967, KL 0.0092, greedy match 0.73 against 0.957, 0.0062, 0.63). Blocks of 128 were
-# 1-3% faster again, but the same quantizer's greedy match fell to 0.599 (refused), and 576
-# inputs pad to 640. The LM head's Q8_0 codes (blocks of 32) are no longer kept exactly.
+# The decoder's 8-bit weight-only blocks: 64 weights along the input dimension per scale,
+# 128 in the LM head. Against blocks of 32 everywhere (SmolLM2, onnxruntime 1.23.2, 2
+# threads, the served graphs taking turns in one process, 300 cached tokens;
+# results/llm_step_int8_blocks.json): blocks of 64 took a one-row decode step 0.90x the
+# time, 8 / 16 / 32 rows 0.92x / 0.99x / 0.96x, a 256-token prefill chunk 0.95x, as
+# MatMulNBits handles half the scales and its int8 activations get one scale per 64. The
+# head's blocks of 128 then took a one-row step 0.97-0.99x the time again and the other
+# shapes 0.96-1.00x (its 49,152 columns are a fifth of the weights, the largest single
+# MatMul; results/llm_step_head_block.json, and an ad-hoc turn at 100 cached tokens).
+# The gate passes with room: top-1 0.977, KL 0.0099, greedy match 0.72 (blocks of 32:
+# 0.957, 0.0062, 0.63). Blocks of 128 everywhere were 1-3% faster again, but the same
+# quantizer's greedy match fell to 0.599 (refused). The head's GGUF Q8_0 codes (blocks of
+# 32) are no longer kept exactly; the int4 recipe keeps them.
 DECODER_INT8_BLOCK = 64
+DECODER_INT8_HEAD_BLOCK = 128
+LM_HEAD_WEIGHT = "lm_head.weight"  # quantize/llm_graph.lm_head's MatMul weight
 
 
-def _weight_only(bits: int, block_size: int) -> Callable[[Path, Path], None]:
-    def apply(src: Path, dst: Path) -> None:
+def _weight_only(
+    bits: int, block_size: int, head_block_size: int | None = None
+) -> Callable[[Path, Path], None]:
+    """onnxruntime's MatMulNBits quantizer, symmetric, accuracy_level 4, in blocks of
+    block_size; the LM head's MatMul (if the graph has one) in blocks of head_block_size."""
+
+    def quantized(model: onnx.ModelProto, block: int, only: list[str] | None) -> onnx.ModelProto:
         from onnxruntime.quantization.matmul_nbits_quantizer import (
             DefaultWeightOnlyQuantConfig,
             MatMulNBitsQuantizer,
         )
 
         config = DefaultWeightOnlyQuantConfig(
-            block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits
+            block_size=block, is_symmetric=True, accuracy_level=4, bits=bits
         )
+        # its nodes_to_include adds to the op types quantized; the others are excluded
+        others = [n.name for n in model.graph.node if only is not None and n.name not in only]
         quantizer = MatMulNBitsQuantizer(
-            onnx.load(str(src)),
-            block_size=block_size,
+            model,
+            block_size=block,
             is_symmetric=True,
             accuracy_level=4,
+            nodes_to_exclude=others,
             algo_config=config,
         )
         quantizer.process()
-        model = quantizer.model.model
+        return quantizer.model.model
+
+    def apply(src: Path, dst: Path) -> None:
+        model = onnx.load(str(src))
+        head = [
+            n.name for n in model.graph.node if n.op_type == "MatMul" and LM_HEAD_WEIGHT in n.input
+        ]
+        if head_block_size and head:  # the head first; the pass after leaves MatMulNBits be
+            model = quantized(model, head_block_size, head)
+        model = quantized(model, block_size, None)
         quantize_gathers(model)  # the embedding table too: MatMulNBits covers the MatMuls only
         onnx.save(model, str(dst))
 
@@ -221,7 +244,7 @@ RECIPES = {
             "the KV cache and the causal mask keep full range. Decode steps are bound by "
             "weight bytes, which this quarters.",
             DECODER_GATE,
-            _weight_only(8, DECODER_INT8_BLOCK),
+            _weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK),
         ),
         Recipe(
             "decoder-int4-weight-only",
