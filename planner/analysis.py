@@ -42,15 +42,16 @@ ENCODER, DECODER, GENERIC = "encoder", "decoder", "generic"
 ENCODER_TOKENS = 16  # an encoder item's tokens when none is given: TEXT's padding unit
 
 # What each recipe stores per projection weight (bytes/parameter) and computes in, on a
-# CPU and on a GPU. Block-wise weight-only formats carry an fp32 scale per 32 weights
-# (+ a 4-bit zero point per block for int4).
+# CPU and on a GPU. Block-wise weight-only formats carry an fp32 scale per block: 64
+# weights for int8 (quantize/recipes.DECODER_INT8_BLOCK; 128 in the LM head, counted as
+# 64 here), 32 for int4 (+ a 4-bit zero point per block).
 RECIPES: dict[str, tuple[float, str, str]] = {
     "fp32": (4.0, "fp32", "fp32"),
     "encoder-fp16": (2.0, "fp32", "fp16"),
     "decoder-fp16": (2.0, "fp32", "fp16"),
     "encoder-int8-dynamic": (1.0, "int8", "int8"),
     "decoder-int8-dynamic": (1.0, "int8", "int8"),
-    "decoder-int8-weight-only": (1.0 + 4 / 32, "int8", "fp16"),
+    "decoder-int8-weight-only": (1.0 + 4 / 64, "int8", "fp16"),
     "decoder-int4-weight-only": (0.5 + 4 / 32 + 0.5 / 32, "int8", "fp16"),
 }
 
