@@ -181,11 +181,10 @@ def attention(
 ) -> tuple[str, str]:
     """Layer `layer`'s attention on x (+ skip, the previous block's output, added in the
     norm's node), as (its output before the residual, the residual stream x + skip): norm,
-    one packed q/k/v MatMul
-    (`layers.{i}.qkv.weight`, q rows then k then v; plus their biases as in qwen2), the
-    attention op on the packed projection (RoPE from the `rope` tables, the cache written in
-    place, in kv_dtype), o. With the q/k/v rows and o columns of some heads only, it is
-    those heads' share (tensor parallelism)."""
+    one packed q/k/v MatMul (`layers.{i}.qkv.weight`, q rows then k then v; plus their
+    biases as in qwen2), the attention op on the packed projection (RoPE from the `rope`
+    tables, the cache written in place, in kv_dtype), o. With the q/k/v rows and o columns
+    of some heads only, it is those heads' share (tensor parallelism)."""
     p = f"layers.{layer}."
     norm = g.const(p + "attn_norm.weight", state[p + "attn_norm.weight"].numpy())
     h, x = g.add_rms_norm(x, skip, norm, eps)
