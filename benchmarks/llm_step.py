@@ -46,21 +46,33 @@ def timed(fn, args: tuple, rounds: int) -> float:  # type: ignore[no-untyped-def
     return round(statistics.median(times), 2)
 
 
-def measure(model: StepModel, args: argparse.Namespace) -> dict:
-    f = model.facts
+def filled_caches(
+    models: list[StepModel], args: argparse.Namespace, rng: np.random.Generator
+) -> list[KVCache]:
+    """A cache per model, with a slot per row of the largest `--rows`, every slot holding
+    `--context` tokens of a real prefill (the same tokens for every model), so that decode
+    reads a real cache; room for the largest `--chunks` on top."""
     slots = max(args.rows)
-    max_len = page_aligned(
-        args.context + max(args.chunks) + 8,
-        f.kv_heads * f.head_dim,
-        itemsize=f.cache_shape(1, 1).itemsize,
-    )
-    cache = KVCache(f.cache_shape(slots, max_len), slots * max_len)
-    rng = np.random.default_rng(0)
-    ctx = args.context
-    # every slot holds `context` tokens of a real prefill, so decode reads a real cache
+    caches = []
+    for model in models:
+        f = model.facts
+        max_len = page_aligned(
+            args.context + max(args.chunks) + 8,
+            f.kv_heads * f.head_dim,
+            itemsize=f.cache_shape(1, 1).itemsize,
+        )
+        caches.append(KVCache(f.cache_shape(slots, max_len), slots * max_len))
     for slot in range(slots):
-        ids = rng.integers(100, 40000, (1, ctx))
-        model.run(cache, ids, np.array([ctx]), slot, slot + 1)
+        ids = rng.integers(100, 40000, (1, args.context))
+        for model, cache in zip(models, caches, strict=True):
+            model.run(cache, ids, np.array([args.context]), slot, slot + 1)
+    return caches
+
+
+def measure(model: StepModel, args: argparse.Namespace) -> dict:
+    rng = np.random.default_rng(0)
+    (cache,) = filled_caches([model], args, rng)
+    ctx = args.context
     decode = {}
     for rows in args.rows:
         ids = rng.integers(100, 40000, (rows, 1))
@@ -80,20 +92,9 @@ def compare(paths: list[Path], options: RuntimeOptions, args: argparse.Namespace
     `--chunks` (at `--context` cached tokens), the graphs taking turns: `--rounds` turns of
     3 runs of each graph per shape."""
     models = [StepModel.load(p, options, CPU) for p in paths]
-    f = models[0].facts
-    slots = max(args.rows)
-    max_len = page_aligned(
-        args.context + max(args.chunks) + 8,
-        f.kv_heads * f.head_dim,
-        itemsize=f.cache_shape(1, 1).itemsize,
-    )
-    caches = [KVCache(m.facts.cache_shape(slots, max_len), slots * max_len) for m in models]
     rng = np.random.default_rng(0)
+    caches = filled_caches(models, args, rng)
     ctx = args.context
-    for slot in range(slots):
-        ids = rng.integers(100, 40000, (1, ctx))
-        for model, cache in zip(models, caches, strict=True):
-            model.run(cache, ids, np.array([ctx]), slot, slot + 1)
     shapes = [(f"decode_{r}_rows", r, 1) for r in args.rows]
     shapes += [(f"prefill_{n}", 1, n) for n in args.chunks]
     out: dict[str, dict[str, float]] = {str(p): {} for p in paths}
@@ -180,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", type=Path, nargs="+", help="other graphs, taking turns with --model"
     )
     args = p.parse_args(argv)
-    options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=not args.no_spinning)
+    # taking turns, an idle session's spinning pool would take the cores from the one running
+    spinning = not args.no_spinning and not args.compare
+    options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=spinning)
     if args.compare:
-        paths = [args.model, *args.compare]
-        options = RuntimeOptions(intra_op_threads=args.threads, allow_spinning=False)
-        by_graph = compare(paths, options, args)
+        by_graph = compare([args.model, *args.compare], options, args)
         base = by_graph[str(args.model)]
         result = {
             "benchmark": "llm_step_compare",
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "ms_by_graph": by_graph,
             "reading": [
                 f"{path}: "
-                + ", ".join(f"{k} {ms} ms ({ms / base[k]:.2f}x)" for k, ms in shapes.items())
-                for path, shapes in by_graph.items()
+                + ", ".join(f"{k} {ms} ms ({ms / base[k]:.2f}x)" for k, ms in by_shape.items())
+                for path, by_shape in by_graph.items()
             ],
         }
         out = write_result(args.out, result)

@@ -14,6 +14,9 @@ META = "meshserve.llm."  # metadata_props prefix: layers, heads, kv_heads, head_
 IDS, SEQLENS, TOTAL, LOGITS = "input_ids", "seqlens_k", "total_sequence_length", "logits"
 NUM_LOGITS = "num_logits"
 POSITIONS = "positions"  # the dim of `logits` (and the top-k) that num_logits sets
+# The LM head's MatMul weight, an initializer [hidden, vocab] (its own copy even when tied to
+# the embedding), which a quantizer may treat apart from the layers' (quantize/recipes.py)
+LM_HEAD_WEIGHT = "lm_head.weight"
 
 
 def past_names(layer: int) -> tuple[str, str]:

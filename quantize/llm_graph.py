@@ -37,6 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from common.step_graph import (
     IDS,
+    LM_HEAD_WEIGHT,
     LOGITS,
     META,
     NUM_LOGITS,
@@ -248,7 +249,7 @@ def lm_head(g: Graph, x: str, state: Mapping[str, torch.Tensor], hidden: int, ep
     # The LM head gets its own [in, out] copy even when tied to the embedding: the Gather
     # reads rows of the table (8-bit blocks after quantize/embedding.py), while the
     # quantizers can then shrink the head's MatMul.
-    return g.linear(h, "lm_head.weight", state["lm_head.weight"])
+    return g.linear(h, LM_HEAD_WEIGHT, state["lm_head.weight"])
 
 
 def add_rope(g: Graph, c: DecoderConfig, max_positions: int, kv_dtype: str = "float32") -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import onnx
 
+from common.step_graph import LM_HEAD_WEIGHT
 from quantize.embedding import quantize_gathers
 
 ENCODER = "encoder"
@@ -78,7 +79,6 @@ def _int8_dynamic(src: Path, dst: Path) -> None:
 # 32) are no longer kept exactly; the int4 recipe keeps them.
 DECODER_INT8_BLOCK = 64
 DECODER_INT8_HEAD_BLOCK = 128
-LM_HEAD_WEIGHT = "lm_head.weight"  # quantize/llm_graph.lm_head's MatMul weight
 
 
 def _weight_only(
@@ -96,8 +96,8 @@ def _weight_only(
         config = DefaultWeightOnlyQuantConfig(
             block_size=block, is_symmetric=True, accuracy_level=4, bits=bits
         )
-        # its nodes_to_include adds to the op types quantized; the others are excluded
-        others = [n.name for n in model.graph.node if only is not None and n.name not in only]
+        # its nodes_to_include adds to the op types quantized, so `only` excludes the rest
+        others = [] if only is None else [n.name for n in model.graph.node if n.name not in only]
         quantizer = MatMulNBitsQuantizer(
             model,
             block_size=block,
@@ -238,11 +238,11 @@ RECIPES = {
         Recipe(
             "decoder-int8-weight-only",
             DECODER,
-            "CPU/GPU serving of the decoder: MatMul weights in 8-bit blocks of 128 "
-            "(MatMulNBits, accuracy_level 4 = int8 compute), the embedding table in 8-bit "
-            "blocks too (GatherBlockQuantized); activations stay float, so "
-            "the KV cache and the causal mask keep full range. Decode steps are bound by "
-            "weight bytes, which this quarters.",
+            "CPU/GPU serving of the decoder: MatMul weights in 8-bit blocks of 64, the LM "
+            "head's of 128 (MatMulNBits, accuracy_level 4 = int8 compute), the embedding "
+            "table in 8-bit blocks too (GatherBlockQuantized); activations stay float, so "
+            "the KV cache and the causal mask keep full range. Decode steps read every "
+            "weight, and this quarters their bytes.",
             DECODER_GATE,
             _weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK),
         ),
