@@ -11,7 +11,8 @@ as views of this memory, without a copy.
 
 Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
 when written, and pages are returned to the OS (madvise DONTNEED) as the room says, so the
-memory held is at most the budget, rounded up to pages: the tokens reserved by running
+memory held is at most the budget, rounded up to pages (on a CUDA device the cache is one
+allocation of slots x max_len instead: worker/llm/device.py): the tokens reserved by running
 sequences (each reserves its prompt plus max_tokens when admitted), the retained prefixes,
 and the pages free slots keep for their next rows (worker/llm/prefix.py).
 """
@@ -23,14 +24,18 @@ import gc
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
+from worker.llm.device import CUDA, CudaCacheMemory, DeviceView
 from worker.llm.kv_budget import KVBudget
 from worker.llm.prefix import PrefixCache
 
 KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
+HOST = "cpu"
+DEVICES = (HOST, CUDA)  # where the memory lives: the step graph's provider (worker/llm/device.py)
 DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
@@ -57,22 +62,34 @@ class CacheShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
-class KVCache:
-    """The memory, and the room in it (a KVBudget: slots and reserved tokens)."""
+CacheView: TypeAlias = ort.OrtValue | DeviceView  # one layer's keys or values of some slots
 
-    def __init__(self, shape: CacheShape, budget_tokens: int) -> None:
+
+class KVCache:
+    """The memory, and the room in it (a KVBudget: slots and reserved tokens). On the host
+    (device "cpu"), or on a CUDA device ("cuda": worker/llm/device.py) for a step graph that
+    runs there."""
+
+    def __init__(self, shape: CacheShape, budget_tokens: int, device: str = HOST) -> None:
+        if device not in DEVICES:
+            raise ValueError(f"KV cache device {device!r}: expected one of {DEVICES}")
         self.shape = shape
+        self.device = device
         # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
         self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
-        # No swap reserved for slots x max_len: only the budget's pages are ever resident.
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
-        self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
         self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
-        self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+        self._views: dict[tuple[int, int], list[tuple[CacheView, CacheView]]] = {}
+        self._cuda: CudaCacheMemory | None = None
+        if device == CUDA:
+            self._cuda = CudaCacheMemory(dims, s.dtype)
+        else:
+            # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
+            # No swap reserved for slots x max_len: only the budget's pages are ever resident.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+            self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
+            self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
@@ -110,7 +127,10 @@ class KVCache:
             self.on_release(slot)
 
     def discard(self, slot: int) -> None:
-        """Return the slot's written pages to the OS (it reads as zeros afterwards)."""
+        """Return the slot's written pages to the OS (it reads as zeros afterwards); on a
+        device, nothing to do."""
+        if self._cuda is not None:
+            return
         layer_bytes = self.shape.slots * self._slot_bytes
         for kv in range(2):
             for layer in range(self.shape.layers):
@@ -124,8 +144,8 @@ class KVCache:
         `on_change` (a shard group's other ranks drop theirs too)."""
         if start <= 0:
             self.discard(slot)
-        else:
-            s, item = self.shape, self.data.itemsize
+        elif self._cuda is None:
+            s, item = self.shape, self.shape.itemsize
             row = s.head_dim * item
             head = s.max_len * row
             page = mmap.PAGESIZE
@@ -145,7 +165,9 @@ class KVCache:
         """Copy rows start..stop-1 of slot `src` into slot `dst`, keys and values of every
         layer (a reused prefix: a memcpy per layer and head, far cheaper than its
         prefill). Tells `on_change`."""
-        if stop > start:
+        if stop > start and self._cuda is not None:
+            self._cuda.copy_rows(src, dst, start, stop)
+        elif stop > start:
             d = self.data
             for kv in range(2):  # one contiguous block per layer and head: 4x numpy's 5-D copy
                 for layer in range(self.shape.layers):
@@ -163,10 +185,15 @@ class KVCache:
         else:
             raise ValueError(f"unknown cache op {kind}")
 
-    def views(self, lo: int, hi: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
-        """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory."""
+    def views(self, lo: int, hi: int) -> list[tuple[CacheView, CacheView]]:
+        """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory (on
+        a device: DeviceViews, bound by address)."""
         views = self._views.get((lo, hi))
-        if views is None:
+        if views is None and self._cuda is not None:
+            cuda = self._cuda
+            views = [cuda.views(layer, lo, hi) for layer in range(self.shape.layers)]
+            self._views[(lo, hi)] = views
+        elif views is None:
             views = [
                 (
                     ort.OrtValue.ortvalue_from_numpy(self.data[0, layer, lo:hi]),
@@ -180,6 +207,9 @@ class KVCache:
     def close(self) -> None:
         self.bindings.clear()
         self._views.clear()
+        if self._cuda is not None:
+            self._cuda = None  # onnxruntime's allocator takes the memory back
+            return
         del self.data
         try:
             self._map.close()

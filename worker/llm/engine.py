@@ -116,7 +116,7 @@ class Engine:
         max_len = page_aligned(config.max_model_len, row, itemsize=itemsize)
         # running slots, then the retained region's (worker/llm/prefix.py)
         slots = config.max_num_seqs + retained_slots(config.max_num_seqs, config.prefix_caching)
-        self.cache = KVCache(facts.cache_shape(slots, max_len), budget)
+        self.cache = KVCache(facts.cache_shape(slots, max_len), budget, model.cache_device)
         # the cache's room: slots and reservations, and the prefixes its slots keep
         self.prefix = PrefixCache(
             config.max_num_seqs,

@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
+import structlog
 
 from common.step_graph import (
     IDS,
@@ -35,8 +36,12 @@ from common.step_graph import (
     past_names,
     present_names,
 )
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import HOST, CacheShape, CacheView, KVCache
+from worker.llm.device import CUDA, DeviceView
+from worker.runtime import CUDA as CUDA_PROVIDER
 from worker.runtime import OnnxSession, RuntimeOptions
+
+log = structlog.get_logger()
 
 SHRINK_TOKENS = 128
 _SHRINK = ort.RunOptions()
@@ -64,9 +69,11 @@ class GraphFacts:
 
 class Model(Protocol):
     """What the engine runs: StepModel here, or worker/tp/llm_step.py's TPStepModel (a shard
-    group, whose `facts` are one rank's share of the heads)."""
+    group, whose `facts` are one rank's share of the heads). `cache_device`: where its KV
+    cache lives ("cpu", or "cuda" for a graph whose attention runs on the GPU)."""
 
     facts: GraphFacts
+    cache_device: str
 
     def run(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
@@ -120,6 +127,7 @@ class StepModel:
         f = self.facts
         self._past = [past_names(i) for i in range(f.layers)]
         self._present = [present_names(i) for i in range(f.layers)]
+        self.cache_device = cache_device(session.provider, f.kv_dtype, session.path)
 
     @classmethod
     def load(cls, path: Path, options: RuntimeOptions, providers: list[str]) -> StepModel:
@@ -190,9 +198,35 @@ class StepModel:
             for (pk, pv), (ok, ov), (k, v) in zip(
                 self._past, self._present, cache.views(lo, hi), strict=True
             ):
-                io.bind_ortvalue_input(pk, k)
-                io.bind_ortvalue_input(pv, v)
-                io.bind_ortvalue_output(ok, k)
-                io.bind_ortvalue_output(ov, v)
+                bind_in_place(io, pk, ok, k)
+                bind_in_place(io, pv, ov, v)
             cache.bindings[key] = io
         return io
+
+
+def bind_in_place(io: ort.IOBinding, past: str, present: str, view: CacheView) -> None:
+    """One layer's keys (or values) as both the past and the present: written in place."""
+    if isinstance(view, DeviceView):
+        io.bind_input(past, CUDA, view.device_id, view.dtype, list(view.shape), view.ptr)
+        io.bind_output(present, CUDA, view.device_id, view.dtype, list(view.shape), view.ptr)
+    else:
+        io.bind_ortvalue_input(past, view)
+        io.bind_ortvalue_output(present, view)
+
+
+def cache_device(provider: str, kv_dtype: str, path: Path) -> str:
+    """Where a step graph's KV cache lives: on the GPU when onnxruntime runs the graph
+    there and its attention op can (onnxruntime's CUDA GroupQueryAttention takes float16
+    only), else in host memory."""
+    if provider != CUDA_PROVIDER:
+        return HOST
+    if kv_dtype != "float16":
+        log.warning(
+            "llm_cache_on_host",
+            model=str(path),
+            kv_dtype=kv_dtype,
+            hint="onnxruntime's CUDA attention takes a float16 KV cache: this graph's "
+            "attention runs on the CPU; build it with --kv-dtype float16",
+        )
+        return HOST
+    return CUDA

@@ -87,7 +87,7 @@ class Drafter:
         f = config.model.facts
         self.model = config.model
         self.num_tokens = config.num_tokens
-        self.cache = KVCache(f.cache_shape(slots, max_len), budget)
+        self.cache = KVCache(f.cache_shape(slots, max_len), budget, self.model.cache_device)
         self.ns = 0  # time in the draft's runs
 
     def propose(self, seq: Sequence, k: int) -> list[int]:

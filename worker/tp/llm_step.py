@@ -35,7 +35,7 @@ import structlog
 from common.shard_format import HIDDEN, HIDDEN_OUT, OP_STEP, PARTIAL, REDUCED
 from common.shard_format import LOGITS_SHARD as SHARD
 from common.step_graph import IDS, SEQLENS, TOTAL
-from worker.llm.cache import CacheShape, KVCache
+from worker.llm.cache import HOST, CacheShape, KVCache
 from worker.llm.model import GraphFacts, run_options
 from worker.runtime import OnnxSession, RuntimeOptions
 from worker.tp.parallel import TpGroup
@@ -279,6 +279,7 @@ class TPStepModel:
         self.leader = leader
         self.index = index
         self.facts = rank.facts
+        self.cache_device = HOST  # the ranks' caches: host memory, one per rank
         self.session = rank.sessions["first"]
         self._ops: deque[tuple[int, int, int, int, int]] = deque()
         self._cache: KVCache | None = None

