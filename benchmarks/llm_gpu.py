@@ -159,14 +159,16 @@ def steps(model: StepModel, args: argparse.Namespace, device: str | None = None)
     return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
 
 
-async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
-    """The engine in-process: one stream, then N streams at once, then prefix reuse."""
+async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace, budget: int) -> dict:  # type: ignore[no-untyped-def]
+    """The engine in-process, its step budget `budget` tokens (meshserve.max_step_tokens): one
+    stream, then N streams at once (median of --engine-rounds), then prefix reuse."""
     rng = np.random.default_rng(1)
     most = max(args.streams)
     config = EngineConfig(
         max_model_len=1024,
         max_num_seqs=most,
         kv_cache_tokens=most * (PROMPT_TOKENS + DECODE_TOKENS + 64),
+        max_step_tokens=budget,
     )
     engine = Engine(model, tokenizer, config)
     engine.start()
@@ -196,14 +198,18 @@ async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace) -> 
             "ttft_ms": round(statistics.median(s[1] for s in singles), 2),
             "runs": [[round(a, 1), round(b, 2)] for a, b in singles],
         }
-        aggregate = {}
+        aggregate, rounds = {}, {}
         for n in args.streams:
-            prompts = [rng.integers(100, 40000, PROMPT_TOKENS).tolist() for _ in range(n)]
-            start = time.perf_counter()
-            done = await asyncio.wait_for(asyncio.gather(*(one(p, 64) for p in prompts)), 120)
-            wall = time.perf_counter() - start
-            aggregate[str(n)] = round(sum(d[2] for d in done) / wall, 1)
+            rates = []
+            for _ in range(args.engine_rounds):
+                prompts = [rng.integers(100, 40000, PROMPT_TOKENS).tolist() for _ in range(n)]
+                start = time.perf_counter()
+                runs = asyncio.gather(*(one(p, 64) for p in prompts))
+                done = await asyncio.wait_for(runs, 120)
+                rates.append(round(sum(d[2] for d in done) / (time.perf_counter() - start), 1))
+            aggregate[str(n)], rounds[str(n)] = statistics.median(rates), rates
         out["aggregate_tok_s_by_streams"] = aggregate
+        out["aggregate_rounds"] = rounds
         prompt = rng.integers(100, 40000, 200).tolist()
         first = await one(prompt, 16)
         second = await one(prompt, 16)
@@ -217,16 +223,54 @@ async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace) -> 
     return out
 
 
-def greedy(model: StepModel, prompt: np.ndarray, n: int) -> list[int]:
-    cache = new_cache(model, 1, prompt.shape[1] + n + 8)
-    token = int(model.run(cache, prompt, np.array([prompt.shape[1]]), 0, 1)[0].argmax())
-    tokens = [token]
-    for i in range(n - 1):
-        logits = model.run(cache, np.array([[token]]), np.array([prompt.shape[1] + 1 + i]), 0, 1)
-        token = int(logits[0].argmax())
-        tokens.append(token)
+def agreement(path: Path, model: StepModel, tokenizer, n: int = 64) -> dict:  # type: ignore[no-untyped-def]
+    """The model (on its provider) against the same graph on the CPU, on a real prompt:
+    teacher-forced, each of n positions fed the CPU's greedy token, the share of positions
+    where both pick the same top-1; and the cache's own check on the model's provider: the
+    logits of a decode step reading the cache against those of one prefill of the whole
+    sequence (max |difference| / max |logit|, and top-1 equal)."""
+    text = (
+        "The Python language reference describes the syntax and core semantics of the "
+        "language. It is terse, but attempts to be exact and complete."
+    )
+    prompt = np.asarray([tokenizer.encode(text).ids], np.int64)
+    cpu = StepModel.load(path, RuntimeOptions(), [CPU])
+    reference = forced(cpu, prompt, None, n)
+    ours = forced(model, prompt, reference["tokens"], n)
+    same = sum(a == b for a, b in zip(reference["tokens"], ours["tokens"], strict=True))
+    return {
+        "prompt_tokens": prompt.shape[1],
+        "positions": n,
+        "top1_agreement_with_cpu": round(same / n, 4),
+        "cache_check": ours["cache_check"],
+        "cpu_cache_check": reference["cache_check"],
+    }
+
+
+def forced(model: StepModel, prompt: np.ndarray, feed: list[int] | None, n: int) -> dict:
+    """Greedy top-1 at n positions, each fed `feed`'s token (or its own pick), the cache read by
+    every decode step; at positions 8 and n - 8, the decode logits against a whole prefill's."""
+    p = prompt.shape[1]
+    cache = new_cache(model, 2, p + n + 8)
+    logits = model.run(cache, prompt, np.array([p]), 0, 1)[0]
+    tokens, checks = [], []
+    for i in range(n):
+        tokens.append(int(logits.argmax()))
+        token = tokens[-1] if feed is None else feed[i]
+        logits = model.run(cache, np.array([[token]]), np.array([p + 1 + i]), 0, 1)[0]
+        if i in (8, n - 8):
+            seq = np.concatenate([prompt[0], (feed or tokens)[: i + 1]])[None]
+            whole = model.run(cache, seq, np.array([seq.shape[1]]), 1, 2)[0]
+            diff = float(np.abs(whole - logits).max() / np.abs(whole).max())
+            checks.append(
+                {
+                    "position": i,
+                    "rel_max_diff": round(diff, 5),
+                    "top1_equal": bool(whole.argmax() == logits.argmax()),
+                }
+            )
     cache.close()
-    return tokens
+    return {"tokens": tokens, "cache_check": checks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--streams", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--engine-rounds", type=int, default=3, help="aggregate rounds per level")
+    p.add_argument(
+        "--step-budgets",
+        type=int,
+        nargs="+",
+        default=[EngineConfig.max_step_tokens],
+        help="the engine's max_step_tokens, each measured",
+    )
+    p.add_argument("--parts", nargs="+", default=["placement", "step", "host_cache", "engine"])
     p.add_argument("--out", default="llm_gpu")
     args = p.parse_args(argv)
     result: dict = {
@@ -266,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         save()
 
-    def engine(model: StepModel) -> dict:
-        return asyncio.run(engine_runs(model, tokenizer, args))
+    def engine(model: StepModel, budget: int) -> dict:
+        return asyncio.run(engine_runs(model, tokenizer, args, budget))
 
     gguf = weights.smollm2_gguf()
     tokenizer = checkpoint.load_gguf(gguf).tokenizer
@@ -280,24 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in graphs.items():
             g: dict = {}
             result["graphs"][name] = g
-            models = {}
             for provider in args.providers:
                 wanted = [CUDA, CPU] if provider == "cuda" else [CPU]
                 model = StepModel.load(path, options, wanted)
-                models[provider] = model
                 r: dict = {"active": model.session.provider, "cache": model.cache_device}
                 g[provider] = r
-                part(r, "placement", placement, path, options, wanted, Path(tmp))
-                part(r, "step", steps, model, args)
-                if provider == "cuda":
+                if "placement" in args.parts:
+                    part(r, "placement", placement, path, options, wanted, Path(tmp))
+                if "step" in args.parts:
+                    part(r, "step", steps, model, args)
+                if provider == "cuda" and "host_cache" in args.parts:
                     part(r, "host_cache", steps, model, small, "cpu")
-                part(r, "engine", engine, model)
-            if len(models) > 1:
-                prompt = np.arange(1000, 1000 + PROMPT_TOKENS)[None]
-                a, b = (greedy(m, prompt, 64) for m in models.values())
-                same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
-                g["agreement"] = {"greedy_tokens": 64, "equal_prefix": same}
-                save()
+                for budget in args.step_budgets if "engine" in args.parts else []:
+                    part(r, f"engine_step_budget_{budget}", engine, model, budget)
+                if provider != "cpu" and "agreement" in args.parts:
+                    part(r, "agreement", agreement, path, model, tokenizer)
     print(json.dumps(result, indent=1)[:4000])
     return 0
 

@@ -56,6 +56,50 @@ def _runtime() -> ctypes.CDLL:
     raise RuntimeError("the CUDA runtime (libcudart) cannot be loaded: " + "; ".join(errors))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets in [2, layers, slots, kv_heads, max_len, head_dim] of `itemsize` bytes
+    (the host mapping's layout too, so tests check these against numpy's)."""
+
+    dims: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def row_bytes(self) -> int:  # one position of one head
+        return self.dims[5] * self.itemsize
+
+    @property
+    def head_bytes(self) -> int:  # max_len positions
+        return self.dims[4] * self.row_bytes
+
+    @property
+    def slot_bytes(self) -> int:  # every head
+        return self.dims[3] * self.head_bytes
+
+    def offset(self, kv: int, layer: int, slot: int) -> int:
+        """Where keys (kv 0) or values (1) of `layer` start for `slot`."""
+        return ((kv * self.dims[1] + layer) * self.dims[2] + slot) * self.slot_bytes
+
+    def row_copies(
+        self, src: int, dst: int, start: int, stop: int
+    ) -> list[tuple[int, int, int, int, int]]:
+        """Rows start..stop-1 of slot src into slot dst as 2-D copies, one per layer and K/V:
+        (dst offset, src offset, pitch, width, height) as cudaMemcpy2D takes them, every
+        head one line of `width` bytes, lines `pitch` apart."""
+        skip, width = start * self.row_bytes, (stop - start) * self.row_bytes
+        return [
+            (
+                self.offset(kv, layer, dst) + skip,
+                self.offset(kv, layer, src) + skip,
+                self.head_bytes,
+                width,
+                self.dims[3],
+            )
+            for kv in range(2)
+            for layer in range(self.dims[1])
+        ]
+
+
 class CudaCacheMemory:
     """[2, layers, slots, kv_heads, max_len, head_dim] of `dtype` on CUDA device `device_id`."""
 
@@ -63,26 +107,17 @@ class CudaCacheMemory:
         self.dims = dims
         self.dtype = np.dtype(dtype).type
         self.device_id = device_id
+        self.layout = Layout(dims, np.dtype(dtype).itemsize)
         self.value = ort.OrtValue.ortvalue_from_shape_and_type(
             list(dims), self.dtype, CUDA, device_id
         )
         self.base = int(self.value.data_ptr())
-        itemsize = np.dtype(dtype).itemsize
-        _, layers, slots, heads, max_len, head_dim = dims
-        self.row_bytes = head_dim * itemsize
-        self.head_bytes = max_len * self.row_bytes
-        self.slot_bytes = heads * self.head_bytes
-        self.layer_bytes = slots * self.slot_bytes
         self._cudart = _runtime()
 
     def views(self, layer: int, lo: int, hi: int) -> tuple[DeviceView, DeviceView]:
         """Layer `layer`'s keys and values of slots lo..hi-1."""
-        _, _, _, heads, max_len, head_dim = self.dims
-        shape = (hi - lo, heads, max_len, head_dim)
-        k, v = (
-            self.base + (kv * self.dims[1] + layer) * self.layer_bytes + lo * self.slot_bytes
-            for kv in range(2)
-        )
+        shape = (hi - lo, *self.dims[3:])
+        k, v = (self.base + self.layout.offset(kv, layer, lo) for kv in range(2))
         return (
             DeviceView(k, shape, self.dtype, self.device_id),
             DeviceView(v, shape, self.dtype, self.device_id),
@@ -91,26 +126,12 @@ class CudaCacheMemory:
     def copy_rows(self, src: int, dst: int, start: int, stop: int) -> None:
         """Rows start..stop-1 of slot src into slot dst, every head of every layer, K and V.
         Synchronous: the next step's run (on onnxruntime's own stream) sees the rows."""
-        width = (stop - start) * self.row_bytes
-        heads = self.dims[3]
-        offset = start * self.row_bytes
-        for block in range(2 * self.dims[1]):  # kv * layers + layer
-            layer = self.base + block * self.layer_bytes + offset
+        for to, frm, pitch, width, height in self.layout.row_copies(src, dst, start, stop):
             rc = self._cudart.cudaMemcpy2D(
-                layer + dst * self.slot_bytes,
-                self.head_bytes,
-                layer + src * self.slot_bytes,
-                self.head_bytes,
-                width,
-                heads,
-                _DEVICE_TO_DEVICE,
+                self.base + to, pitch, self.base + frm, pitch, width, height, _DEVICE_TO_DEVICE
             )
             if rc:
                 raise RuntimeError(f"cudaMemcpy2D failed with CUDA error {rc}")
         rc = self._cudart.cudaDeviceSynchronize()  # a device-to-device copy returns at once
         if rc:
             raise RuntimeError(f"cudaDeviceSynchronize failed with CUDA error {rc}")
-
-    def read(self) -> np.ndarray:
-        """The whole cache, copied to the host (tests)."""
-        return np.asarray(self.value.numpy())
