@@ -29,7 +29,7 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from worker.llm.device import CUDA, CudaCacheMemory, DeviceView
+from worker.llm.device import CUDA, CudaCacheMemory, DeviceView, Layout
 from worker.llm.kv_budget import KVBudget
 from worker.llm.prefix import PrefixCache
 
@@ -79,11 +79,11 @@ class KVCache:
         self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        self._slot_bytes = s.kv_heads * s.max_len * s.head_dim * s.itemsize
+        self.layout = Layout(dims, s.itemsize)  # byte offsets, on the host and on a device
         self._views: dict[tuple[int, int], list[tuple[CacheView, CacheView]]] = {}
         self._cuda: CudaCacheMemory | None = None
         if device == CUDA:
-            self._cuda = CudaCacheMemory(dims, s.dtype)
+            self._cuda = CudaCacheMemory(self.layout, s.dtype)
         else:
             # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
             # No swap reserved for slots x max_len: only the budget's pages are ever resident.
@@ -131,12 +131,11 @@ class KVCache:
         device, nothing to do."""
         if self._cuda is not None:
             return
-        layer_bytes = self.shape.slots * self._slot_bytes
+        size = self.layout.slot_bytes
         for kv in range(2):
             for layer in range(self.shape.layers):
-                start = (kv * self.shape.layers + layer) * layer_bytes + slot * self._slot_bytes
                 # page-aligned when max_len * head_dim * itemsize is a page multiple
-                self._map.madvise(mmap.MADV_DONTNEED, start, self._slot_bytes)
+                self._map.madvise(mmap.MADV_DONTNEED, self.layout.offset(kv, layer, slot), size)
 
     def discard_from(self, slot: int, start: int) -> None:
         """Return the pages of the slot's rows start.. (every head of every layer) to the OS,
@@ -145,14 +144,11 @@ class KVCache:
         if start <= 0:
             self.discard(slot)
         elif self._cuda is None:
-            s, item = self.shape, self.shape.itemsize
-            row = s.head_dim * item
-            head = s.max_len * row
-            page = mmap.PAGESIZE
+            row, head, page = self.layout.row_bytes, self.layout.head_bytes, mmap.PAGESIZE
             for kv in range(2):
-                for layer in range(s.layers):
-                    base = ((kv * s.layers + layer) * s.slots + slot) * s.kv_heads * head
-                    for h in range(s.kv_heads):
+                for layer in range(self.shape.layers):
+                    base = self.layout.offset(kv, layer, slot)
+                    for h in range(self.shape.kv_heads):
                         lo = base + h * head + start * row
                         lo = -(-lo // page) * page
                         hi = (base + (h + 1) * head) // page * page

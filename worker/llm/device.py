@@ -58,8 +58,9 @@ def _runtime() -> ctypes.CDLL:
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets in [2, layers, slots, kv_heads, max_len, head_dim] of `itemsize` bytes
-    (the host mapping's layout too, so tests check these against numpy's)."""
+    """Byte offsets in the cache's [2, layers, slots, kv_heads, max_len, head_dim] of
+    `itemsize` bytes: where the device cache binds and copies, and where the host mapping
+    returns pages (tests check them against numpy's own layout)."""
 
     dims: tuple[int, ...]
     itemsize: int
@@ -103,13 +104,13 @@ class Layout:
 class CudaCacheMemory:
     """[2, layers, slots, kv_heads, max_len, head_dim] of `dtype` on CUDA device `device_id`."""
 
-    def __init__(self, dims: tuple[int, ...], dtype: str, device_id: int = 0) -> None:
-        self.dims = dims
+    def __init__(self, layout: Layout, dtype: str, device_id: int = 0) -> None:
+        self.dims = layout.dims
         self.dtype = np.dtype(dtype).type
         self.device_id = device_id
-        self.layout = Layout(dims, np.dtype(dtype).itemsize)
+        self.layout = layout
         self.value = ort.OrtValue.ortvalue_from_shape_and_type(
-            list(dims), self.dtype, CUDA, device_id
+            list(self.dims), self.dtype, CUDA, device_id
         )
         self.base = int(self.value.data_ptr())
         self._cudart = _runtime()

@@ -30,7 +30,8 @@ def cache():
 
 
 def test_offsets_are_the_host_layout(cache: KVCache) -> None:
-    layout = Layout(cache.data.shape, cache.data.itemsize)
+    layout = cache.layout
+    assert layout == Layout(cache.data.shape, cache.data.itemsize)
     base = cache.data.ctypes.data
     for kv in range(2):
         for layer in range(SHAPE.layers):
@@ -41,9 +42,8 @@ def test_offsets_are_the_host_layout(cache: KVCache) -> None:
 
 def test_row_copies_do_what_the_host_copy_does(cache: KVCache) -> None:
     """cudaMemcpy2D's copies, replayed on the host's bytes, equal KVCache.copy_rows."""
-    layout = Layout(cache.data.shape, cache.data.itemsize)
     replayed = bytearray(cache.data.tobytes())
-    for dst, src, pitch, width, height in layout.row_copies(1, 3, 5, 11):
+    for dst, src, pitch, width, height in cache.layout.row_copies(1, 3, 5, 11):
         for line in range(height):
             a, b = dst + line * pitch, src + line * pitch
             replayed[a : a + width] = replayed[b : b + width]
