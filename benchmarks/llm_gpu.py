@@ -219,7 +219,7 @@ async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace, bud
                 runs = asyncio.gather(*(one(p, 64) for p in prompts))
                 done = await asyncio.wait_for(runs, 120)
                 rates.append(round(sum(d[2] for d in done) / (time.perf_counter() - start), 1))
-            aggregate[str(n)], rounds[str(n)] = statistics.median(rates), rates
+            aggregate[str(n)], rounds[str(n)] = round(statistics.median(rates), 1), rates
         out["aggregate_tok_s_by_streams"] = aggregate
         out["aggregate_rounds"] = rounds
         prompt = rng.integers(100, 40000, 200).tolist()
