@@ -79,7 +79,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=build / "llama-server" / "bin" / "llama-server",
         help="`make llama-server` builds it",
     )
-    p.add_argument("--anchor-seconds", type=float, default=45.0, help="per load level")
+    p.add_argument(
+        "--anchor-mode",
+        choices=["paired", "sequential"],
+        default="paired",
+        help="paired: llama-server and the worker all up at once, measured in rounds that "
+        "take turns (benchmarks/llm_paired.py), each verdict the median of per-round "
+        "ratios; sequential: each server's whole run after the other's, as before",
+    )
+    p.add_argument("--anchor-rounds", type=int, default=5, help="paired: rounds at each load level")
+    p.add_argument(
+        "--anchor-single-rounds", type=int, default=9, help="paired: single-stream rounds"
+    )
+    p.add_argument(
+        "--anchor-seconds", type=float, default=45.0, help="per load level (a round's limit)"
+    )
     p.add_argument("--llamacpp-venv", type=Path, default=build / "llamacpp-venv")
     p.add_argument("--meshserve", help="address of a running worker (HOST:PORT)")
     p.add_argument("--meshserve-pid", type=int, help="that worker's pid, for its RSS")
@@ -306,18 +320,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
-    """llama-server under each OMP wait policy, then the meshserve worker, each under the same
-    loadtest runs; the verdict is against llama-server's strongest figure per target."""
-    from benchmarks import llm_serve
-
+    """llama-server against the meshserve worker: --anchor-mode paired (every server up,
+    interleaved rounds: benchmarks/llm_paired.py) or sequential (`sequential_anchor`)."""
     if not args.llama_server_bin.exists():
         return {"skipped": f"{args.llama_server_bin} not found: `make llama-server` builds it"}
     if not (args.meshserve or args.model_repository):
         return {"skipped": "no --meshserve address or --model-repository given"}
+    if args.anchor_mode == "sequential":
+        return sequential_anchor(ctx, args, logs)
+    from benchmarks import llm_paired
+
+    with meshserve_address(args, logs) as (address, pid):
+        assert pid is not None, "--meshserve-pid is needed for the worker's CPU and RSS"
+        out = asyncio.run(
+            llm_paired.anchor(
+                args,
+                ctx.gguf,
+                ctx.tokenizer,
+                logs,
+                (address, pid),
+                lambda: wait_quiet(args.quiet_load, args.quiet_wait_s),
+            )
+        )
+        out["meshserve_model_file"] = served_file(address, args.model)
+    return out
+
+
+def sequential_anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
+    """llama-server under each OMP wait policy, then the meshserve worker, each under the same
+    loadtest runs; the verdict is against llama-server's strongest figure per target."""
+    from benchmarks import llm_serve
+
     plan = llm_serve.Plan(
         threads=args.threads, rounds=args.repeats, level_seconds=args.anchor_seconds
     )
-    out: dict = {"plan": plan.__dict__, "llama_server_runs": {}}
+    out: dict = {"mode": "sequential", "plan": plan.__dict__, "llama_server_runs": {}}
 
     async def server(policy: str, spec: tuple[str, ...], log: str) -> dict:
         async with llm_serve.llama_server(

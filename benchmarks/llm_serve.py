@@ -13,7 +13,10 @@ llama-server runs once under each OpenMP wait policy asked for (default: unset, 
 spinning wait, and PASSIVE), and each target is checked against its strongest figure for it:
 a user picks the setting that serves them best.
 
-Measured, one system at a time (never both at once):
+This module measures the sequential anchor (`--anchor-mode sequential`); the default,
+paired, starts every server at once and interleaves their rounds (benchmarks/llm_paired.py,
+from the same Plan, prompts' sizes and verdict targets). Measured, one system at a time
+(never both at once):
 - single stream: 128 tokens after a ~25-token prompt, `--rounds` requests one after
   another; per request, TTFT and decode tokens/s after the first token; medians quoted;
 - load: 8, 16 and 32 closed-loop streams over prompts of 20 to 1,000 tokens (long prompts
@@ -325,7 +328,8 @@ def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
 
 
 def section(r: dict) -> str:
-    """benchmarks/README.md's section for results/llm_anchor.json (benchmarks/summary.py)."""
+    """benchmarks/README.md's section for a sequential anchor's results (through
+    llm_paired.section, which benchmarks/summary.py calls for every anchor file)."""
     a = r["anchor"]
     if "skipped" in a:
         return f"## LLM engine against llama-server\n\nnot measured: {a['skipped']}"
