@@ -13,11 +13,14 @@ them, so that this VM's drift (+-20% over minutes) falls on both sides alike.
 - Round r runs the sides in the order `order(sides, r)`: ABC, CBA, BCA, ACB, CAB, BAC, ...;
   every two rounds each pair of sides runs in both orders (ABBA), so a drift that is linear
   over the two rounds falls on both alike. A turn is followed by SETTLE_S of quiet.
-- A round is the same on every side, with prompts of its own (a seed per round): single
-  stream: a 1-token request (it opens the connection), then --decode-tokens after a
-  ~25-token prompt: TTFT and decode tokens/s after the first token; a load level: c
-  closed-loop streams over LOAD_SIZES prompts, 2c requests of 64 tokens, for at most
-  --anchor-seconds (each request's deadline 300 s).
+- A round is the same on every side, with the sequential anchor's prompts (llm_serve.measure):
+  single stream: a 1-token request (it opens the connection), then --decode-tokens after
+  a ~25-token prompt of its own: TTFT and decode tokens/s after the first token; a load
+  level: c closed-loop streams over the LOAD_SIZES prompts (one set, seed 2, for every
+  round and level, as before: with fresh prompts each round llama-server's RSS peak
+  reached 3.1-3.2 GB here against ~1.1 GB, its RAM prompt cache, --cache-ram 8 GiB by
+  default, the likely cause), 2c requests of 64 tokens, sent for at most --anchor-seconds
+  (each request's deadline 300 s).
 - Verdict: per target, the ratio of each round (the worker's figure over that same round's
   llama-server figure), and the median of those per-round ratios against the target, taken
   against the llama-server setting that leaves the worker's median weakest. ITL p99 / p50 is
@@ -355,10 +358,10 @@ async def measure(
             for name in order(names, r):
                 job = single_round(by[name], _one(openers[r]), short[r], plan.decode_tokens, tok)
                 singles[name].append(await turns.run("single", r, name, job))
-        for i, c in enumerate(plan.levels):
+        prompts = prompt_source.synthetic(list(sizes), tok, seed=2)
+        for c in plan.levels:
             rounds: dict[str, list[dict]] = {n: [] for n in names}
             for r in range(plan.rounds):
-                prompts = prompt_source.synthetic(list(sizes), tok, seed=1000 + 100 * i + r)
                 for name in order(names, r):
                     job = level_round(by[name], prompts, c, plan, tok)
                     rounds[name].append(await turns.run(f"c={c}", r, name, job))

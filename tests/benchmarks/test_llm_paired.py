@@ -152,10 +152,10 @@ def test_rounds_take_turns_with_the_same_prompts_on_every_side(
     assert len(seen_a) == len(seen_b) == 3 + 3 * 2 + 2 * 4
     assert [b["prompt"] for b in seen_a][3:9] == [b["prompt"] for b in seen_b][3:9]
     assert [b["max_tokens"] for b in seen_a][3:9] == [1, 3] * 3
-    for r in range(2):  # each load round: the same prompts on both sides, new ones each round
+    for r in range(2):  # each load round: the same prompts on both sides and in every round
         a, b = (sorted(x["prompt"] for x in s[9 + 4 * r : 13 + 4 * r]) for s in (seen_a, seen_b))
-        assert a == b
-    assert seen_a[9]["prompt"] not in {x["prompt"] for x in seen_a[13:]}
+        assert a == b and {x["prompt"] for x in seen_a[9:13]} == set(a)
+    assert len(set(a)) == 3  # the three sizes, the first again as the fourth request
     a, b = out["sides"]["A"], out["sides"]["B"]
     assert a["single"]["rounds"] == 3 and a["single"]["decode_tokens_per_s"] > 0
     assert [lv["streams"] for lv in b["load"]] == [2] and len(b["load"][0]["each_round"]) == 2
