@@ -53,9 +53,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.llm_step import run_ms, write_result
 from benchmarks.readings import table
-from common import paths
-from loadtest.results import machine, write_json
+from loadtest.results import machine
 from quantize import checkpoint, int4, llm_graph, recipes, weights
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.engine import Engine, EngineConfig
@@ -64,23 +64,6 @@ from worker.llm.sampling import SamplingParams
 from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
 
 PROMPT_TOKENS, DECODE_TOKENS = 32, 128
-
-
-def run_ms(fn: Callable[..., object], args: tuple, rounds: int) -> dict[str, float]:
-    """Median and p90 milliseconds of `rounds` calls of fn(*args), after one unmeasured call.
-    (This module imports neither benchmarks.common nor the servers' packages: the device
-    machine runs it with little more than onnxruntime, torch and this checkout.)"""
-    fn(*args)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - start) * 1000)
-    times.sort()
-    return {
-        "p50": round(statistics.median(times), 3),
-        "p90": round(times[int(0.9 * (rounds - 1))], 3),
-    }
 
 
 def build_graphs(folder: Path, gguf: Path, names: list[str]) -> dict[str, Path]:
@@ -334,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        write_json(paths.results() / f"{args.out}.json", result)
+        write_result(args.out, result)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], f"{args.out}.json").write_text(json.dumps(result, indent=1))
 

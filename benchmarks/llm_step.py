@@ -22,12 +22,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks.common import machine, write_result
+from common import paths
+from loadtest.results import machine, write_json
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.model import StepModel
 from worker.runtime import OnnxSession, RuntimeOptions
@@ -35,15 +37,29 @@ from worker.runtime import OnnxSession, RuntimeOptions
 CPU = ["CPUExecutionProvider"]
 
 
-def timed(fn, args: tuple, rounds: int) -> float:  # type: ignore[no-untyped-def]
-    """Median milliseconds of `rounds` calls of fn(*args), after one unmeasured call."""
+def write_result(name: str, payload: dict) -> Path:
+    """results/NAME.json. (This module and benchmarks/llm_gpu.py import neither
+    benchmarks.common nor the servers' packages: the GPU machine runs them with little
+    more than onnxruntime, torch and this checkout.)"""
+    return write_json(paths.results() / f"{name}.json", payload)
+
+
+def run_ms(fn: Callable[..., object], args: tuple, rounds: int) -> dict[str, float]:
+    """Median and p90 milliseconds of `rounds` calls of fn(*args), after one unmeasured call."""
     fn(*args)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         fn(*args)
         times.append((time.perf_counter() - start) * 1000)
-    return round(statistics.median(times), 2)
+    times.sort()
+    p90 = times[int(0.9 * (rounds - 1))]
+    return {"p50": round(statistics.median(times), 3), "p90": round(p90, 3)}
+
+
+def timed(fn: Callable[..., object], args: tuple, rounds: int) -> float:
+    """The median milliseconds of run_ms, as this benchmark's results hold them."""
+    return round(run_ms(fn, args, rounds)["p50"], 2)
 
 
 def filled_caches(
