@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -209,7 +210,9 @@ def line(name: str, c: dict) -> str:
 
 class Turns:
     """Runs one side's turn at a time, then SETTLE_S of quiet, and keeps the log: when each
-    turn ran, and the CPU every side used during the others' turns (`report`)."""
+    turn ran, the CPU its side used and the CPU every process outside this run used (the
+    machine's busy time less the sides' and this client's: `others_cores`, how contended
+    the turn was), and the CPU every side used during the others' turns (`report`)."""
 
     def __init__(self, sides: Sequence[Side]) -> None:
         self.sides = {s.name: s for s in sides}
@@ -221,10 +224,16 @@ class Turns:
     def _cpu(self) -> dict[str, float]:
         return {n: cpu_seconds(process_tree(s.pid)) for n, s in self.sides.items()}
 
+    def _outside(self, cpu: dict[str, float]) -> float:
+        """CPU seconds the machine spent so far less the sides' and this process's."""
+        return machine_busy_s() - sum(cpu.values()) - time.process_time()
+
     async def run(self, what: str, r: int, name: str, job: Awaitable[dict]) -> dict:
         before, t0 = self._cpu(), time.monotonic()
+        outside = self._outside(before)
         out = await job
         mid, t1 = self._cpu(), time.monotonic()
+        others = self._outside(mid) - outside
         await asyncio.sleep(SETTLE_S)
         after, t2 = self._cpu(), time.monotonic()
         for n in self.sides:
@@ -241,6 +250,7 @@ class Turns:
                 "at_s": round(t0 - self.started, 1),
                 "wall_s": round(t1 - t0, 2),
                 "cpu_s": round(mid[name] - before[name], 2),
+                "others_cores": _cores(max(others, 0.0), t1 - t0),
             }
         )
         return out
@@ -256,6 +266,15 @@ class Turns:
             }
             for n in self.sides
         }
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy since boot (/proc/stat: user, nice,
+    system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _cores(cpu: float, wall: float) -> float | None:
@@ -438,6 +457,7 @@ async def anchor(
     out["checks"], out["reading"] = verdict(out["llama_server_runs"], out["meshserve"])
     out["reading"] += [drift_reading(out["llama_server_runs"], out["meshserve"], out["checks"])]
     out["reading"].append(idle_reading(out["idle_cpu"]))
+    out["reading"].append(contention_reading(out["turns"]))
     return out
 
 
@@ -459,6 +479,22 @@ def drift_reading(servers: dict[str, dict], worker: dict, checks: dict) -> str:
             f"their per-round ratio {spread(c['rounds'])}x"
         )
     return "Spread over rounds (max / min): " + "; ".join(parts)
+
+
+def contention_reading(turns: list[dict]) -> str:
+    """How much CPU processes outside this run took during the measured turns."""
+    measured = [t for t in turns if t["what"] != "warm-up" and t.get("others_cores") is not None]
+    if not measured:
+        return "CPU used outside this run: not recorded"
+    wall = sum(t["wall_s"] for t in measured)
+    mean = sum(t["others_cores"] * t["wall_s"] for t in measured) / wall
+    busy = [t for t in measured if t["others_cores"] >= 0.25]
+    worst = max(measured, key=lambda t: t["others_cores"])
+    return (
+        f"Processes outside this run used {mean:.2f} of the machine's cores over the measured "
+        f"turns; {len(busy)} of {len(measured)} turns saw 0.25 or more (most: "
+        f"{worst['others_cores']} in {worst['what']} round {worst['round']}, {worst['side']})"
+    )
 
 
 def idle_reading(idle: dict) -> str:

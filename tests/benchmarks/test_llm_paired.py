@@ -160,6 +160,12 @@ def test_rounds_take_turns_with_the_same_prompts_on_every_side(
     assert a["single"]["rounds"] == 3 and a["single"]["decode_tokens_per_s"] > 0
     assert [lv["streams"] for lv in b["load"]] == [2] and len(b["load"][0]["each_round"]) == 2
     assert set(out["idle_cpu"]) == {"A", "B"}
+    assert all(t["others_cores"] is not None and t["others_cores"] >= 0 for t in out["turns"])
+    assert llm_paired.contention_reading(out["turns"]).startswith("Processes outside this run")
+    busy = [{**t, "others_cores": 1.0 if i == 3 else 0.0} for i, t in enumerate(measured)]
+    assert "1 of 10 turns saw 0.25 or more (most: 1.0 in single round 1, A)" in (
+        llm_paired.contention_reading(busy)
+    )
     checks, lines = llm_paired.verdict({"A": a}, b)
     assert len(checks["single_decode_vs_llama_server"]["rounds"]) == 3
     assert all(line.endswith((": met", ": MISSED")) for line in lines)
