@@ -65,36 +65,96 @@ class CacheShape:
 CacheView: TypeAlias = ort.OrtValue | DeviceView  # one layer's keys or values of some slots
 
 
+class HostCacheMemory:
+    """The cache in host memory: one private anonymous mapping, whose pages become resident as
+    they are written and go back to the OS (madvise DONTNEED) when discarded."""
+
+    def __init__(self, layout: Layout, dtype: str) -> None:
+        self.layout = layout
+        # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
+        # No swap reserved for slots x max_len: only the budget's pages are ever resident.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        self._map = mmap.mmap(-1, int(np.prod(layout.dims)) * layout.itemsize, flags=flags)
+        self.data = np.frombuffer(self._map, dtype=dtype).reshape(layout.dims)
+
+    def discard(self, slot: int) -> None:
+        """The slot's pages back to the OS (it reads as zeros afterwards)."""
+        size = self.layout.slot_bytes
+        for kv in range(2):
+            for layer in range(self.layout.dims[1]):
+                # page-aligned when max_len * head_dim * itemsize is a page multiple
+                self._map.madvise(mmap.MADV_DONTNEED, self.layout.offset(kv, layer, slot), size)
+
+    def discard_from(self, slot: int, start: int) -> None:
+        """The pages of the slot's rows start.. back to the OS, whole pages only: a page that
+        also holds a row before `start` is kept."""
+        row, head, page = self.layout.row_bytes, self.layout.head_bytes, mmap.PAGESIZE
+        for kv in range(2):
+            for layer in range(self.layout.dims[1]):
+                base = self.layout.offset(kv, layer, slot)
+                for h in range(self.layout.dims[3]):
+                    lo = -(-(base + h * head + start * row) // page) * page
+                    hi = (base + (h + 1) * head) // page * page
+                    if hi > lo:
+                        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def copy_rows(self, src: int, dst: int, start: int, stop: int) -> None:
+        d = self.data
+        for kv in range(2):  # one contiguous block per layer and head: 4x numpy's 5-D copy
+            for layer in range(self.layout.dims[1]):
+                np.copyto(d[kv, layer, dst, :, start:stop], d[kv, layer, src, :, start:stop])
+
+    def views(self, lo: int, hi: int) -> list[tuple[CacheView, CacheView]]:
+        """Per layer, keys and values of slots lo..hi-1 as OrtValues over this memory."""
+        return [
+            (
+                ort.OrtValue.ortvalue_from_numpy(self.data[0, layer, lo:hi]),
+                ort.OrtValue.ortvalue_from_numpy(self.data[1, layer, lo:hi]),
+            )
+            for layer in range(self.layout.dims[1])
+        ]
+
+    def close(self) -> None:
+        del self.data
+        try:
+            self._map.close()
+        except BufferError:  # a view still lives (e.g. in a logged traceback's frame)
+            gc.collect()
+            with contextlib.suppress(BufferError):  # then the last view's owner frees it
+                self._map.close()
+
+
 class KVCache:
-    """The memory, and the room in it (a KVBudget: slots and reserved tokens). On the host
-    (device "cpu"), or on a CUDA device ("cuda": worker/llm/device.py) for a step graph that
-    runs there."""
+    """The memory, and the room in it (a KVBudget: slots and reserved tokens). The memory is
+    on the host (device "cpu": HostCacheMemory), or on a CUDA device ("cuda":
+    worker/llm/device.py) for a step graph that runs there."""
 
     def __init__(self, shape: CacheShape, budget_tokens: int, device: str = HOST) -> None:
         if device not in DEVICES:
             raise ValueError(f"KV cache device {device!r}: expected one of {DEVICES}")
         self.shape = shape
-        self.device = device
         # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
         self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
-        dims = (2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim)
-        self.layout = Layout(dims, s.itemsize)  # byte offsets, on the host and on a device
+        self.layout = Layout((2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim), s.itemsize)
+        self.memory: HostCacheMemory | CudaCacheMemory = (
+            CudaCacheMemory(self.layout, s.dtype)
+            if device == CUDA
+            else HostCacheMemory(self.layout, s.dtype)
+        )
         self._views: dict[tuple[int, int], list[tuple[CacheView, CacheView]]] = {}
-        self._cuda: CudaCacheMemory | None = None
-        if device == CUDA:
-            self._cuda = CudaCacheMemory(self.layout, s.dtype)
-        else:
-            # Private: MADV_DONTNEED on a shared anonymous mapping keeps its pages (and data).
-            # No swap reserved for slots x max_len: only the budget's pages are ever resident.
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-            self._map = mmap.mmap(-1, int(np.prod(dims)) * s.itemsize, flags=flags)
-            self.data = np.frombuffer(self._map, dtype=s.dtype).reshape(dims)
         # told of every freed slot (a shard group's other ranks free their copies too)
         self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
         # told of every prefix-cache move (discard_from, copy_rows) as (op, a, b, start, stop)
         self.on_change: Callable[[tuple[int, int, int, int, int]], None] | None = None
+
+    @property
+    def data(self) -> np.ndarray:
+        """The host cache as [2, layers, slots, kv_heads, max_len, head_dim] (tests, ranks)."""
+        if not isinstance(self.memory, HostCacheMemory):
+            raise TypeError("the KV cache is on a CUDA device: no host array")
+        return self.memory.data
 
     @property
     def budget_tokens(self) -> int:
@@ -127,33 +187,16 @@ class KVCache:
             self.on_release(slot)
 
     def discard(self, slot: int) -> None:
-        """Return the slot's written pages to the OS (it reads as zeros afterwards); on a
-        device, nothing to do."""
-        if self._cuda is not None:
-            return
-        size = self.layout.slot_bytes
-        for kv in range(2):
-            for layer in range(self.shape.layers):
-                # page-aligned when max_len * head_dim * itemsize is a page multiple
-                self._map.madvise(mmap.MADV_DONTNEED, self.layout.offset(kv, layer, slot), size)
+        """Return the slot's written pages to the OS (on a device: bookkeeping only)."""
+        self.memory.discard(slot)
 
     def discard_from(self, slot: int, start: int) -> None:
         """Return the pages of the slot's rows start.. (every head of every layer) to the OS,
-        whole pages only: a page that also holds a row before `start` is kept. Tells
-        `on_change` (a shard group's other ranks drop theirs too)."""
+        whole pages only. Tells `on_change` (a shard group's other ranks drop theirs too)."""
         if start <= 0:
-            self.discard(slot)
-        elif self._cuda is None:
-            row, head, page = self.layout.row_bytes, self.layout.head_bytes, mmap.PAGESIZE
-            for kv in range(2):
-                for layer in range(self.shape.layers):
-                    base = self.layout.offset(kv, layer, slot)
-                    for h in range(self.shape.kv_heads):
-                        lo = base + h * head + start * row
-                        lo = -(-lo // page) * page
-                        hi = (base + (h + 1) * head) // page * page
-                        if hi > lo:
-                            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            self.memory.discard(slot)
+        else:
+            self.memory.discard_from(slot, start)
         if self.on_change is not None:
             self.on_change((DISCARD, slot, -1, start, 0))
 
@@ -161,13 +204,8 @@ class KVCache:
         """Copy rows start..stop-1 of slot `src` into slot `dst`, keys and values of every
         layer (a reused prefix: a memcpy per layer and head, far cheaper than its
         prefill). Tells `on_change`."""
-        if stop > start and self._cuda is not None:
-            self._cuda.copy_rows(src, dst, start, stop)
-        elif stop > start:
-            d = self.data
-            for kv in range(2):  # one contiguous block per layer and head: 4x numpy's 5-D copy
-                for layer in range(self.shape.layers):
-                    np.copyto(d[kv, layer, dst, :, start:stop], d[kv, layer, src, :, start:stop])
+        if stop > start:
+            self.memory.copy_rows(src, dst, start, stop)
         if self.on_change is not None:
             self.on_change((COPY, src, dst, start, stop))
 
@@ -182,37 +220,17 @@ class KVCache:
             raise ValueError(f"unknown cache op {kind}")
 
     def views(self, lo: int, hi: int) -> list[tuple[CacheView, CacheView]]:
-        """Per layer, (keys, values) of slots lo..hi-1 as OrtValues sharing this memory (on
-        a device: DeviceViews, bound by address)."""
+        """Per layer, (keys, values) of slots lo..hi-1 over this memory: OrtValues on the
+        host, DeviceViews (bound by address) on a device; made once per range."""
         views = self._views.get((lo, hi))
-        if views is None and self._cuda is not None:
-            cuda = self._cuda
-            views = [cuda.views(layer, lo, hi) for layer in range(self.shape.layers)]
-            self._views[(lo, hi)] = views
-        elif views is None:
-            views = [
-                (
-                    ort.OrtValue.ortvalue_from_numpy(self.data[0, layer, lo:hi]),
-                    ort.OrtValue.ortvalue_from_numpy(self.data[1, layer, lo:hi]),
-                )
-                for layer in range(self.shape.layers)
-            ]
-            self._views[(lo, hi)] = views
+        if views is None:
+            views = self._views[(lo, hi)] = self.memory.views(lo, hi)
         return views
 
     def close(self) -> None:
         self.bindings.clear()
         self._views.clear()
-        if self._cuda is not None:
-            self._cuda = None  # onnxruntime's allocator takes the memory back
-            return
-        del self.data
-        try:
-            self._map.close()
-        except BufferError:  # a view still lives (e.g. in a logged traceback's frame)
-            gc.collect()
-            with contextlib.suppress(BufferError):  # then the last view's owner frees it
-                self._map.close()
+        self.memory.close()
 
 
 def page_aligned(max_len: int, row_floats: int, page: int = 4096, itemsize: int = 4) -> int:

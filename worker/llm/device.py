@@ -102,27 +102,33 @@ class Layout:
 
 
 class CudaCacheMemory:
-    """[2, layers, slots, kv_heads, max_len, head_dim] of `dtype` on CUDA device `device_id`."""
+    """The cache on CUDA device `device_id`: one allocation of the whole layout."""
 
     def __init__(self, layout: Layout, dtype: str, device_id: int = 0) -> None:
-        self.dims = layout.dims
+        self.layout = layout
         self.dtype = np.dtype(dtype).type
         self.device_id = device_id
-        self.layout = layout
         self.value = ort.OrtValue.ortvalue_from_shape_and_type(
-            list(self.dims), self.dtype, CUDA, device_id
+            list(layout.dims), self.dtype, CUDA, device_id
         )
         self.base = int(self.value.data_ptr())
         self._cudart = _runtime()
 
-    def views(self, layer: int, lo: int, hi: int) -> tuple[DeviceView, DeviceView]:
-        """Layer `layer`'s keys and values of slots lo..hi-1."""
-        shape = (hi - lo, *self.dims[3:])
-        k, v = (self.base + self.layout.offset(kv, layer, lo) for kv in range(2))
-        return (
-            DeviceView(k, shape, self.dtype, self.device_id),
-            DeviceView(v, shape, self.dtype, self.device_id),
-        )
+    def discard(self, slot: int) -> None:
+        """Nothing to hand back: device memory is not returned page by page."""
+
+    def discard_from(self, slot: int, start: int) -> None:
+        """As `discard`."""
+
+    def views(self, lo: int, hi: int) -> list[tuple[DeviceView, DeviceView]]:
+        """Per layer, keys and values of slots lo..hi-1, by address."""
+        shape = (hi - lo, *self.layout.dims[3:])
+
+        def view(kv: int, layer: int) -> DeviceView:
+            ptr = self.base + self.layout.offset(kv, layer, lo)
+            return DeviceView(ptr, shape, self.dtype, self.device_id)
+
+        return [(view(0, layer), view(1, layer)) for layer in range(self.layout.dims[1])]
 
     def copy_rows(self, src: int, dst: int, start: int, stop: int) -> None:
         """Rows start..stop-1 of slot src into slot dst, every head of every layer, K and V.
@@ -136,3 +142,7 @@ class CudaCacheMemory:
         rc = self._cudart.cudaDeviceSynchronize()  # a device-to-device copy returns at once
         if rc:
             raise RuntimeError(f"cudaDeviceSynchronize failed with CUDA error {rc}")
+
+    def close(self) -> None:
+        """onnxruntime's allocator takes the memory back with the OrtValue."""
+        del self.value
