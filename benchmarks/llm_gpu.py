@@ -53,11 +53,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks.llm_step import run_ms, write_result
+from benchmarks.llm_step import measure, new_cache, run_ms, write_result
 from benchmarks.readings import table
 from loadtest.results import machine
-from quantize import checkpoint, int4, llm_graph, recipes, weights
-from worker.llm.cache import KVCache, page_aligned
+from quantize import checkpoint, llm, llm_graph, recipes, weights
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
@@ -66,13 +65,11 @@ from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
 PROMPT_TOKENS, DECODE_TOKENS = 32, 128
 
 
-def build_graphs(folder: Path, gguf: Path, names: list[str]) -> dict[str, Path]:
+def build_graphs(folder: Path, ck: checkpoint.Checkpoint, names: list[str]) -> dict[str, Path]:
     """The graphs named (q4-as-stored, fp16) in folder, float16 KV cache."""
-    ck = checkpoint.load_gguf(gguf)
     out = {}
-    if "q4-as-stored" in names:
-        proto = llm_graph.build(ck.model(), kv_dtype="float16")
-        int4.quantize_matmuls(proto, gguf_path=gguf, otherwise="keep", accuracy_level=4)
+    if "q4-as-stored" in names:  # what `build-llm --checkpoint --kv-dtype float16` serves
+        proto = llm.checkpoint_graph(ck, kv_dtype="float16")
         out["q4-as-stored"] = llm_graph.save_served(proto, folder / "q4" / "model.onnx")
     if "fp16" in names:
         fp32 = llm_graph.save(
@@ -122,36 +119,18 @@ def placement(path: Path, options: RuntimeOptions, providers: list[str], folder:
     }
 
 
-def new_cache(model: StepModel, slots: int, tokens: int, device: str | None = None) -> KVCache:
-    f = model.facts
-    max_len = page_aligned(tokens, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize)
-    return KVCache(f.cache_shape(slots, max_len), slots * max_len, device or model.cache_device)
+def run_ms_or_error(fn: Callable[..., object], args: tuple, rounds: int) -> dict:
+    """run_ms, or the error of a shape a kernel refuses (the other shapes keep their figures)."""
+    try:
+        return run_ms(fn, args, rounds)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:1000]}
 
 
 def steps(model: StepModel, args: argparse.Namespace, device: str | None = None) -> dict:
-    """Decode step ms by rows and prefill chunk ms, at args.context cached tokens."""
-    rng = np.random.default_rng(0)
-    rows_max, ctx = max(args.rows), args.context
-    cache = new_cache(model, rows_max, ctx + max(args.chunks) + 8, device)
-    ids = rng.integers(100, 40000, (1, ctx))
-    for slot in range(rows_max):
-        model.run(cache, ids, np.array([ctx]), slot, slot + 1)
-    decode = {}
-    for rows in args.rows:
-        step_ids = rng.integers(100, 40000, (rows, 1))
-        lengths = np.full(rows, ctx + 1)
-        decode[str(rows)] = run_ms(model.run, (cache, step_ids, lengths, 0, rows), args.rounds)
-    prefill: dict[str, object] = {}
-    for n in args.chunks:  # a chunk after cached rows: a kernel may refuse it, the rest stays
-        chunk = rng.integers(100, 40000, (1, n))
-        try:
-            prefill[str(n)] = run_ms(
-                model.run, (cache, chunk, np.array([ctx + n]), 0, 1), args.rounds
-            )
-        except Exception as e:
-            prefill[str(n)] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-    cache.close()
-    return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
+    """Decode step ms by rows and prefill chunk ms (median, p90), at args.context cached
+    tokens, the cache on `device` (default: where the model keeps it)."""
+    return measure(model, args, run_ms_or_error, device)
 
 
 async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace, budget: int) -> dict:  # type: ignore[no-untyped-def]
@@ -335,13 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     def engine(model: StepModel, budget: int) -> dict:
         return asyncio.run(engine_runs(model, tokenizer, args, budget))
 
-    gguf = weights.smollm2_gguf()
-    tokenizer = checkpoint.load_gguf(gguf).tokenizer
+    ck = checkpoint.load_gguf(weights.smollm2_gguf())
+    tokenizer = ck.tokenizer
     options = RuntimeOptions(intra_op_threads=args.threads)
     small = argparse.Namespace(**{**vars(args), "rows": [1, 16], "chunks": [64]})
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        graphs = build_graphs(Path(tmp), gguf, args.graphs)
+        graphs = build_graphs(Path(tmp), ck, args.graphs)
         result["build_s"] = round(time.perf_counter() - start, 1)
         for name, path in graphs.items():
             g: dict = {}

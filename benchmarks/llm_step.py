@@ -62,22 +62,26 @@ def timed(fn: Callable[..., object], args: tuple, rounds: int) -> float:
     return round(run_ms(fn, args, rounds)["p50"], 2)
 
 
+def new_cache(model: StepModel, slots: int, tokens: int, device: str | None = None) -> KVCache:
+    """A cache of `slots` slots of at least `tokens` rows each, in the graph's KV dtype, where
+    the model keeps its cache unless `device` says otherwise."""
+    f = model.facts
+    max_len = page_aligned(tokens, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize)
+    return KVCache(f.cache_shape(slots, max_len), slots * max_len, device or model.cache_device)
+
+
 def filled_caches(
-    models: list[StepModel], args: argparse.Namespace, rng: np.random.Generator
+    models: list[StepModel],
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    device: str | None = None,
 ) -> list[KVCache]:
     """A cache per model, with a slot per row of the largest `--rows`, every slot holding
     `--context` tokens of a real prefill (the same tokens for every model), so that decode
     reads a real cache; room for the largest `--chunks` on top."""
     slots = max(args.rows)
-    caches = []
-    for model in models:
-        f = model.facts
-        max_len = page_aligned(
-            args.context + max(args.chunks) + 8,
-            f.kv_heads * f.head_dim,
-            itemsize=f.cache_shape(1, 1).itemsize,
-        )
-        caches.append(KVCache(f.cache_shape(slots, max_len), slots * max_len))
+    tokens = args.context + max(args.chunks) + 8
+    caches = [new_cache(model, slots, tokens, device) for model in models]
     for slot in range(slots):
         ids = rng.integers(100, 40000, (1, args.context))
         for model, cache in zip(models, caches, strict=True):
@@ -85,20 +89,27 @@ def filled_caches(
     return caches
 
 
-def measure(model: StepModel, args: argparse.Namespace) -> dict:
+Timer = Callable[[Callable[..., object], tuple, int], object]
+
+
+def measure(
+    model: StepModel, args: argparse.Namespace, timer: Timer = timed, device: str | None = None
+) -> dict:
+    """`timer`'s figure for a decode step of each `--rows` and a prefill chunk of each
+    `--chunks`, at `--context` cached tokens (the cache on `device`, default the model's)."""
     rng = np.random.default_rng(0)
-    (cache,) = filled_caches([model], args, rng)
+    (cache,) = filled_caches([model], args, rng, device)
     ctx = args.context
     decode = {}
     for rows in args.rows:
         ids = rng.integers(100, 40000, (rows, 1))
         lengths = np.full(rows, ctx + 1)
-        decode[str(rows)] = timed(model.run, (cache, ids, lengths, 0, rows), args.rounds)
+        decode[str(rows)] = timer(model.run, (cache, ids, lengths, 0, rows), args.rounds)
     prefill = {}
     for n in args.chunks:
         ids = rng.integers(100, 40000, (1, n))
         lengths = np.array([ctx + n])
-        prefill[str(n)] = timed(model.run, (cache, ids, lengths, 0, 1), args.rounds)
+        prefill[str(n)] = timer(model.run, (cache, ids, lengths, 0, 1), args.rounds)
     cache.close()
     return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
 
@@ -146,11 +157,7 @@ def profile(path: Path, options: RuntimeOptions, folder: Path, context: int) -> 
         session = OnnxSession(path, options, CPU)
         session.session = ort.InferenceSession(str(path), sess_options=so, providers=CPU)
         model = StepModel(session)
-        f = model.facts
-        max_len = page_aligned(
-            context + n + 8, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize
-        )
-        cache = KVCache(f.cache_shape(rows, max_len), rows * max_len)
+        cache = new_cache(model, rows, context + n + 8)
         ids = np.full((rows, n), 1000)
         for _ in range(3):
             model.run(cache, ids, np.full(rows, context + n), 0, rows)
