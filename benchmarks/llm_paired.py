@@ -518,29 +518,6 @@ def section(r: dict) -> str:
     a = r["anchor"]
     if a.get("mode", "sequential") != "paired" or "skipped" in a:
         return llm_serve.section(r)
-    systems = {f"llama-server, OMP_WAIT_POLICY {p}": s for p, s in a["llama_server_runs"].items()}
-    systems["meshserve"] = a["meshserve"]
-    single = [
-        [
-            name,
-            s["single"]["decode_tokens_per_s"],
-            s["single"]["ttft_ms"],
-            f"{s['rss_mb'].get('start')} -> {s['rss_mb'].get('peak')}",
-        ]
-        for name, s in systems.items()
-    ]
-    levels = [
-        [
-            name,
-            lv["streams"],
-            lv["output_tokens_per_s"],
-            lv["ttft_ms"].get("p50"),
-            lv["itl_ms"].get("p50"),
-            lv["itl_ms"].get("p99"),
-        ]
-        for name, s in systems.items()
-        for lv in s["load"]
-    ]
     checks = [
         [
             name,
@@ -553,12 +530,7 @@ def section(r: dict) -> str:
         for name, c in a["checks"].items()
     ]
     m = r["machine"]
-    cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
-    params = a.get("meshserve_parameters") or {}
-    worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
-    if a.get("meshserve_model_file"):
-        worker += f", serving {a['meshserve_model_file']} on this CPU"
-    ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
+    cpu, worker, ggml = llm_serve.setup(r)
     p = a["plan"]
     return "\n\n".join(
         [
@@ -575,8 +547,7 @@ def section(r: dict) -> str:
             "of the rounds below, each round and turn in the file. Load average before the "
             f"measured rounds: {(a.get('load_before') or {}).get('load_avg')}; at the start "
             f"and end of the run: {m.get('load_avg_start')}, {m.get('load_avg_end')}.",
-            table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
-            table(["system", "streams", "tok/s", "TTFT p50", "ITL p50", "ITL p99"], levels),
+            *llm_serve.tables(a),
             table(["target", "per-round ratios", "median", "target", "against", ""], checks),
             "\n".join(f"- {line}" for line in a["reading"]),
         ]

@@ -333,36 +333,7 @@ def section(r: dict) -> str:
     a = r["anchor"]
     if "skipped" in a:
         return f"## LLM engine against llama-server\n\nnot measured: {a['skipped']}"
-    systems = {f"llama-server, OMP_WAIT_POLICY {p}": s for p, s in a["llama_server_runs"].items()}
-    systems["meshserve"] = a["meshserve"]
-    single = [
-        [
-            name,
-            s["single"]["decode_tokens_per_s"],
-            s["single"]["ttft_ms"],
-            f"{s['rss_mb'].get('start')} -> {s['rss_mb'].get('peak')}",
-        ]
-        for name, s in systems.items()
-    ]
-    levels = [
-        [
-            name,
-            lv["streams"],
-            lv["output_tokens_per_s"],
-            lv["ttft_ms"]["p50"],
-            lv["itl_ms"]["p50"],
-            lv["itl_ms"]["p99"],
-        ]
-        for name, s in systems.items()
-        for lv in s["load"]
-    ]
-    m = r["machine"]
-    cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
-    params = a.get("meshserve_parameters") or {}
-    worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
-    ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
-    if a.get("meshserve_model_file"):
-        worker += f", serving {a['meshserve_model_file']} on this CPU"
+    cpu, worker, ggml = setup(r)
     specs = {
         name.partition(", ")[2]: " ".join(run["spec_args"])
         for name, run in a["llama_server_runs"].items()
@@ -383,8 +354,51 @@ def section(r: dict) -> str:
             f"ggml {ggml}; the worker: "
             f"{worker}. Medians of the rounds; each round's figures are in the file. Each "
             "target is checked against llama-server's strongest figure for it.",
-            table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
-            table(["system", "streams", "tok/s", "TTFT p50", "ITL p50", "ITL p99"], levels),
+            *tables(a),
             "\n".join(f"- {line}" for line in a["reading"]),
         ]
     )
+
+
+def tables(a: dict) -> list[str]:
+    """An anchor's two tables, every system's single stream and each load level (a sequential
+    or paired run's `anchor`)."""
+    systems = {f"llama-server, OMP_WAIT_POLICY {p}": s for p, s in a["llama_server_runs"].items()}
+    systems["meshserve"] = a["meshserve"]
+    single = [
+        [
+            name,
+            s["single"]["decode_tokens_per_s"],
+            s["single"]["ttft_ms"],
+            f"{s['rss_mb'].get('start')} -> {s['rss_mb'].get('peak')}",
+        ]
+        for name, s in systems.items()
+    ]
+    levels = [
+        [
+            name,
+            lv["streams"],
+            lv["output_tokens_per_s"],
+            lv["ttft_ms"].get("p50"),
+            lv["itl_ms"].get("p50"),
+            lv["itl_ms"].get("p99"),
+        ]
+        for name, s in systems.items()
+        for lv in s["load"]
+    ]
+    return [
+        table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
+        table(["system", "streams", "tok/s", "TTFT p50", "ITL p50", "ITL p99"], levels),
+    ]
+
+
+def setup(r: dict) -> tuple[str, str, str]:
+    """The CPU, the worker's settings and ggml's features, as an anchor's section names them."""
+    a, m = r["anchor"], r["machine"]
+    cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
+    params = a.get("meshserve_parameters") or {}
+    worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
+    if a.get("meshserve_model_file"):
+        worker += f", serving {a['meshserve_model_file']} on this CPU"
+    ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
+    return cpu, worker, ggml
