@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -149,13 +149,12 @@ class StepModel:
         a greedy row takes ids[:, 0], a top-k row (k <= self.top_k) samples from these."""
         if not self.top_k:
             raise ValueError(f"{self.session.path}: the step graph has no top-k output")
-        io = self._binding(cache, lo, hi, 0)
-        self._feed(io, ids, lengths, 1)
-        self.session.session.run_with_iobinding(io, run_options(ids.shape[1]))
-        values, top = (v.numpy() for v in io.get_outputs()[:2])  # then the cache, in place
-        if self.position_logits:  # [rows, 1, k]: the one position asked for
-            values, top = values[:, -1], top[:, -1]
-        return np.array(values), np.array(top)
+        bound = self._binding(cache, lo, hi, 0)
+        self._feed(bound.io, ids, lengths, 1)
+        self.session.session.run_with_iobinding(bound.io, run_options(ids.shape[1]))
+        assert bound.values is not None and bound.ids is not None
+        # copies: the bound buffers are the next run's outputs
+        return bound.values.copy(), bound.ids.copy()
 
     def run_positions(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int
@@ -171,7 +170,7 @@ class StepModel:
     def _run(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int, n: int
     ) -> np.ndarray:
-        io = self._binding(cache, lo, hi, n)
+        io = self._binding(cache, lo, hi, n).io
         self._feed(io, ids, lengths, n)
         self.session.session.run_with_iobinding(io, run_options(ids.shape[1]))
         # a copy: the binding's output buffer is reused by the next run
@@ -184,24 +183,41 @@ class StepModel:
         if self.position_logits:
             io.bind_cpu_input(NUM_LOGITS, np.array(n, dtype=np.int64))
 
-    def _binding(self, cache: KVCache, lo: int, hi: int, n: int) -> ort.IOBinding:
+    def _binding(self, cache: KVCache, lo: int, hi: int, n: int) -> Binding:
         """One IO binding per row range (and count of positions with logits, whose output
         shape onnxruntime keeps), kept by the cache (whose memory it binds), with the cache
         bound once: a step then rebinds only its small inputs. n = 0: the top-k outputs
-        instead of the logits."""
+        instead of the logits, written into host buffers of their own, so that a step reads
+        them without wrapping every output (the cache's included) in a new OrtValue."""
         key = (id(self), lo, hi, n)
-        io = cache.bindings.get(key)
-        if io is None:
+        bound = cache.bindings.get(key)
+        if bound is None:
             io = self.session.session.io_binding()
-            for name in (TOP_VALUES, TOP_IDS) if n == 0 else (LOGITS,):
-                io.bind_output(name)  # first, in this order, so get_outputs() starts with them
-            for (pk, pv), (ok, ov), (k, v) in zip(
+            values = best = None
+            if n == 0:
+                rows, k = hi - lo, self.top_k
+                values, best = np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)
+                shape = [rows, 1, k] if self.position_logits else [rows, k]
+                for name, buffer in ((TOP_VALUES, values), (TOP_IDS, best)):
+                    io.bind_output(name, HOST, 0, buffer.dtype, shape, buffer.ctypes.data)
+            else:
+                io.bind_output(LOGITS)  # first, so that get_outputs() starts with it
+            for (pk, pv), (ok, ov), (k_view, v_view) in zip(
                 self._past, self._present, cache.views(lo, hi), strict=True
             ):
-                bind_in_place(io, pk, ok, k)
-                bind_in_place(io, pv, ov, v)
-            cache.bindings[key] = io
-        return io
+                bind_in_place(io, pk, ok, k_view)
+                bind_in_place(io, pv, ov, v_view)
+            bound = cache.bindings[key] = Binding(io, values, best)
+        return cast(Binding, bound)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A step's IO binding over a row range of the cache, and where its top-k lands."""
+
+    io: ort.IOBinding
+    values: np.ndarray | None  # [rows, k] float32, largest first (top-k bindings only)
+    ids: np.ndarray | None  # [rows, k] int64
 
 
 def bind_in_place(io: ort.IOBinding, past: str, present: str, view: CacheView) -> None:
