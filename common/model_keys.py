@@ -70,6 +70,9 @@ PREFIX_CACHING = "meshserve.prefix_caching"
 # "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,
 # far slower on a busy one); default "false"
 INTRA_OP_SPINNING = "meshserve.intra_op_spinning"
+# "false": on CUDA, decode steps launch their kernels one by one instead of replaying a CUDA
+# graph per row range (worker/llm/model.py); default "true"
+CUDA_GRAPH = "meshserve.cuda_graph"
 # speculative decoding: the method ("draft_model", the default when a draft is named, or
 # "ngram": prompt lookup), a draft step graph (a path in the model's folder), k, and the
 # n-gram lookup's shortest and longest suffix (vLLM's prompt_lookup_min / _max)

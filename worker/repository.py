@@ -151,7 +151,9 @@ class Repository:
             # the cores they need, and a spinning thread descheduled stalls the next run
             # (benchmarks/llm_step.py: 34 vs 287 ms per decode step, shared 2-core machine).
             # On a machine of its own spinning is faster (docs/llm.md: +23% single-stream).
-            options = dataclasses.replace(options, allow_spinning=_spinning(config))
+            options = dataclasses.replace(
+                options, allow_spinning=_spinning(config), cuda_graph=_cuda_graph(config)
+            )
         session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
             self._providers = [CPU]
@@ -248,6 +250,13 @@ class Repository:
     async def close(self) -> None:
         for model in self.all():
             await model.close()
+
+
+def _cuda_graph(config: mc.ModelConfig) -> bool:
+    """An LLM's `meshserve.cuda_graph` parameter ("true" / "false"; default true)."""
+    key = model_keys.CUDA_GRAPH
+    value = config.parameters[key].string_value if key in config.parameters else None
+    return cfg.bool_parameter(config.name, key, value, default=True)
 
 
 def _spinning(config: mc.ModelConfig) -> bool:

@@ -38,6 +38,9 @@ class RuntimeOptions:
     # Idle intra-op threads spin for a while by default. A shard group runs dozens of small
     # sessions one after another, whose spinning pools starve each other: off there.
     allow_spinning: bool = True
+    # On CUDA, let runs replay CUDA graphs (onnxruntime's enable_cuda_graph; a run chooses
+    # its graph by gpu_graph_id): the LLM step graph's decode steps (worker/llm/model.py).
+    cuda_graph: bool = False
 
 
 def requested_providers(choice: str) -> list[str]:
@@ -65,13 +68,24 @@ class OnnxSession:
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.path = path
+        # whether runs may replay CUDA graphs; every run then names its graph (gpu_graph_id)
+        self.cuda_graph = options.cuda_graph and CUDA in requested
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=so, providers=requested)
+            if self.cuda_graph:
+                try:
+                    graphs = [(CUDA, {"enable_cuda_graph": "1"}), *requested[1:]]
+                    self.session = ort.InferenceSession(str(path), so, providers=graphs)
+                except Exception as e:  # a node outside the CUDA provider: none to capture
+                    log.warning("cuda_graph_off", model=str(path), reason=str(e)[:300])
+                    self.cuda_graph = False
+            if not self.cuda_graph:
+                self.session = ort.InferenceSession(str(path), sess_options=so, providers=requested)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
             raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
         # onnxruntime drops a provider it cannot load (no CUDA libraries, no device) without
         # raising: what it actually runs on is what get_providers() says afterwards.
         self.provider = self.session.get_providers()[0]
+        self.cuda_graph = self.cuda_graph and self.provider == CUDA
         if CUDA in requested and self.provider != CUDA:
             log.warning(
                 "cuda_fallback_to_cpu",

@@ -48,8 +48,21 @@ _SHRINK = ort.RunOptions()
 _SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
 
-def run_options(new_tokens: int) -> ort.RunOptions | None:
-    """A run's options: a long chunk's step buffers go back to the OS when it ends."""
+# On a session that may replay CUDA graphs, every run names its graph; -1: none
+_NO_GRAPH = ort.RunOptions()
+_NO_GRAPH.add_run_config_entry("gpu_graph_id", "-1")
+_SHRINK_NO_GRAPH = ort.RunOptions()
+_SHRINK_NO_GRAPH.add_run_config_entry("gpu_graph_id", "-1")
+_SHRINK_NO_GRAPH.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+# CUDA graphs one model captures at most (one per row range a decode step runs over)
+MAX_GRAPHS = 64
+
+
+def run_options(new_tokens: int, cuda_graph: bool = False) -> ort.RunOptions | None:
+    """A run's options: a long chunk's step buffers go back to the OS when it ends; on a
+    session with CUDA graphs (`cuda_graph`), the run is launched kernel by kernel."""
+    if cuda_graph:
+        return _SHRINK_NO_GRAPH if new_tokens >= SHRINK_TOKENS else _NO_GRAPH
     return _SHRINK if new_tokens >= SHRINK_TOKENS else None
 
 
@@ -128,6 +141,11 @@ class StepModel:
         self._past = [past_names(i) for i in range(f.layers)]
         self._present = [present_names(i) for i in range(f.layers)]
         self.cache_device = cache_device(session.provider, f.kv_dtype, session.path)
+        # A decode step replays a CUDA graph of its row range: every launch of the step is
+        # recorded once and replayed as one (docs/llm.md "On a GPU"); the cache and the
+        # step's inputs and outputs sit on the device at fixed addresses.
+        self.graphs = session.cuda_graph and self.cache_device == CUDA and self.top_k > 0
+        self._graphs_made = 0
 
     @classmethod
     def load(cls, path: Path, options: RuntimeOptions, providers: list[str]) -> StepModel:
@@ -149,9 +167,14 @@ class StepModel:
         a greedy row takes ids[:, 0], a top-k row (k <= self.top_k) samples from these."""
         if not self.top_k:
             raise ValueError(f"{self.session.path}: the step graph has no top-k output")
+        if self.graphs and ids.shape[1] == 1:
+            graph = self._graph(cache, lo, hi)
+            if graph is not None:
+                return graph.run(self.session.session, ids, lengths)
         bound = self._binding(cache, lo, hi, 0)
         self._feed(bound.io, ids, lengths, 1)
-        self.session.session.run_with_iobinding(bound.io, run_options(ids.shape[1]))
+        options = run_options(ids.shape[1], self.session.cuda_graph)
+        self.session.session.run_with_iobinding(bound.io, options)
         assert bound.values is not None and bound.ids is not None
         # copies: the bound buffers are the next run's outputs
         return bound.values.copy(), bound.ids.copy()
@@ -172,7 +195,9 @@ class StepModel:
     ) -> np.ndarray:
         io = self._binding(cache, lo, hi, n).io
         self._feed(io, ids, lengths, n)
-        self.session.session.run_with_iobinding(io, run_options(ids.shape[1]))
+        self.session.session.run_with_iobinding(
+            io, run_options(ids.shape[1], self.session.cuda_graph)
+        )
         # a copy: the binding's output buffer is reused by the next run
         return np.array(io.get_outputs()[0].numpy())
 
@@ -209,6 +234,70 @@ class StepModel:
                 bind_in_place(io, pv, ov, v_view)
             bound = cache.bindings[key] = Binding(io, values, best)
         return cast(Binding, bound)
+
+    def _graph(self, cache: KVCache, lo: int, hi: int) -> GraphStep | None:
+        """The decode step over slots lo..hi-1 as a CUDA graph of its own (None: MAX_GRAPHS
+        are made; the step then launches its kernels as any other run)."""
+        key = ("graph", id(self), lo, hi)
+        graph = cache.bindings.get(key)
+        if graph is None:
+            if self._graphs_made >= MAX_GRAPHS:
+                return None
+            self._graphs_made += 1  # ids never reused: a graph keeps the addresses it saw
+            graph = cache.bindings[key] = GraphStep(self, cache, lo, hi, self._graphs_made)
+        return cast(GraphStep, graph)
+
+
+class GraphStep:
+    """A decode step over a fixed row range whose every input and output lives at a fixed
+    address on the cache's device, as a CUDA graph needs: onnxruntime records the step's
+    launches on its first runs with this `gpu_graph_id` and replays them after, and a step
+    only copies its token ids and lengths in and its top-k out. `total_sequence_length` is
+    the cache's length, since a replay keeps the launch parameters it recorded: attention
+    reads each row's length from seqlens_k on the device (benchmarks/llm_gpu.py's
+    cuda_graph part checks the tokens against launching kernel by kernel)."""
+
+    def __init__(self, model: StepModel, cache: KVCache, lo: int, hi: int, graph_id: int) -> None:
+        views = cache.views(lo, hi)
+        first = views[0][0]
+        where, device_id = (CUDA, first.device_id) if isinstance(first, DeviceView) else (HOST, 0)
+
+        def buffer(shape: list[int], dtype: type) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, where, device_id)
+
+        self.rows, k = hi - lo, model.top_k
+        self.ids, self.seqlens = buffer([self.rows, 1], np.int64), buffer([self.rows], np.int32)
+        shape = [self.rows, 1, k] if model.position_logits else [self.rows, k]
+        self.values, self.best = buffer(shape, np.float32), buffer(shape, np.int64)
+        self.total = np.array(cache.shape.max_len, np.int32)
+        io = self.io = model.session.session.io_binding()
+        io.bind_ortvalue_input(IDS, self.ids)
+        io.bind_ortvalue_input(SEQLENS, self.seqlens)
+        io.bind_cpu_input(TOTAL, self.total)
+        if model.position_logits:
+            self.num_logits = buffer([], np.int64)
+            self.num_logits.update_inplace(np.array(1, np.int64))
+            io.bind_ortvalue_input(NUM_LOGITS, self.num_logits)
+        io.bind_ortvalue_output(TOP_VALUES, self.values)
+        io.bind_ortvalue_output(TOP_IDS, self.best)
+        for (pk, pv), (ok, ov), (k_view, v_view) in zip(
+            model._past, model._present, views, strict=True
+        ):
+            bind_in_place(io, pk, ok, k_view)
+            bind_in_place(io, pv, ov, v_view)
+        self.options = ort.RunOptions()
+        self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
+
+    def run(
+        self, session: ort.InferenceSession, ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        self.ids.update_inplace(np.ascontiguousarray(ids, np.int64))
+        self.seqlens.update_inplace((lengths - 1).astype(np.int32))
+        session.run_with_iobinding(self.io, self.options)
+        rows = self.rows  # copies: on the host, numpy() is a view of the next step's output
+        return np.array(self.values.numpy()).reshape(rows, -1), np.array(self.best.numpy()).reshape(
+            rows, -1
+        )
 
 
 @dataclass(frozen=True)

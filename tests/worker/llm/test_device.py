@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 from worker.llm.cache import CacheShape, KVCache
 from worker.llm.device import Layout
 from worker.llm.engine import EngineConfig
-from worker.llm.model import cache_device
+from worker.llm.model import StepModel, cache_device
 from worker.llm.serving import default_step_tokens
-from worker.runtime import CPU, CUDA
+from worker.runtime import CPU, CUDA, RuntimeOptions
 
 SHAPE = CacheShape(layers=3, kv_heads=2, head_dim=8, slots=4, max_len=16, dtype="float16")
 
@@ -70,3 +70,38 @@ def test_the_cache_lives_where_the_attention_runs() -> None:
 def test_a_gpu_step_takes_a_whole_chunk() -> None:
     assert default_step_tokens("cuda", 512) == 512
     assert default_step_tokens("cpu", 512) == EngineConfig.max_step_tokens
+
+
+@pytest.mark.parametrize("graph", ["target", "verify"])
+def test_a_decode_step_bound_for_a_cuda_graph_gives_the_ordinary_tokens(  # type: ignore[no-untyped-def]
+    speculative_graphs, graph: str
+) -> None:
+    """The binding a CUDA graph replays (every input and output at a fixed address, the
+    cache's whole length as total_sequence_length), run here on the host: the same top-k,
+    row by row, step after step, as the ordinary binding gives; `verify` has num_logits."""
+    model = StepModel.load(speculative_graphs[graph], RuntimeOptions(intra_op_threads=1), [CPU])
+    assert not model.graphs  # only a CUDA session replays graphs
+    f = model.facts
+    runs = {}
+    for graphs in (False, True):
+        model.graphs = graphs
+        cache = KVCache(f.cache_shape(3, 64), 3 * 64)
+        rng = np.random.default_rng(0)
+        for slot in range(3):
+            n = 10 + slot
+            model.run(cache, rng.integers(100, 40000, (1, n)), np.array([n]), slot, slot + 1)
+        lengths, ids = np.array([10, 11, 12]), rng.integers(100, 40000, (3, 1))
+        steps = []
+        for _ in range(6):
+            lengths = lengths + 1
+            values, best = model.run_top(cache, ids, lengths, 0, 3)
+            steps.append((values, best))
+            ids = best[:, :1]
+        runs[graphs] = steps
+        assert (("graph", id(model), 0, 3) in cache.bindings) == graphs
+        cache.close()
+    assert model._graphs_made == 1
+    for (v0, b0), (v1, b1) in zip(runs[False], runs[True], strict=True):
+        np.testing.assert_array_equal(b0, b1)
+        np.testing.assert_allclose(v0, v1, rtol=1e-5)
+    assert len({int(b[0, 0]) for _, b in runs[True]}) > 1  # the rows moved on

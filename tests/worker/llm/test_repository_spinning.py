@@ -1,5 +1,6 @@
 """An LLM's intra-op spinning, from its config.pbtxt (`meshserve.intra_op_spinning`): off by
-default, on when asked, and a value that is neither true nor false is refused at load."""
+default, on when asked, and a value that is neither true nor false is refused at load; the
+same for `meshserve.cuda_graph`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from worker.runtime import RuntimeOptions
 SPIN = "session.intra_op.allow_spinning"
 
 
-def repository(root: Path, graph: Path, tokenizer: Tokenizer, spinning: str | None) -> Repository:
+def repository(
+    root: Path,
+    graph: Path,
+    tokenizer: Tokenizer,
+    spinning: str | None,
+    extra: dict[str, str] | None = None,
+) -> Repository:
     folder = root / "tiny"
     (folder / "1").mkdir(parents=True)
     shutil.copy(graph, folder / "1" / "model.onnx")
@@ -26,6 +33,7 @@ def repository(root: Path, graph: Path, tokenizer: Tokenizer, spinning: str | No
     parameters = {"meshserve.engine": "llm", "meshserve.tokenizer": "tokenizer.json"}
     if spinning is not None:
         parameters["meshserve.intra_op_spinning"] = spinning
+    parameters.update(extra or {})
     (folder / "config.pbtxt").write_text(
         'name: "tiny"\nmax_batch_size: 0\n'
         + "".join(
@@ -70,3 +78,30 @@ def test_a_spinning_value_other_than_true_or_false_is_refused(  # type: ignore[n
     repo = repository(tmp_path, tiny_step_graph, smollm2_tokenizer, "yes")
     with pytest.raises(ConfigError, match="meshserve.intra_op_spinning must be true or false"):
         repo.load()
+
+
+def test_a_cuda_graph_value_other_than_true_or_false_is_refused(  # type: ignore[no-untyped-def]
+    tiny_step_graph, smollm2_tokenizer, tmp_path
+) -> None:
+    """`meshserve.cuda_graph` (default true; CUDA only): read at load, so a bad value is named
+    there on any machine, and on the CPU the session replays no graphs."""
+    bad = repository(
+        tmp_path / "bad", tiny_step_graph, smollm2_tokenizer, None, {"meshserve.cuda_graph": "on"}
+    )
+    with pytest.raises(ConfigError, match="meshserve.cuda_graph must be true or false"):
+        bad.load()
+    repo = repository(
+        tmp_path / "ok", tiny_step_graph, smollm2_tokenizer, None, {"meshserve.cuda_graph": "TRUE"}
+    )
+
+    async def main() -> tuple[bool, bool]:
+        repo.load()
+        try:
+            llm = repo.get("tiny").llm
+            assert llm is not None
+            model = llm.engine.model
+            return model.session.cuda_graph, model.graphs  # type: ignore[attr-defined]
+        finally:
+            await repo.close()
+
+    assert asyncio.run(main()) == (False, False)
