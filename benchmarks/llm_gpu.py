@@ -25,8 +25,9 @@ a run cut short keeps what it measured):
                 decode tokens/s and TTFT, the aggregate tokens/s of 16 / 32 / 64 streams
                 (medians of --engine-rounds, bounded in count and time), and prefix reuse:
                 the same prompt twice, its second run served from the cache's copied rows
-  cuda_graph    on CUDA, greedy decode steps of 1 and 16 rows replayed from CUDA graphs
-                against the same steps launched kernel by kernel: ms per step, same tokens
+  cuda_graph    on CUDA, greedy decode steps of 1 and 16 rows through the worker's graph
+                binding, replayed from CUDA graphs against launched kernel by kernel: ms
+                per step, same tokens
   engine_graphs on CUDA, the engine part again with the worker's CUDA graphs on
                 (meshserve.cuda_graph, worker/llm/model.py's GraphStep), and both engines'
                 greedy tokens for 1 and 16 streams compared
@@ -62,11 +63,10 @@ import onnxruntime as ort
 
 from benchmarks.llm_step import measure, new_cache, run_ms, write_result
 from benchmarks.readings import table
-from common.step_graph import IDS, NUM_LOGITS, SEQLENS, TOP_IDS, TOP_VALUES, TOTAL
 from loadtest.results import machine
 from quantize import checkpoint, llm, llm_graph, recipes, weights
 from worker.llm.engine import Engine, EngineConfig
-from worker.llm.model import StepModel, bind_in_place
+from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
 from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
 
@@ -294,31 +294,32 @@ def forced(model: StepModel, prompt: np.ndarray, feed: list[int] | None, n: int)
     return {"tokens": tokens, "cache_check": checks}
 
 
-def cuda_graph(path: Path, model: StepModel, args: argparse.Namespace, n: int = 32) -> dict:
-    """Greedy decode steps replayed from CUDA graphs (onnxruntime's `enable_cuda_graph`, one
-    graph per row count by `gpu_graph_id`) against the same steps launched kernel by kernel,
-    both with every input and output in device memory at a fixed address and the cache
-    bound as the worker binds it: ms per step (median of the steps after the first 4, which
-    warm up and capture) and whether both give the same tokens. `total_sequence_length` is
-    the cache's length in both: a replay keeps its launch parameters, and attention reads
-    each row's length from seqlens_k on the device."""
-    sessions = {
-        graph: ort.InferenceSession(
-            str(path), providers=[(CUDA, {"enable_cuda_graph": "1" if graph else "0"}), CPU]
+def cuda_graph(path: Path, options: RuntimeOptions, args: argparse.Namespace, n: int = 32) -> dict:
+    """Greedy decode steps through the worker's own CUDA-graph binding (worker/llm/model.py's
+    GraphStep: every input and output at a fixed device address): replayed from CUDA graphs
+    by a session with `enable_cuda_graph`, against the same binding launched kernel by kernel
+    by a session without (which ignores gpu_graph_id). Per row count: ms per step (median of
+    the steps after the first 4, which warm up and capture), and whether both give the same
+    tokens."""
+    models = {}
+    for graphs in (False, True):
+        models[graphs] = StepModel.load(
+            path, dataclasses.replace(options, cuda_graph=graphs), [CUDA, CPU]
         )
-        for graph in (False, True)
-    }
+        models[graphs].graphs = True  # both bind as GraphStep; one session replays
+    if not models[True].session.cuda_graph:
+        return {"error": "no CUDA graph: a node outside the CUDA provider (cuda_graph_off)"}
     out: dict = {}
     for rows in (1, 16):
-        cache = new_cache(model, rows, args.context + n + 8)
+        plain = models[False]
+        cache = new_cache(plain, rows, args.context + n + 8)
         rng = np.random.default_rng(rows)
         for slot in range(rows):
             ids = rng.integers(100, 40000, (1, args.context))
-            model.run(cache, ids, np.array([args.context]), slot, slot + 1)
+            plain.run(cache, ids, np.array([args.context]), slot, slot + 1)
         first = rng.integers(100, 40000, rows)
         kernels, replayed = (
-            decode_bound(session, model, cache, first, args.context, n, rows if graph else None)
-            for graph, session in sessions.items()
+            greedy_steps(m, cache, first, args.context, n) for m in models.values()
         )
         cache.close()
         out[str(rows)] = {
@@ -331,53 +332,18 @@ def cuda_graph(path: Path, model: StepModel, args: argparse.Namespace, n: int = 
     return out
 
 
-def decode_bound(  # type: ignore[no-untyped-def]
-    session: ort.InferenceSession,
-    model: StepModel,
-    cache,
-    first: np.ndarray,
-    context: int,
-    n: int,
-    graph_id: int | None,
-    where: str = "cuda",
+def greedy_steps(  # type: ignore[no-untyped-def]
+    model: StepModel, cache, first: np.ndarray, context: int, n: int
 ) -> dict:
-    """n greedy decode steps of len(first) rows after `context` cached tokens, every input and
-    output a device buffer updated in place (what a CUDA graph replays)."""
+    """n greedy top-k decode steps of len(first) rows after `context` cached tokens."""
     rows = len(first)
-    max_len = cache.shape.max_len
-
-    def device(a: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(a, where, 0)
-
-    io = session.io_binding()
-    ids, seqlens = device(np.zeros((rows, 1), np.int64)), device(np.zeros(rows, np.int32))
-    io.bind_ortvalue_input(IDS, ids)
-    io.bind_ortvalue_input(SEQLENS, seqlens)
-    io.bind_cpu_input(TOTAL, np.array(max_len, np.int32))
-    if model.position_logits:
-        io.bind_ortvalue_input(NUM_LOGITS, device(np.array(1, np.int64)))
-    shape = [rows, 1, model.top_k] if model.position_logits else [rows, model.top_k]
-    best = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.int64, where, 0)
-    values = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, where, 0)
-    io.bind_ortvalue_output(TOP_VALUES, values)
-    io.bind_ortvalue_output(TOP_IDS, best)
-    for (pk, pv), (ok, ov), (k, v) in zip(
-        model._past, model._present, cache.views(0, rows), strict=True
-    ):
-        bind_in_place(io, pk, ok, k)
-        bind_in_place(io, pv, ov, v)
-    options = ort.RunOptions()
-    if graph_id is not None:
-        options.add_run_config_entry("gpu_graph_id", str(graph_id))
-    token, tokens, times = first.astype(np.int64), [], []
+    token, tokens, times = first.reshape(rows, 1), [], []
     for i in range(n):
         start = time.perf_counter()
-        ids.update_inplace(token.reshape(rows, 1))
-        seqlens.update_inplace(np.full(rows, context + i, np.int32))
-        session.run_with_iobinding(io, options)
-        token = best.numpy().reshape(rows, -1)[:, 0].copy()
+        _, best = model.run_top(cache, token, np.full(rows, context + i + 1), 0, rows)
         times.append((time.perf_counter() - start) * 1000)
-        tokens.append(token.tolist())
+        token = best[:, :1]
+        tokens.append(token[:, 0].tolist())
     later = sorted(times[4:])
     return {
         "ms": {
@@ -480,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 for budget in args.step_budgets if "engine" in args.parts else []:
                     part(r, f"engine_step_budget_{budget}", engine, model, budget)
                 if provider == "cuda" and "cuda_graph" in args.parts:
-                    part(r, "cuda_graph", cuda_graph, path, model, args)
+                    part(r, "cuda_graph", cuda_graph, path, options, args)
                 if provider == "cuda" and "engine_graphs" in args.parts:
                     replaying = StepModel.load(
                         path, dataclasses.replace(options, cuda_graph=True), wanted
@@ -490,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                         part(r, f"engine_graphs_step_budget_{budget}", engine, replaying, budget)
                     r["engine_graphs_session"]["graphs_made"] = replaying._graphs_made
                     part(r, "engine_graphs_same_tokens", same_tokens, model, replaying, tokenizer)
+                if "engine_twice" in args.parts:  # the engine against itself, no graphs
+                    again = StepModel.load(path, options, wanted)
+                    part(r, "engine_twice_same_tokens", same_tokens, model, again, tokenizer)
                 if provider != "cpu" and "agreement" in args.parts:
                     part(r, "agreement", agreement, path, model, tokenizer)
     print(json.dumps(result, indent=1)[:4000])
@@ -536,7 +505,9 @@ def section(r: dict) -> str:
             for name, e in p.items():
                 if name.startswith("engine") and "single_stream" in e:
                     s, agg = e["single_stream"], e["aggregate_tok_s_by_streams"]
-                    budget = name.removeprefix("engine_step_budget_")
+                    graphs = name.startswith("engine_graphs")
+                    budget = name.removeprefix("engine_graphs_" if graphs else "engine_")
+                    budget = budget.removeprefix("step_budget_")
                     n_rounds = len(next(iter(e.get("aggregate_rounds", {"": [0]}).values())))
                     how = (
                         f"medians of {n_rounds} rounds"
@@ -545,13 +516,46 @@ def section(r: dict) -> str:
                     )
                     lines.append(
                         f"- {graph} on {provider}, engine in-process"
-                        + (f" (step budget {budget} tokens)" if budget != name else "")
+                        + (
+                            ""
+                            if not graphs
+                            else " with CUDA graphs"
+                            if p.get("engine_graphs_session", {}).get("cuda_graph")
+                            else " with CUDA graphs asked for (none made: loaded without)"
+                        )
+                        + (f" (step budget {budget} tokens)" if budget.isdigit() else "")
                         + f": one stream {s['decode_tok_s']} tok/s, TTFT {s['ttft_ms']} ms; "
                         + ", ".join(f"{n} streams {v} tok/s" for n, v in agg.items())
                         + f" ({how}); a 200-token prompt's second run took "
                         f"{e['prefix_reuse']['cached_tokens_first_second'][1]} tokens from "
                         "the prefix cache."
                     )
+            c = p.get("cuda_graph")
+            if isinstance(c, dict) and "error" in c:
+                lines.append(f"- {graph} on {provider}: no CUDA graph ({c['error'][:160]}).")
+            elif isinstance(c, dict):
+                lines.append(
+                    f"- {graph} on {provider}, a greedy decode step kernel by kernel against "
+                    "replayed as a CUDA graph: "
+                    + ", ".join(
+                        f"{rows} rows {_ms(v['kernels_ms'])} -> {_ms(v['graph_ms'])} ms "
+                        f"({'same' if v['same_tokens'] else 'DIFFERENT'} tokens)"
+                        for rows, v in c.items()
+                    )
+                    + "."
+                )
+            same = p.get("engine_graphs_same_tokens")
+            if isinstance(same, dict) and "1" in same:
+                lines.append(
+                    f"- {graph} on {provider}, the engine's greedy tokens with CUDA graphs "
+                    "against without: "
+                    + ", ".join(
+                        f"{v['tokens_equal']} of {v['tokens']} equal at {n} streams"
+                        for n, v in same.items()
+                        if isinstance(v, dict)
+                    )
+                    + f" ({same.get('graphs_made')} graphs made)."
+                )
             a = p.get("agreement")
             if isinstance(a, dict) and "top1_agreement_with_cpu" in a:
                 checks = ", ".join(str(c["rel_max_diff"]) for c in a["cache_check"])

@@ -46,5 +46,8 @@ engine-graphs)  # the engine with the worker's CUDA graphs, against launching ke
     timeout 240 python3 -m benchmarks.llm_gpu --graphs ${GRAPHS:-fp16} --providers cuda \
         --parts cuda_graph engine engine_graphs --streams 16 64 --step-budgets 512 \
         --out ${NAME:-llm_gpu_engine_graphs} ;;
+engine-twice)  # the engine's greedy tokens against its own, kernel by kernel both times
+    timeout 120 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
+        --parts engine_twice --out llm_gpu_engine_twice ;;
 esac
 date -u
