@@ -44,7 +44,7 @@ graph)  # CUDA graphs against kernel launches, and the engine with its top-k bou
         --step-budgets 512 --out llm_gpu_graph ;;
 engine-graphs)  # the engine with the worker's CUDA graphs, against launching kernel by kernel
     timeout 240 python3 -m benchmarks.llm_gpu --graphs ${GRAPHS:-fp16} --providers cuda \
-        --parts cuda_graph engine engine_graphs --streams 16 64 --step-budgets 512 \
+        --parts ${PARTS:-cuda_graph engine engine_graphs} --streams 16 64 --step-budgets 512 \
         --out ${NAME:-llm_gpu_engine_graphs} ;;
 engine-twice)  # the engine's greedy tokens against its own, kernel by kernel both times
     timeout 120 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
