@@ -222,18 +222,27 @@ class StepModel:
             if n == 0:
                 rows, k = hi - lo, self.top_k
                 values, best = np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)
-                shape = [rows, 1, k] if self.position_logits else [rows, k]
+                shape = self.top_shape(rows)
                 for name, buffer in ((TOP_VALUES, values), (TOP_IDS, best)):
                     io.bind_output(name, HOST, 0, buffer.dtype, shape, buffer.ctypes.data)
             else:
                 io.bind_output(LOGITS)  # first, so that get_outputs() starts with it
-            for (pk, pv), (ok, ov), (k_view, v_view) in zip(
-                self._past, self._present, cache.views(lo, hi), strict=True
-            ):
-                bind_in_place(io, pk, ok, k_view)
-                bind_in_place(io, pv, ov, v_view)
+            self._bind_cache(io, cache, lo, hi)
             bound = cache.bindings[key] = Binding(io, values, best)
         return cast(Binding, bound)
+
+    def _bind_cache(self, io: ort.IOBinding, cache: KVCache, lo: int, hi: int) -> None:
+        """Every layer's keys and values of slots lo..hi-1 bound as both past and present:
+        the run writes them in place."""
+        for (pk, pv), (ok, ov), (k, v) in zip(
+            self._past, self._present, cache.views(lo, hi), strict=True
+        ):
+            bind_in_place(io, pk, ok, k)
+            bind_in_place(io, pv, ov, v)
+
+    def top_shape(self, rows: int) -> list[int]:
+        """The graph's top-k outputs' shape for `rows` rows, one position each."""
+        return [rows, 1, self.top_k] if self.position_logits else [rows, self.top_k]
 
     def _graph(self, cache: KVCache, lo: int, hi: int) -> GraphStep | None:
         """The decode step over slots lo..hi-1 as a CUDA graph of its own (None: MAX_GRAPHS
@@ -258,16 +267,15 @@ class GraphStep:
     cuda_graph part checks the tokens against launching kernel by kernel)."""
 
     def __init__(self, model: StepModel, cache: KVCache, lo: int, hi: int, graph_id: int) -> None:
-        views = cache.views(lo, hi)
-        first = views[0][0]
+        first = cache.views(lo, hi)[0][0]
         where, device_id = (CUDA, first.device_id) if isinstance(first, DeviceView) else (HOST, 0)
 
         def buffer(shape: list[int], dtype: type) -> ort.OrtValue:
             return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, where, device_id)
 
-        self.rows, k = hi - lo, model.top_k
+        self.rows = hi - lo
         self.ids, self.seqlens = buffer([self.rows, 1], np.int64), buffer([self.rows], np.int32)
-        shape = [self.rows, 1, k] if model.position_logits else [self.rows, k]
+        shape = model.top_shape(self.rows)
         self.values, self.best = buffer(shape, np.float32), buffer(shape, np.int64)
         self.total = np.array(cache.shape.max_len, np.int32)
         io = self.io = model.session.session.io_binding()
@@ -280,11 +288,7 @@ class GraphStep:
             io.bind_ortvalue_input(NUM_LOGITS, self.num_logits)
         io.bind_ortvalue_output(TOP_VALUES, self.values)
         io.bind_ortvalue_output(TOP_IDS, self.best)
-        for (pk, pv), (ok, ov), (k_view, v_view) in zip(
-            model._past, model._present, views, strict=True
-        ):
-            bind_in_place(io, pk, ok, k_view)
-            bind_in_place(io, pv, ov, v_view)
+        model._bind_cache(io, cache, lo, hi)
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
 
@@ -294,10 +298,11 @@ class GraphStep:
         self.ids.update_inplace(np.ascontiguousarray(ids, np.int64))
         self.seqlens.update_inplace((lengths - 1).astype(np.int32))
         session.run_with_iobinding(self.io, self.options)
-        rows = self.rows  # copies: on the host, numpy() is a view of the next step's output
-        return np.array(self.values.numpy()).reshape(rows, -1), np.array(self.best.numpy()).reshape(
-            rows, -1
+        # copies: on the host, numpy() is a view of the next step's output
+        values, best = (
+            np.array(v.numpy()).reshape(self.rows, -1) for v in (self.values, self.best)
         )
+        return values, best
 
 
 @dataclass(frozen=True)
