@@ -70,18 +70,18 @@ class OnnxSession:
         self.path = path
         # whether runs may replay CUDA graphs; every run then names its graph (gpu_graph_id)
         self.cuda_graph = options.cuda_graph and CUDA in requested
-        try:
-            if self.cuda_graph:
-                try:
-                    graphs = [(CUDA, {"enable_cuda_graph": "1"}), *requested[1:]]
-                    self.session = ort.InferenceSession(str(path), so, providers=graphs)
-                except Exception as e:  # a node outside the CUDA provider: none to capture
-                    log.warning("cuda_graph_off", model=str(path), reason=str(e)[:300])
-                    self.cuda_graph = False
-            if not self.cuda_graph:
+        if self.cuda_graph:
+            try:
+                graphs = [(CUDA, {"enable_cuda_graph": "1"}), *requested[1:]]
+                self.session = ort.InferenceSession(str(path), so, providers=graphs)
+            except Exception as e:  # a node outside the CUDA provider: none to capture
+                log.warning("cuda_graph_off", model=str(path), reason=str(e)[:300])
+                self.cuda_graph = False
+        if not self.cuda_graph:
+            try:
                 self.session = ort.InferenceSession(str(path), sess_options=so, providers=requested)
-        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
+            except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
+                raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
         # onnxruntime drops a provider it cannot load (no CUDA libraries, no device) without
         # raising: what it actually runs on is what get_providers() says afterwards.
         self.provider = self.session.get_providers()[0]
