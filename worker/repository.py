@@ -152,7 +152,9 @@ class Repository:
             # (benchmarks/llm_step.py: 34 vs 287 ms per decode step, shared 2-core machine).
             # On a machine of its own spinning is faster (docs/llm.md: +23% single-stream).
             options = dataclasses.replace(
-                options, allow_spinning=_spinning(config), cuda_graph=_cuda_graph(config)
+                options,
+                allow_spinning=_spinning(config),
+                cuda_graph=_flag(config, model_keys.CUDA_GRAPH, default=True),
             )
         session = OnnxSession(path, options, self._providers)
         if session.provider == CPU:  # CUDA did not come up: do not retry it for every model
@@ -252,15 +254,12 @@ class Repository:
             await model.close()
 
 
-def _cuda_graph(config: mc.ModelConfig) -> bool:
-    """An LLM's `meshserve.cuda_graph` parameter ("true" / "false"; default true)."""
-    key = model_keys.CUDA_GRAPH
-    value = config.parameters[key].string_value if key in config.parameters else None
-    return cfg.bool_parameter(config.name, key, value, default=True)
-
-
 def _spinning(config: mc.ModelConfig) -> bool:
-    """An LLM's `meshserve.intra_op_spinning` parameter ("true" / "false"; default false)."""
-    key = model_keys.INTRA_OP_SPINNING
+    """An LLM's `meshserve.intra_op_spinning` parameter (default false)."""
+    return _flag(config, model_keys.INTRA_OP_SPINNING, default=False)
+
+
+def _flag(config: mc.ModelConfig, key: str, default: bool) -> bool:
+    """A model's "true" / "false" parameter `key` (`default` when unset)."""
     value = config.parameters[key].string_value if key in config.parameters else None
-    return cfg.bool_parameter(config.name, key, value, default=False)
+    return cfg.bool_parameter(config.name, key, value, default=default)
