@@ -48,6 +48,7 @@ from benchmarks.readings import table
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.runner import LLMLoad, closed_loop
+from planner.probe import host_cpu
 
 SETTLE_S = 0.5  # quiet after each turn: a spinning pool winds down before the next side
 WORKER = "meshserve"
@@ -269,12 +270,8 @@ class Turns:
 
 
 def machine_busy_s() -> float:
-    """CPU seconds every core of the machine spent busy since boot (/proc/stat: user, nice,
-    system, irq, softirq, steal)."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()[1:]
-    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
-    return busy / os.sysconf("SC_CLK_TCK")
+    """CPU seconds every core of the machine spent busy since boot (/proc/stat)."""
+    return host_cpu()[0] / os.sysconf("SC_CLK_TCK")
 
 
 def _cores(cpu: float, wall: float) -> float | None:
