@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks.llm_step import measure, new_cache, run_ms, write_result
+from benchmarks.llm_step import measure, new_cache, p50_p90, run_ms, write_result
 from benchmarks.readings import table
 from loadtest.results import machine
 from quantize import checkpoint, llm, llm_graph, recipes, weights
@@ -344,14 +344,7 @@ def greedy_steps(  # type: ignore[no-untyped-def]
         times.append((time.perf_counter() - start) * 1000)
         token = best[:, :1]
         tokens.append(token[:, 0].tolist())
-    later = sorted(times[4:])
-    return {
-        "ms": {
-            "p50": round(statistics.median(later), 3),
-            "p90": round(later[9 * len(later) // 10], 3),
-        },
-        "tokens": tokens,
-    }
+    return {"ms": p50_p90(times[4:]), "tokens": tokens}
 
 
 def gpu() -> dict:

@@ -52,8 +52,13 @@ def run_ms(fn: Callable[..., object], args: tuple, rounds: int) -> dict[str, flo
         start = time.perf_counter()
         fn(*args)
         times.append((time.perf_counter() - start) * 1000)
-    times.sort()
-    p90 = times[int(0.9 * (rounds - 1))]
+    return p50_p90(times)
+
+
+def p50_p90(times_ms: list[float]) -> dict[str, float]:
+    """The median and the p90 of some timings, in ms."""
+    times = sorted(times_ms)
+    p90 = times[int(0.9 * (len(times) - 1))]
     return {"p50": round(statistics.median(times), 3), "p90": round(p90, 3)}
 
 
