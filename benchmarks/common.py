@@ -129,17 +129,11 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def rss_tree_mb(pid: int) -> float | None:
-    """Resident MB of a process and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
+    """Resident MB of a process and all its descendants (None: `pid` is gone). Reads the
+    tree's own /proc files only (`process_tree`), not every process's: a sampler runs in the
+    benchmark's client process twice a second per server, on the cores it measures."""
+    total = 0
+    for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -147,7 +141,6 @@ def rss_tree_mb(pid: int) -> float | None:
         except OSError:
             if p == pid:
                 return None
-        todo += children.get(p, [])
     return round(total / 1024, 1)
 
 
