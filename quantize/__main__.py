@@ -38,6 +38,13 @@ from quantize import pipeline, repository
 from quantize.recipes import RECIPES, distill_recipe
 
 console = Console(stderr=True)
+# a recipe build's graph caches float32 (quantize/pipeline.py exports it so); a float16 cache
+# (llama.cpp's, and what onnxruntime's CUDA attention takes) is a checkpoint's, as stored
+KV_DTYPE_REFUSED = (
+    "--kv-dtype {}: the SmolLM2 recipes build their step graph with a float32 KV cache; a "
+    "float16 cache is built from a checkpoint as stored: --checkpoint FILE --kv-dtype float16 "
+    "(SmolLM2's own GGUF: python -c 'from quantize import weights; print(weights.smollm2_gguf())')"
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,7 +81,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         help="any llama / qwen2 GGUF file or Hugging Face folder, served as stored",
     )
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "float16"],
+        help="the KV cache's type, with --checkpoint (default float32); the SmolLM2 recipes' "
+        "graphs cache float32",
+    )
     p.add_argument(
         "--by-cpu",
         action="store_true",
@@ -251,13 +263,20 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint is not None:
             try:
                 path = llm.build_checkpoint(
-                    args.checkpoint, args.output, args.name, args.max_model_len, args.kv_dtype
+                    args.checkpoint,
+                    args.output,
+                    args.name,
+                    args.max_model_len,
+                    args.kv_dtype or "float32",
                 )
             except CheckpointError as e:
                 console.print(f"[red]refused:[/red] {e}")
                 return 2
             console.print(f"{args.name}: {path}")
             return 0
+        if args.kv_dtype not in (None, "float32"):
+            console.print(f"[red]refused:[/red] {KV_DTYPE_REFUSED.format(args.kv_dtype)}")
+            return 2
         with progress() as bar:
             path, metrics = step(
                 bar,

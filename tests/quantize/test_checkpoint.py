@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from onnx import helper
 from safetensors.torch import save_file
 
+from quantize import __main__ as cli
 from quantize import checkpoints, evaluate, llm, llm_graph
 from quantize.checkpoint import CheckpointError
 from quantize.models import DecoderConfig, LlamaDecoder, greedy
@@ -53,6 +54,23 @@ def test_a_served_checkpoint_keeps_its_weights_beside_its_graph(tmp_path: Path) 
     assert runtime.index_bounds(graph) == {"input_ids": 320}
     served = evaluate.greedy(evaluate.step_model(graph), ck.tokenizer, [PROMPT], 8)
     assert served == evaluate.greedy(evaluate.step_model(single), ck.tokenizer, [PROMPT], 8)
+
+
+def test_build_llm_caches_float16_from_a_checkpoint_and_refuses_it_for_a_recipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`build-llm --kv-dtype float16` builds a checkpoint's graph with a float16 cache (what
+    onnxruntime's CUDA attention takes); a recipe build, whose graph caches float32, refuses
+    the flag by name instead of installing a float32 graph."""
+    tiny_gguf.write(tmp_path / "l.gguf", "llama", "Q8_0")
+    argv = ["build-llm", "--output", str(tmp_path / "repo"), "--kv-dtype", "float16"]
+    assert cli.main([*argv, "--checkpoint", str(tmp_path / "l.gguf"), "--name", "tiny"]) == 0
+    model = evaluate.step_model(tmp_path / "repo" / "tiny" / "1" / "model.onnx")
+    assert model.facts.kv_dtype == "float16"
+    capsys.readouterr()
+    assert cli.main([*argv, "--name", "smol"]) == 2
+    assert "--kv-dtype float16" in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "repo" / "smol").exists()
 
 
 def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> None:

@@ -336,7 +336,8 @@ def cache_device(provider: str, kv_dtype: str, path: Path) -> str:
             model=str(path),
             kv_dtype=kv_dtype,
             hint="onnxruntime's CUDA attention takes a float16 KV cache: this graph's "
-            "attention runs on the CPU; build it with --kv-dtype float16",
+            "attention runs on the CPU; build it with `python -m quantize build-llm "
+            "--checkpoint FILE --kv-dtype float16`",
         )
         return HOST
     return CUDA
