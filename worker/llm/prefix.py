@@ -40,10 +40,13 @@ memory is needed. A new prompt looks up the longest prefix some slot holds, and 
   prompt prefill it once.
 - **Budget.** Running sequences reserve prompt + max_tokens, as before; retained rows are
   never reserved. A free slot keeps its pages (`stale_tokens`) for the next rows written
-  there, since a page given back costs a page fault on the next write. The memory held is
-  reserved + retained + kept tokens <= the budget: kept pages go back first, then retained
-  blocks; admission evicts before it waits (`fits` counts both as free), and a finished
-  prompt that finds no retained slot free evicts the least recently used slot whole.
+  there, since a page given back costs a page fault on the next write; so does a running
+  slot past a reservation shorter than its last one's. The memory held is reserved +
+  retained + kept tokens <= the budget: kept pages go back first (a free retained slot's,
+  then a running slot's past its reservation, then a free running slot's from the highest
+  slot down: admission takes the lowest), then retained blocks; admission evicts before it
+  waits (`fits` counts both as free), and a finished prompt that finds no retained slot
+  free evicts the least recently used slot whole.
 - **Eviction.** LRU over the retained blocks, touched deepest first on a match, so the
   oldest block is always the tail of some slot (a shared system prompt outlives the
   conversations under it); evicting block i drops the slot's blocks from i on and returns
@@ -167,6 +170,9 @@ class PrefixCache:
         # the copy itself). Counted against the budget, and given back first when room is
         # needed.
         self._stale: dict[int, int] = {}
+        # running slots' pages past their reservation (rows): a slot's previous sequence
+        # wrote them, and a longer one may again; counted and given back as kept pages
+        self._extra: dict[int, int] = {}
         self._free_kept = list(range(slots + self.kept_slots - 1, slots - 1, -1))
         self._held: dict[int, Held] = {}
         self._index: dict[bytes, dict[int, None]] = {}  # block key -> slots holding it
@@ -252,7 +258,7 @@ class PrefixCache:
         if self._move is not None:
             self._move(slot, dst, len(held.tokens))
         self._free.append(slot)
-        self._stale[slot] = tokens
+        self._stale[slot] = tokens + self._extra.pop(slot, 0)
         self._make_room()
 
     def lowest_free(self) -> int:
@@ -268,7 +274,7 @@ class PrefixCache:
         self._free.remove(dst)
         self._reuse(dst, held.reserve)
         self._free.append(src)
-        self._stale[src] = held.reserve
+        self._stale[src] = held.reserve + self._extra.pop(src, 0)
         self._rehome(held, dst)
         for key, slot in self._claims.items():
             if slot == src:
@@ -428,12 +434,15 @@ class PrefixCache:
 
     @property
     def stale_tokens(self) -> int:
-        return sum(self._stale.values())
+        return sum(self._stale.values()) + sum(self._extra.values())
 
     def _reuse(self, slot: int, tokens: int) -> None:
-        """A free slot taken for a sequence reserving `tokens`: its kept pages past them go."""
+        """A free slot taken for `tokens` rows: a running slot keeps its pages past them (the
+        next sequence there may be longer), a retained one gives them back."""
         rows = self._stale.pop(slot, 0)
-        if rows > tokens and self._discard is not None:
+        if rows > tokens and slot < self.slots:
+            self._extra[slot] = rows - tokens
+        elif rows > tokens and self._discard is not None:
             self._discard(slot, tokens)
 
     def _make_room(self) -> None:
@@ -443,16 +452,34 @@ class PrefixCache:
         # layer and head), not one per block evicted
         trimmed: dict[int, int] = {}
         while self.reserved_tokens + self.retained_tokens + self.stale_tokens > self.budget_tokens:
-            if self._stale:
-                slot = max(self._stale, key=self._stale.__getitem__)
-                del self._stale[slot]
-                if self._discard is not None:
-                    self._discard(slot, 0)
+            if self._stale or self._extra:
+                self._give_back_kept()
             else:
                 self._evict_one(trimmed)
         if self._discard is not None:
             for slot, row in trimmed.items():
                 self._discard(slot, row)
+
+    def _give_back_kept(self) -> None:
+        """Kept pages go back least likely written next first: a free retained slot's (rows
+        move there only when no twin holds them), largest first; then a running sequence's
+        past its reservation; then a free running slot's, from the highest slot down, since
+        admission takes the lowest free one. A copy into pages given back faults per 4 KiB:
+        7x the copy itself (10 against 1.5 ms for 350 rows of SmolLM2 on this VM)."""
+        retained = [s for s in self._stale if s >= self.slots]
+        start = 0
+        if retained:
+            slot = max(retained, key=self._stale.__getitem__)
+            del self._stale[slot]
+        elif self._extra:
+            slot = max(self._extra, key=self._extra.__getitem__)
+            del self._extra[slot]
+            start = self._held[slot].reserve
+        else:
+            slot = max(self._stale)
+            del self._stale[slot]
+        if self._discard is not None:
+            self._discard(slot, start)
 
     def _room_kept(self) -> bool:
         """A free retained slot, evicting the least recently used retained slot whole for
@@ -510,7 +537,7 @@ class PrefixCache:
         if b == 0:  # a free slot, its pages kept for the next rows written there
             del self._held[held.slot]
             (self._free if held.slot < self.slots else self._free_kept).append(held.slot)
-            self._stale[held.slot] = rows
+            self._stale[held.slot] = rows + self._extra.pop(held.slot, 0)
             self._make_room()
             return
         if trimmed is not None:

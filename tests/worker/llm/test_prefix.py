@@ -205,14 +205,39 @@ def test_a_free_slots_kept_pages_go_first_when_room_is_needed() -> None:
     _, a = served(cache, list(range(8)), reserve=30)
     cache.release(a.slot, 30, keep=False)  # cancelled: nothing kept, the pages are
     assert cache.stale_tokens == 30 and discarded == []
-    _, b = served(cache, [7] * 8, reserve=12)  # slot 0 again: its pages past 12 rows go
-    assert b.slot == a.slot and discarded == [(a.slot, 12)] and cache.stale_tokens == 0
-    _, c = served(cache, [5] * 8, reserve=40)  # slot 1: 12 + 40 <= 60
+    _, b = served(cache, [7] * 8, reserve=12)  # slot 0 again: its pages past 12 rows stay
+    assert b.slot == a.slot and discarded == [] and cache.stale_tokens == 18
+    _, c = served(cache, [5] * 8, reserve=40)  # slot 1: 12 + 40 + 18 kept > 60
+    assert c.slot != b.slot and discarded == [(b.slot, 12)] and cache.stale_tokens == 0
     cache.release(c.slot, 40, keep=False)
     assert cache.stale_tokens == 40
     _, d = served(cache, [6] * 8, reserve=44)  # 12 + 44 + 40 kept > 60: slot 1's pages go
     assert discarded[-1] == (c.slot, 0) or d.slot == c.slot
     assert cache.reserved_tokens + cache.retained_tokens + cache.stale_tokens <= 60
+
+
+def test_kept_pages_go_back_where_the_next_sequence_is_least_likely_to_write() -> None:
+    """A running slot reused by a shorter sequence keeps the pages past its reservation
+    (counted as kept: the next sequence there may be longer), and its slot keeps them all
+    when it ends. When room is needed they go before a free running slot's kept pages,
+    which the next admission (the lowest free slot) writes into: a copy into pages given
+    back faults per page."""
+    discarded: list[tuple[int, int]] = []
+    cache = PrefixCache(3, 95, B, discard=lambda slot, start: discarded.append((slot, start)))
+    _, a = served(cache, [1] * 8, reserve=40)
+    _, x = served(cache, [2] * 8, reserve=20)
+    _, y = served(cache, [3] * 8, reserve=30)
+    cache.release(y.slot, 30, keep=False)
+    cache.release(a.slot, 40, keep=False)
+    _, b = served(cache, [4] * 8, reserve=10)  # a's slot: 30 rows past b's 10 kept
+    assert b.slot == a.slot and discarded == []
+    assert cache.reserved_tokens + cache.stale_tokens == 30 + 30 + 30
+    finish(cache, x.slot, [2] * 8, 20)  # its prompt moves to a retained slot: 98 > 95
+    assert discarded == [(b.slot, 10)]  # b's extra pages, not the free slots' (y's, x's)
+    assert cache.stale_tokens == 30 + 20
+    cache.release(b.slot, 10, keep=False)
+    assert cache.stale_tokens == 30 + 20 + 10 and len(discarded) == 1
+    assert cache.reserved_tokens + cache.retained_tokens + cache.stale_tokens <= 95
 
 
 def test_budget_eviction_gives_back_a_slots_pages_once_however_many_blocks_go() -> None:
