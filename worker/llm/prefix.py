@@ -221,9 +221,8 @@ class PrefixCache:
         slot = self._free.pop()
         self._reuse(slot, tokens)
         self.reserved_tokens += tokens
-        self._make_room()
-        held = Held(slot, root, reserve=tokens)
-        self._held[slot] = held
+        held = self._held[slot] = Held(slot, root, reserve=tokens)  # before room is made:
+        self._make_room()  # a running slot's kept pages past its reservation start there
         cached = match.tokens if src is not None and match is not None else 0
         self._count(cached)
         self._begin(held, root, prompt, cached)
