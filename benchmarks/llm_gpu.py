@@ -2,7 +2,8 @@
 KV cache in device memory (worker/llm/device.py), against the same graph on the CPU.
 
     python -m benchmarks.llm_gpu [--graphs q4-as-stored fp16] [--providers cuda cpu]
-        [--parts placement step host_cache engine cuda_graph engine_graphs agreement]
+        [--parts placement step host_cache engine cuda_graph engine_graphs engine_twice
+                 agreement]
         [--step-budgets 24 512]
         [--out llm_gpu]
 
@@ -31,6 +32,8 @@ a run cut short keeps what it measured):
   engine_graphs on CUDA, the engine part again with the worker's CUDA graphs on
                 (meshserve.cuda_graph, worker/llm/model.py's GraphStep), and both engines'
                 greedy tokens for 1 and 16 streams compared
+  engine_twice  the engine's greedy tokens against a second engine of its own, both kernel
+                by kernel: what running twice alone gives, beside engine_graphs' figures
   agreement     teacher-forced top-1 against the same graph on the CPU, and the cache's own
                 check: a decode step's logits against a whole prefill's
 Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
@@ -226,8 +229,17 @@ async def greedy_tokens(model: StepModel, tokenizer, streams: int, n: int = 48) 
         await engine.close()
 
 
+# the parts comparing two engines' greedy tokens, and what the second engine is
+GRAPH_TOKENS = "engine_graphs_same_tokens"
+SAME_TOKENS = {
+    GRAPH_TOKENS: "with CUDA graphs against without",
+    "engine_twice_same_tokens": "against its own, kernel by kernel both times",
+}
+
+
 def same_tokens(plain: StepModel, replaying: StepModel, tokenizer) -> dict:  # type: ignore[no-untyped-def]
-    """The engine's greedy tokens with CUDA graphs against without, 1 and 16 streams."""
+    """Two engines' greedy tokens, 1 and 16 streams: `replaying` with CUDA graphs against
+    `plain` (engine_graphs), or a second engine without them (engine_twice)."""
     out: dict[str, object] = {}
     for streams in (1, 16):
         a = asyncio.run(greedy_tokens(plain, tokenizer, streams))
@@ -498,9 +510,13 @@ def section(r: dict) -> str:
             for name, e in p.items():
                 if name.startswith("engine") and "single_stream" in e:
                     s, agg = e["single_stream"], e["aggregate_tok_s_by_streams"]
-                    graphs = name.startswith("engine_graphs")
-                    budget = name.removeprefix("engine_graphs_" if graphs else "engine_")
-                    budget = budget.removeprefix("step_budget_")
+                    budget = name.rpartition("_")[2]  # engine[_graphs][_step_budget_N]
+                    mode = ""
+                    if name.startswith("engine_graphs"):
+                        made = p.get("engine_graphs_session", {}).get("cuda_graph")
+                        mode = " with CUDA graphs" + (
+                            "" if made else " asked for (none made: loaded without)"
+                        )
                     n_rounds = len(next(iter(e.get("aggregate_rounds", {"": [0]}).values())))
                     how = (
                         f"medians of {n_rounds} rounds"
@@ -508,14 +524,7 @@ def section(r: dict) -> str:
                         else "one round each, the first after loading"
                     )
                     lines.append(
-                        f"- {graph} on {provider}, engine in-process"
-                        + (
-                            ""
-                            if not graphs
-                            else " with CUDA graphs"
-                            if p.get("engine_graphs_session", {}).get("cuda_graph")
-                            else " with CUDA graphs asked for (none made: loaded without)"
-                        )
+                        f"- {graph} on {provider}, engine in-process{mode}"
                         + (f" (step budget {budget} tokens)" if budget.isdigit() else "")
                         + f": one stream {s['decode_tok_s']} tok/s, TTFT {s['ttft_ms']} ms; "
                         + ", ".join(f"{n} streams {v} tok/s" for n, v in agg.items())
@@ -537,17 +546,19 @@ def section(r: dict) -> str:
                     )
                     + "."
                 )
-            same = p.get("engine_graphs_same_tokens")
-            if isinstance(same, dict) and "1" in same:
+            for key, against in SAME_TOKENS.items():
+                same = p.get(key)
+                if not (isinstance(same, dict) and "1" in same):
+                    continue
+                made = f" ({same['graphs_made']} graphs made)" if key == GRAPH_TOKENS else ""
                 lines.append(
-                    f"- {graph} on {provider}, the engine's greedy tokens with CUDA graphs "
-                    "against without: "
+                    f"- {graph} on {provider}, the engine's greedy tokens {against}: "
                     + ", ".join(
                         f"{v['tokens_equal']} of {v['tokens']} equal at {n} streams"
                         for n, v in same.items()
                         if isinstance(v, dict)
                     )
-                    + f" ({same.get('graphs_made')} graphs made)."
+                    + f"{made}."
                 )
             a = p.get("agreement")
             if isinstance(a, dict) and "top1_agreement_with_cpu" in a:
