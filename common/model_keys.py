@@ -65,6 +65,9 @@ PREFILL_CHUNK = "meshserve.prefill_chunk"  # prompt tokens of one sequence per s
 MAX_STEP_TOKENS = "meshserve.max_step_tokens"
 STEP_TOKENS_PER_ROW = "meshserve.step_tokens_per_row"
 MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
+# decode runs the step thread runs back to back while no request arrives, ends or is
+# cancelled (worker/llm/step.py; vLLM's num_scheduler_steps); 1: the scheduler every step
+NUM_SCHEDULER_STEPS = "meshserve.num_scheduler_steps"
 # "false": no prefix cache (every prompt prefilled from nothing); default "true"
 PREFIX_CACHING = "meshserve.prefix_caching"
 # "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,

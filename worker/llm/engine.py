@@ -65,6 +65,11 @@ class EngineConfig:
     step_tokens_per_row: int = 4
     max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
     prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
+    # decode runs the step thread runs back to back while no request arrives, ends or is
+    # cancelled, sampling each and starting the next at once while the event loop emits the
+    # last one's tokens (worker/llm/step.py; vLLM's num_scheduler_steps). 1: the scheduler
+    # decides every step
+    num_scheduler_steps: int = 64
 
 
 def positions_limit(model: Model, config: EngineConfig, draft: SpeculativeConfig | None) -> int:
@@ -105,6 +110,8 @@ class Engine:
         draft: SpeculativeConfig | None = None,
     ) -> None:
         positions = positions_limit(model, config, draft)
+        if config.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps {config.num_scheduler_steps}: must be >= 1")
         facts = model.facts
         self.model = model
         self.tokenizer = tokenizer
@@ -148,6 +155,7 @@ class Engine:
             model, self.cache, self.prefix, self.scheduler, self.drafter, self.results, self.stats
         )
         self.runner.on_execution = on_execution
+        self.runner.chain = config.num_scheduler_steps
         # (ns a request waited for admission): Triton's queue statistics, which perf_analyzer
         # and genai-perf read to find the model version that served them
         self.on_admit: Callable[[int], None] = lambda ns: None
@@ -213,7 +221,7 @@ class Engine:
         except ResourceExhausted:
             self.stats.rejected += 1
             raise
-        self._wake.set()
+        self._notify()
         return seq
 
     async def stream(self, seq: Sequence) -> AsyncIterator[Output]:
@@ -230,6 +238,11 @@ class Engine:
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
+        self._notify()
+
+    def _notify(self) -> None:
+        """The scheduler has something to decide: wake the loop, stop runs going on ahead."""
+        self.runner.interrupt()
         self._wake.set()
 
     @property
@@ -254,7 +267,7 @@ class Engine:
 
     async def close(self) -> None:
         self._closed = True
-        self._wake.set()
+        self._notify()
         if self._task is not None:
             await self._task
         for seq in [*self.waiting, *self.running]:

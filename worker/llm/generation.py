@@ -6,7 +6,12 @@ a run for a sequence (worker/llm/step.py calls it after each run; the row is the
 the step graph's own top-k of them when the sampler needs no more): it samples the next
 token, hands the new text to the sequence's queue with the running counts, and ends
 the sequence on EOS, a stop string, max_tokens or max_model_len; an ended sequence leaves
-at once (`leave`: its slot and KV budget go back within the step).
+at once (`leave`: its slot and KV budget go back within the step), or, while the step thread
+runs decode steps ahead of the event loop (worker/llm/step.py), once they stop.
+
+A decode row is accepted in two halves: `sample` (the token, on the step thread) and `emit`
+(its text and its end, on the event loop); `ends` is what the step thread can tell of an end
+without the text: EOS, max_tokens, max_model_len.
 """
 
 from __future__ import annotations
@@ -99,11 +104,24 @@ class Results:
         self.max_model_len = max_model_len
         self.stats = stats
         self._leave = leave  # a running sequence that ended gives back its slot and budget
+        self._held: list[Sequence] | None = None  # leaves held back (`hold_leaves`)
 
-    def banned(self, seq: Sequence) -> list[int]:
-        """The ids the sequence may not sample next: EOS while under min_tokens."""
+    def hold_leaves(self) -> None:
+        """Sequences that end from now on leave at `release_leaves`: their slots stay theirs
+        while the step thread may still be running a step over them."""
+        self._held = []
+
+    def release_leaves(self) -> None:
+        held, self._held = self._held or [], None
+        for seq in held:
+            self._leave(seq)
+
+    def banned(self, seq: Sequence, generated: int | None = None) -> list[int]:
+        """The ids the sequence may not sample next, with `generated` tokens generated (None:
+        its tokens so far): EOS while under min_tokens."""
         p = seq.params
-        return sorted(self.eos) if len(seq.tokens) < p.min_tokens and not p.ignore_eos else []
+        n = len(seq.tokens) if generated is None else generated
+        return sorted(self.eos) if n < p.min_tokens and not p.ignore_eos else []
 
     def can_sample(self, seq: Sequence, row: object) -> bool:
         """Whether the sequence's next token can be sampled from `row`: the logits always,
@@ -113,21 +131,44 @@ class Results:
         needed = self.top_needed(seq)
         return needed is not None and needed <= len(row[0])
 
-    def top_needed(self, seq: Sequence) -> int | None:
-        """How many of its row's largest logits the sequence's next token needs (None: the
-        whole row): a run whose rows all need at most the graph's k reads only its top-k."""
-        return seq.sampler.top_needed(len(self.banned(seq)))
+    def top_needed(self, seq: Sequence, generated: int | None = None) -> int | None:
+        """How many of its row's largest logits the sequence's next token needs, with
+        `generated` tokens generated (None: its tokens so far; the result None: the whole
+        row): a run whose rows all need at most the graph's k reads only its top-k."""
+        return seq.sampler.top_needed(len(self.banned(seq, generated)))
 
     def accept(self, seq: Sequence, row: Row) -> int:
         """Sample the sequence's next token from its row of a run (the logits, or the
         graph's top-k of them as (values, ids)) and hand it its new text; the token."""
-        p = seq.params
-        banned = self.banned(seq)
+        token = self.sample(seq, row, len(seq.tokens))
+        self.emit(seq, token)
+        return token
+
+    def sample(self, seq: Sequence, row: Row, generated: int) -> int:
+        """The sequence's next token from its row, its `generated` tokens so far counted (its
+        sampler's state is this call's alone: the step thread samples while the event loop
+        emits the tokens before)."""
+        banned = self.banned(seq, generated)
         if isinstance(row, tuple):
             token = seq.sampler.sample_top(row[0], row[1], banned)
         else:
             token = seq.sampler.sample(row, banned)  # a row of this step's own logits
         seq.sampler.observe(token)
+        return token
+
+    def ends(self, seq: Sequence, token: int, generated: int) -> bool:
+        """Whether `token`, the sequence's `generated`-th, ends it whatever its text says:
+        EOS, max_tokens or max_model_len (a stop string only the detokenizer sees)."""
+        p = seq.params
+        return (
+            (token in self.eos and not p.ignore_eos)
+            or generated >= p.max_tokens
+            or len(seq.prompt) + generated >= self.max_model_len
+        )
+
+    def emit(self, seq: Sequence, token: int) -> None:
+        """The sampled token joins the sequence: its new text goes out, or its end."""
+        p = seq.params
         seq.tokens.append(token)
         reason = None
         if token in self.eos and not p.ignore_eos:
@@ -145,9 +186,8 @@ class Results:
                 seq.outputs.put_nowait(
                     Output(piece, False, None, len(seq.prompt), len(seq.tokens), None, seq.cached)
                 )
-            return token
+            return
         self.finish(seq, reason, piece)
-        return token
 
     def finish(self, seq: Sequence, reason: str, piece: str = "") -> None:
         if seq.finish_reason is not None:
@@ -159,7 +199,7 @@ class Results:
             Output(piece, True, reason, len(seq.prompt), len(seq.tokens), None, seq.cached)
         )
         self.stats.finished[reason] += 1
-        self._leave(seq)
+        self._ended(seq)
 
     def fail(self, seq: Sequence, error: Exception) -> None:
         """A run that raised: the sequence ends with the error instead of text."""
@@ -168,4 +208,10 @@ class Results:
         seq.outputs.put_nowait(
             Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}", seq.cached)
         )
-        self._leave(seq)
+        self._ended(seq)
+
+    def _ended(self, seq: Sequence) -> None:
+        if self._held is not None:
+            self._held.append(seq)
+        else:
+            self._leave(seq)

@@ -52,6 +52,7 @@ PREFILL_CHUNK = model_keys.PREFILL_CHUNK
 MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
 STEP_TOKENS_PER_ROW = model_keys.STEP_TOKENS_PER_ROW
 MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
+NUM_SCHEDULER_STEPS = model_keys.NUM_SCHEDULER_STEPS
 # speculative decoding: a draft step graph (a path in the model's folder) or n-gram lookup
 SPECULATIVE_METHOD = model_keys.SPECULATIVE_METHOD
 DRAFT_MODEL = model_keys.DRAFT_MODEL
@@ -68,6 +69,7 @@ INT_PARAMETERS = (
     MAX_STEP_TOKENS,
     STEP_TOKENS_PER_ROW,
     MAX_TOKENS_LIMIT,
+    NUM_SCHEDULER_STEPS,
     NUM_SPECULATIVE_TOKENS,
     PROMPT_LOOKUP_MIN,
     PROMPT_LOOKUP_MAX,
@@ -110,6 +112,7 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
         step_tokens_per_row=int(p.get(STEP_TOKENS_PER_ROW, default.step_tokens_per_row)),
         max_waiting=spec.max_queue_size or default.max_waiting,
         prefix_caching=_prefix_caching(spec),
+        num_scheduler_steps=int(p.get(NUM_SCHEDULER_STEPS, default.num_scheduler_steps)),
     )
 
 

@@ -35,6 +35,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -72,6 +73,10 @@ class StepRunner:
         # the graph's own top-k, read instead of the logits when the rows allow (`_run`)
         self.top = model if isinstance(model, TopModel) and model.top_k > 0 else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-step")
+        # decode runs the step thread may run back to back before the scheduler decides again
+        # (EngineConfig.num_scheduler_steps), and whether they must stop (`interrupt`)
+        self.chain = 1
+        self._interrupted = False
 
     async def run(self, plan: scheduler.StepPlan[Sequence]) -> None:
         """Run the plan: its copies, its prefill chunks, then its decode rows; accept each
@@ -134,10 +139,13 @@ class StepRunner:
             self.results.accept(seq, copied(cast(Row, row)))  # sampling may alter its row
 
     async def _decode(self, loop: asyncio.AbstractEventLoop, decoding: list[Sequence]) -> None:
-        """One token for every decoding row, in one run over the slots they span."""
+        """One token for every decoding row, in one run over the slots they span; then, while
+        nothing else waits for the scheduler, the next and the next, up to `chain` runs in
+        all (`_steps`): the step thread samples each run's rows and starts the next run at
+        once, and the event loop emits the tokens (`_emit`) while that run computes."""
         lo = min(s.slot for s in decoding)
         hi = max(s.slot for s in decoding) + 1
-        ids = np.zeros((hi - lo, 1), np.int64)
+        runs = DecodeRuns(decoding, lo, np.zeros((hi - lo, 1), np.int64))
         lengths = np.ones(hi - lo, np.int64)
         # Rows between the decoding ones (free slots, prompts mid-prefill; retained prefixes
         # live in their own region, worker/llm/prefix.py) run a dummy token written just
@@ -146,19 +154,105 @@ class StepRunner:
             if lo <= seq.slot < hi:
                 lengths[seq.slot - lo] = seq.computed + 1
         for seq in decoding:
-            ids[seq.slot - lo, 0] = seq.tokens[-1]
-        start = time.perf_counter_ns()
-        rows = await self._run(loop, decoding, ids, lengths, lo, hi)
-        self._executed("decode", len(decoding), len(decoding), time.perf_counter_ns() - start)
+            runs.ids[seq.slot - lo, 0] = seq.tokens[-1]
+        # The runs go on only while nothing the scheduler decides on changes: no request
+        # waits, none prefills, no run verifies drafts. An arrival, a cancel, a stop string
+        # or close interrupts them (`interrupt`), and a row that ends stops them.
+        self._interrupted = (
+            self.chain < 2
+            or bool(self.scheduler.waiting)
+            or len(self.scheduler.running) != len(decoding)
+            or (self.drafter is not None and len(decoding) == 1)
+        )
+        self.results.hold_leaves()  # an ended row's slot is the runs' until they stop
+        try:
+            await loop.run_in_executor(self.pool, self._steps, loop, runs, lengths)
+        finally:
+            self.results.release_leaves()
+        if runs.error is not None:
+            raise runs.error
+
+    def interrupt(self) -> None:
+        """Something the scheduler must decide on happened (an arrival, a cancel, close):
+        decode runs going on ahead stop after the current one."""
+        self._interrupted = True
+
+    def _steps(
+        self, loop: asyncio.AbstractEventLoop, runs: DecodeRuns, lengths: np.ndarray
+    ) -> None:
+        """On the step thread: decode runs of `runs.rows`, each sampled here and handed to
+        the event loop (`_emit`), until a row ends, `chain` runs are done, or the engine
+        interrupts."""
+        rows, ids, lo = runs.rows, runs.ids, runs.lo
+        hi = lo + len(ids)
+        at = [s.slot - lo for s in rows]
+        generated = [len(s.tokens) for s in rows]
+        real = sum(s.computed + 1 for s in rows)  # the positions the rows attend to
+        for _ in range(self.chain):
+            start = time.perf_counter_ns()
+            picked: list[Row]
+            top = self._top(rows, generated)
+            if top:
+                assert self.top is not None
+                values, best = self.top.run_top(self.cache, ids, lengths, lo, hi)
+                picked = [(values[i], best[i]) for i in at]
+            else:
+                logits = self.model.run(self.cache, ids, lengths, lo, hi)
+                picked = [logits[i] for i in at]
+            ns = time.perf_counter_ns() - start
+            tokens = []
+            ended = False
+            for j, seq in enumerate(rows):
+                token = self.results.sample(seq, picked[j], generated[j])
+                generated[j] += 1
+                tokens.append(token)
+                ended = ended or self.results.ends(seq, token, generated[j])
+            padding = int(lengths.sum()) - real
+            loop.call_soon_threadsafe(self._emit, runs, tokens, top, ns, padding)
+            if ended or self._interrupted:
+                return
+            ids[at, 0] = tokens
+            lengths[at] += 1
+            real += len(rows)
+
+    def _emit(self, runs: DecodeRuns, tokens: list[int], top: bool, ns: int, padding: int) -> None:
+        """On the event loop: one decode run's sampled tokens join their sequences (`top`:
+        it read the graph's top-k; `padding`: the positions the rows between them attended
+        to)."""
+        if runs.error is not None:
+            return
+        rows = runs.rows
+        self._executed("decode", len(rows), len(rows), ns)
         self.stats.decode_runs += 1
-        self.stats.decode_tokens += len(decoding)
-        self.stats.decode_batches[len(decoding)] += 1
-        self.stats.padding_rows += hi - lo - len(decoding)
-        self.stats.padding_tokens += int(lengths.sum()) - sum(s.computed + 1 for s in decoding)
-        for seq in decoding:
-            seq.computed += 1
-            if not seq.cancelled:
-                self.results.accept(seq, rows(seq.slot - lo))
+        self.stats.decode_tokens += len(rows)
+        self.stats.decode_batches[len(rows)] += 1
+        self.stats.padding_rows += len(runs.ids) - len(rows)
+        self.stats.padding_tokens += padding
+        self.stats.top_runs += top
+        try:
+            for seq, token in zip(rows, tokens, strict=True):
+                seq.computed += 1
+                if not seq.cancelled and seq.finish_reason is None:
+                    self.results.emit(seq, token)
+                    if seq.finish_reason is not None:
+                        self._interrupted = True  # a stop string: its row runs no more
+        except Exception as e:  # the step fails its sequences, as a run's error does
+            runs.error = e
+            self._interrupted = True
+
+    def _top(self, sampling: list[Sequence], generated: list[int] | None = None) -> bool:
+        """Whether a run reads the graph's top-k (k values and ids per row copied out, not the
+        vocabulary): when every sequence sampling from it needs no more (greedy, or top_k <=
+        the graph's k, without penalties), with `generated` tokens each (None: their tokens
+        so far); else the logits."""
+        top = self.top
+        if top is None:
+            return False
+        counts = generated or [len(s.tokens) for s in sampling]
+        return all(
+            (n := self.results.top_needed(s, g)) is not None and n <= top.top_k
+            for s, g in zip(sampling, counts, strict=True)
+        )
 
     async def _run(
         self,
@@ -174,9 +268,7 @@ class StepRunner:
         run needs no more (greedy, or top_k <= the graph's k, without penalties), else the
         logits."""
         top = self.top
-        if top is not None and all(
-            (n := self.results.top_needed(s)) is not None and n <= top.top_k for s in sampling
-        ):
+        if top is not None and self._top(sampling):
             values, best = await loop.run_in_executor(
                 self.pool, top.run_top, self.cache, ids, lengths, lo, hi
             )
@@ -251,6 +343,17 @@ class StepRunner:
             self.stats.decode_ns += ns
         if self.on_execution is not None:
             self.on_execution(kind, rows, tokens, ns)
+
+
+@dataclass
+class DecodeRuns:
+    """Decode runs of `rows` over the slots from `lo` on, their next input `ids` [slots, 1];
+    `error`: what emitting their tokens raised (the runs stop, and the step fails)."""
+
+    rows: list[Sequence]
+    lo: int
+    ids: np.ndarray
+    error: Exception | None = None
 
 
 def copied(row: Row) -> Row:
