@@ -7,7 +7,10 @@ one decode run for every decoding row: rows of different lengths share one run, 
 attending to its own cache. Each result goes to worker/llm/generation.py's `Results`: a
 chunk that ends its prompt gives the first token, a decode row the next one. Model runs go
 to one thread (onnxruntime releases the GIL), so gRPC keeps being served while a step
-computes; sampling and detokenizing run on the event loop between runs.
+computes. A decode run's rows are sampled on that thread, which then starts the next decode
+run at once while nothing waits for the scheduler (up to EngineConfig.num_scheduler_steps
+runs; `_decode`), and the event loop detokenizes and streams each run's tokens while the
+next one computes.
 
 With speculative decoding (worker/llm/speculative.py: a draft model, or n-gram lookup) and
 one sequence decoding, its decode run becomes: the proposer proposes up to k tokens (a draft
@@ -208,12 +211,14 @@ class StepRunner:
                 tokens.append(token)
                 ended = ended or self.results.ends(seq, token, generated[j])
             padding = int(lengths.sum()) - real
+            stop = ended or self._interrupted
+            if not stop:  # the next run's inputs, made before the event loop wakes
+                ids[at, 0] = tokens
+                lengths[at] += 1
+                real += len(rows)
             loop.call_soon_threadsafe(self._emit, runs, tokens, top, ns, padding)
-            if ended or self._interrupted:
+            if stop:
                 return
-            ids[at, 0] = tokens
-            lengths[at] += 1
-            real += len(rows)
 
     def _emit(self, runs: DecodeRuns, tokens: list[int], top: bool, ns: int, padding: int) -> None:
         """On the event loop: one decode run's sampled tokens join their sequences (`top`:
@@ -267,10 +272,10 @@ class StepRunner:
         ids per row copied out, not the vocabulary) when every sequence sampling from the
         run needs no more (greedy, or top_k <= the graph's k, without penalties), else the
         logits."""
-        top = self.top
-        if top is not None and self._top(sampling):
+        if self._top(sampling):
+            assert self.top is not None
             values, best = await loop.run_in_executor(
-                self.pool, top.run_top, self.cache, ids, lengths, lo, hi
+                self.pool, self.top.run_top, self.cache, ids, lengths, lo, hi
             )
             self.stats.top_runs += 1
             return lambda i: (values[i], best[i])
