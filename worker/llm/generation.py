@@ -57,7 +57,7 @@ class Sequence(scheduler.Sequence):
 
 @dataclass
 class EngineStats:
-    steps: int = 0
+    steps: int = 0  # plans the scheduler made and the engine ran (a chain of decode runs: one)
     prefill_runs: int = 0
     prefill_tokens: int = 0
     decode_runs: int = 0
