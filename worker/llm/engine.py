@@ -272,7 +272,7 @@ class Engine:
             await self._task
         for seq in [*self.waiting, *self.running]:
             self.results.finish(seq, CANCELLED)
-        self.runner.pool.shutdown(wait=True)
+        self.runner.close()
         self.cache.close()
         if self.drafter is not None:
             self.drafter.close()

@@ -35,6 +35,8 @@ positions at once).
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +82,18 @@ class StepRunner:
         # (EngineConfig.num_scheduler_steps), and whether they must stop (`interrupt`)
         self.chain = 1
         self._interrupted = False
+        # Each decode run's tokens reach the event loop through a thread of its own
+        # (`_hand_over`): the step thread waking the loop itself would give the loop the GIL,
+        # and the step thread would wait for the loop's work before starting the next run.
+        self._handoff: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._waker = threading.Thread(target=self._hand_over, name="llm-emit", daemon=True)
+        self._waker.start()
+
+    def close(self) -> None:
+        """Stop the step thread and the hand-over thread (no run may be in flight)."""
+        self._handoff.put(None)
+        self._waker.join()
+        self.pool.shutdown(wait=True)
 
     async def run(self, plan: scheduler.StepPlan[Sequence]) -> None:
         """Run the plan: its copies, its prefill chunks, then its decode rows; accept each
@@ -148,7 +162,7 @@ class StepRunner:
         once, and the event loop emits the tokens (`_emit`) while that run computes."""
         lo = min(s.slot for s in decoding)
         hi = max(s.slot for s in decoding) + 1
-        runs = DecodeRuns(decoding, lo, np.zeros((hi - lo, 1), np.int64))
+        runs = DecodeRuns(decoding, lo, np.zeros((hi - lo, 1), np.int64), loop.create_future())
         lengths = np.ones(hi - lo, np.int64)
         # Rows between the decoding ones (free slots, prompts mid-prefill; retained prefixes
         # live in their own region, worker/llm/prefix.py) run a dummy token written just
@@ -170,6 +184,10 @@ class StepRunner:
         self.results.hold_leaves()  # an ended row's slot is the runs' until they stop
         try:
             await loop.run_in_executor(self.pool, self._steps, loop, runs, lengths)
+            await runs.emitted  # every run's tokens have joined their sequences
+        except BaseException as e:
+            runs.error = runs.error or e  # tokens still on their way are dropped
+            raise
         finally:
             self.results.release_leaves()
         if runs.error is not None:
@@ -186,6 +204,14 @@ class StepRunner:
         """On the step thread: decode runs of `runs.rows`, each sampled here and handed to
         the event loop (`_emit`), until a row ends, `chain` runs are done, or the engine
         interrupts."""
+        try:
+            self._chain(loop, runs, lengths)
+        finally:  # after the last run's tokens
+            self._handoff.put((loop, self._emitted, runs))
+
+    def _chain(
+        self, loop: asyncio.AbstractEventLoop, runs: DecodeRuns, lengths: np.ndarray
+    ) -> None:
         rows, ids, lo = runs.rows, runs.ids, runs.lo
         hi = lo + len(ids)
         at = [s.slot - lo for s in rows]
@@ -216,9 +242,21 @@ class StepRunner:
                 ids[at, 0] = tokens
                 lengths[at] += 1
                 real += len(rows)
-            loop.call_soon_threadsafe(self._emit, runs, tokens, top, ns, padding)
+            self._handoff.put((loop, self._emit, runs, tokens, top, ns, padding))
             if stop:
                 return
+
+    def _hand_over(self) -> None:
+        """On a thread of its own: each item `_steps` puts, called on the event loop in
+        order. The step thread then only releases a lock, and this thread takes the GIL
+        when the next run releases it."""
+        while (item := self._handoff.get()) is not None:
+            loop, call, *args = item
+            loop.call_soon_threadsafe(call, *args)
+
+    def _emitted(self, runs: DecodeRuns) -> None:
+        if not runs.emitted.done():
+            runs.emitted.set_result(None)
 
     def _emit(self, runs: DecodeRuns, tokens: list[int], top: bool, ns: int, padding: int) -> None:
         """On the event loop: one decode run's sampled tokens join their sequences (`top`:
@@ -353,12 +391,14 @@ class StepRunner:
 @dataclass
 class DecodeRuns:
     """Decode runs of `rows` over the slots from `lo` on, their next input `ids` [slots, 1];
-    `error`: what emitting their tokens raised (the runs stop, and the step fails)."""
+    `emitted`: done once the last run's tokens are emitted; `error`: what emitting them
+    raised, or the runs (the runs stop, and the step fails)."""
 
     rows: list[Sequence]
     lo: int
     ids: np.ndarray
-    error: Exception | None = None
+    emitted: asyncio.Future[None]
+    error: BaseException | None = None
 
 
 def copied(row: Row) -> Row:

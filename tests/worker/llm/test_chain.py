@@ -137,3 +137,39 @@ def test_an_arrival_and_a_cancel_stop_the_chain_within_a_run(make_engine) -> Non
             assert outs[-1].finish_reason == LENGTH and len(a.tokens) == 200
 
     asyncio.run(main())
+
+
+def test_a_run_that_fails_mid_chain_fails_its_rows_and_the_engine_serves_on(  # type: ignore[no-untyped-def]
+    make_engine,
+) -> None:
+    """The step graph's 10th run raises (a fault injected around the real session): the
+    chained rows end with that error and no token after it, their slots come back, and the
+    next request is served whole."""
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        async with make_engine(num_scheduler_steps=64) as engine:
+            model, calls = engine.model, []
+            real = model.run_top
+
+            def run_top(*args):  # type: ignore[no-untyped-def]
+                calls.append(1)
+                if len(calls) == 10:
+                    raise RuntimeError("injected failure")
+                return real(*args)
+
+            model.run_top = run_top
+            a, b = engine.add([11, 22, 33], params), engine.add([44, 55, 66], params)
+            outs = await asyncio.gather(collect(engine, a), collect(engine, b))
+            for out in outs:
+                assert [o.finished for o in out].count(True) == 1 and out[-1].finished
+                assert out[-1].finish_reason == "error"
+                assert "injected failure" in (out[-1].error or "")
+                assert out[-1].completion_tokens < 50
+            assert len(a.tokens) == outs[0][-1].completion_tokens  # none joined after
+            assert engine.cache.reserved_tokens == 0 and not engine.running
+            c = engine.add([77, 88], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+            last = (await collect(engine, c))[-1]
+            assert last.finish_reason == LENGTH and last.completion_tokens == 5
+
+    asyncio.run(main())
