@@ -202,8 +202,8 @@ class StepRunner:
         self, loop: asyncio.AbstractEventLoop, runs: DecodeRuns, lengths: np.ndarray
     ) -> None:
         """On the step thread: decode runs of `runs.rows`, each sampled here and handed to
-        the event loop (`_emit`), until a row ends, `chain` runs are done, or the engine
-        interrupts."""
+        the event loop (`_emit`, through the hand-over thread), until a row ends, `chain`
+        runs are done, or the engine interrupts; then `_emitted`."""
         try:
             self._chain(loop, runs, lengths)
         finally:  # after the last run's tokens
@@ -238,7 +238,7 @@ class StepRunner:
                 ended = ended or self.results.ends(seq, token, generated[j])
             padding = int(lengths.sum()) - real
             stop = ended or self._interrupted
-            if not stop:  # the next run's inputs, made before the event loop wakes
+            if not stop:  # the next run's inputs
                 ids[at, 0] = tokens
                 lengths[at] += 1
                 real += len(rows)
