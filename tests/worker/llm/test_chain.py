@@ -9,6 +9,7 @@ import asyncio
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 
@@ -173,3 +174,12 @@ def test_a_run_that_fails_mid_chain_fails_its_rows_and_the_engine_serves_on(  # 
             assert last.finish_reason == LENGTH and last.completion_tokens == 5
 
     asyncio.run(main())
+
+
+def test_num_scheduler_steps_below_one_is_refused_by_name(make_engine) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with make_engine(num_scheduler_steps=0):
+            pass
+
+    with pytest.raises(ValueError, match="num_scheduler_steps 0: must be >= 1"):
+        asyncio.run(main())
