@@ -7,9 +7,10 @@ One loop owns the model, the cache and every sequence. Each iteration decides, t
    step's token budget;
 2. the plan runs (worker/llm/step.py): its cache copies, one prefill run per chunk, one
    decode run for every decoding row (or a speculative verify run for a lone one);
-3. the results are accepted (worker/llm/generation.py): each sequence samples, detokenizes
-   and gets its new text; a chunk that ends its prompt gives the first token; a finished
-   sequence leaves at once and frees its cache.
+3. the results are accepted (worker/llm/generation.py): each sequence samples (a decode
+   row on the step thread, which may go on to the next decode run), detokenizes and gets
+   its new text; a chunk that ends its prompt gives the first token; a finished sequence
+   leaves and frees its cache.
 
 This module is the engine's face: requests are admitted (`add`, refused at once with the
 numbers that did not fit), streamed (`stream`, leaving early cancels) and cancelled, and the

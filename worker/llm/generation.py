@@ -159,26 +159,28 @@ class Results:
     def ends(self, seq: Sequence, token: int, generated: int) -> bool:
         """Whether `token`, the sequence's `generated`-th, ends it whatever its text says:
         EOS, max_tokens or max_model_len (a stop string only the detokenizer sees)."""
-        p = seq.params
+        return self._eos(seq, token) or self._at_length(seq, generated)
+
+    def _eos(self, seq: Sequence, token: int) -> bool:
+        return token in self.eos and not seq.params.ignore_eos
+
+    def _at_length(self, seq: Sequence, generated: int) -> bool:
         return (
-            (token in self.eos and not p.ignore_eos)
-            or generated >= p.max_tokens
-            or len(seq.prompt) + generated >= self.max_model_len
+            generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self.max_model_len
         )
 
     def emit(self, seq: Sequence, token: int) -> None:
         """The sampled token joins the sequence: its new text goes out, or its end."""
-        p = seq.params
         seq.tokens.append(token)
         reason = None
-        if token in self.eos and not p.ignore_eos:
+        if self._eos(seq, token):
             reason = STOP
             piece = ""
         else:
             piece = seq.detok.add(token)
             if seq.detok.stopped:
                 reason = STOP
-        if reason is None and (len(seq.tokens) >= p.max_tokens or seq.length >= self.max_model_len):
+        if reason is None and self._at_length(seq, len(seq.tokens)):
             reason = LENGTH
         if reason is None:
             if piece:

@@ -162,14 +162,19 @@ class StepRunner:
         once, and the event loop emits the tokens (`_emit`) while that run computes."""
         lo = min(s.slot for s in decoding)
         hi = max(s.slot for s in decoding) + 1
-        runs = DecodeRuns(decoding, lo, np.zeros((hi - lo, 1), np.int64), loop.create_future())
-        lengths = np.ones(hi - lo, np.int64)
+        runs = DecodeRuns(
+            decoding,
+            lo,
+            np.zeros((hi - lo, 1), np.int64),
+            np.ones(hi - lo, np.int64),
+            loop.create_future(),
+        )
         # Rows between the decoding ones (free slots, prompts mid-prefill; retained prefixes
         # live in their own region, worker/llm/prefix.py) run a dummy token written just
         # past their own data, where their next real token will overwrite it.
         for seq in self.scheduler.running:
             if lo <= seq.slot < hi:
-                lengths[seq.slot - lo] = seq.computed + 1
+                runs.lengths[seq.slot - lo] = seq.computed + 1
         for seq in decoding:
             runs.ids[seq.slot - lo, 0] = seq.tokens[-1]
         # The runs go on only while nothing the scheduler decides on changes: no request
@@ -183,7 +188,7 @@ class StepRunner:
         )
         self.results.hold_leaves()  # an ended row's slot is the runs' until they stop
         try:
-            await loop.run_in_executor(self.pool, self._steps, loop, runs, lengths)
+            await loop.run_in_executor(self.pool, self._steps, runs)
             await runs.emitted  # every run's tokens have joined their sequences
         except BaseException as e:
             runs.error = runs.error or e  # tokens still on their way are dropped
@@ -198,21 +203,17 @@ class StepRunner:
         decode runs going on ahead stop after the current one."""
         self._interrupted = True
 
-    def _steps(
-        self, loop: asyncio.AbstractEventLoop, runs: DecodeRuns, lengths: np.ndarray
-    ) -> None:
+    def _steps(self, runs: DecodeRuns) -> None:
         """On the step thread: decode runs of `runs.rows`, each sampled here and handed to
         the event loop (`_emit`, through the hand-over thread), until a row ends, `chain`
         runs are done, or the engine interrupts; then `_emitted`."""
         try:
-            self._chain(loop, runs, lengths)
+            self._chain(runs)
         finally:  # after the last run's tokens
-            self._handoff.put((loop, self._emitted, runs))
+            self._handoff.put((self._emitted, runs))
 
-    def _chain(
-        self, loop: asyncio.AbstractEventLoop, runs: DecodeRuns, lengths: np.ndarray
-    ) -> None:
-        rows, ids, lo = runs.rows, runs.ids, runs.lo
+    def _chain(self, runs: DecodeRuns) -> None:
+        rows, ids, lengths, lo = runs.rows, runs.ids, runs.lengths, runs.lo
         hi = lo + len(ids)
         at = [s.slot - lo for s in rows]
         generated = [len(s.tokens) for s in rows]
@@ -242,7 +243,7 @@ class StepRunner:
                 ids[at, 0] = tokens
                 lengths[at] += 1
                 real += len(rows)
-            self._handoff.put((loop, self._emit, runs, tokens, top, ns, padding))
+            self._handoff.put((self._emit, runs, tokens, top, ns, padding))
             if stop:
                 return
 
@@ -251,11 +252,11 @@ class StepRunner:
         order. The step thread then only releases a lock, and this thread takes the GIL
         when the next run releases it."""
         while (item := self._handoff.get()) is not None:
-            loop, call, *args = item
-            loop.call_soon_threadsafe(call, *args)
+            call, runs, *args = item
+            runs.emitted.get_loop().call_soon_threadsafe(call, runs, *args)
 
     def _emitted(self, runs: DecodeRuns) -> None:
-        if not runs.emitted.done():
+        if not runs.emitted.done():  # cancelled when the engine's loop task was
             runs.emitted.set_result(None)
 
     def _emit(self, runs: DecodeRuns, tokens: list[int], top: bool, ns: int, padding: int) -> None:
@@ -277,8 +278,8 @@ class StepRunner:
                 seq.computed += 1
                 if not seq.cancelled and seq.finish_reason is None:
                     self.results.emit(seq, token)
-                    if seq.finish_reason is not None:
-                        self._interrupted = True  # a stop string: its row runs no more
+                    if seq.finish_reason is not None:  # a stop string (or an end the
+                        self._interrupted = True  # thread saw too): its row runs no more
         except Exception as e:  # the step fails its sequences, as a run's error does
             runs.error = e
             self._interrupted = True
@@ -291,7 +292,7 @@ class StepRunner:
         top = self.top
         if top is None:
             return False
-        counts = generated or [len(s.tokens) for s in sampling]
+        counts = [len(s.tokens) for s in sampling] if generated is None else generated
         return all(
             (n := self.results.top_needed(s, g)) is not None and n <= top.top_k
             for s, g in zip(sampling, counts, strict=True)
@@ -390,13 +391,15 @@ class StepRunner:
 
 @dataclass
 class DecodeRuns:
-    """Decode runs of `rows` over the slots from `lo` on, their next input `ids` [slots, 1];
-    `emitted`: done once the last run's tokens are emitted; `error`: what emitting them
-    raised, or the runs (the runs stop, and the step fails)."""
+    """Decode runs of `rows` over the slots from `lo` on, their next input `ids` [slots, 1]
+    and `lengths` [slots]; `emitted`: done once the last run's tokens are emitted (on the
+    event loop the runs report to); `error`: what emitting them raised, or the runs (the
+    runs stop, and the step fails)."""
 
     rows: list[Sequence]
     lo: int
     ids: np.ndarray
+    lengths: np.ndarray
     emitted: asyncio.Future[None]
     error: BaseException | None = None
 
