@@ -130,10 +130,9 @@ class WorkerServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> None:
         """Requests on one stream run concurrently; responses go back as they come."""
-        async for reply in streaming.serve(request_iterator, self._stream, streams=True):
-            yield reply
+        await streaming.serve(request_iterator, self._stream, context.write, streams=True)
 
     @grpc_errors
     async def ModelStatistics(self, request, context):  # type: ignore[no-untyped-def]

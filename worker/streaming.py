@@ -33,39 +33,40 @@ def unary(
 async def serve(
     requests: AsyncIterator[pb.ModelInferRequest],
     handle: Handle | Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+    write: Callable[[pb.ModelStreamInferResponse], Awaitable[None]],
     streams: bool = False,
-) -> AsyncIterator[pb.ModelStreamInferResponse]:
-    """Yield every reply of every request as it comes. `handle` returns an async iterator
-    of replies when `streams`, else one awaitable reply."""
+) -> None:
+    """Write every reply of every request as it comes, until the client half-closes and
+    every request has its last reply. `handle` returns an async iterator of replies when
+    `streams`, else one awaitable reply. Each request's task writes its own replies (one
+    write at a time on the stream): a streamed token wakes one task, not a second one to
+    relay it."""
     each: Handle = handle if streams else unary(handle)  # type: ignore[assignment,arg-type]
-    out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+    writing = asyncio.Lock()
     tasks: set[asyncio.Task] = set()
+
+    async def send(reply: pb.ModelStreamInferResponse) -> None:
+        async with writing:
+            await write(reply)
 
     async def one(request: pb.ModelInferRequest) -> None:
         try:
             async for response in each(request):
-                await out.put(pb.ModelStreamInferResponse(infer_response=response))
+                await send(pb.ModelStreamInferResponse(infer_response=response))
         except MeshError as e:
-            await out.put(_error(request, e.message))
+            await send(_error(request, e.message))
         except Exception as e:  # a bug: the request still gets an answer, the stream lives
             log.exception("internal_error", rpc="ModelStreamInfer")
-            await out.put(_error(request, f"internal error: {type(e).__name__}: {e}"))
+            await send(_error(request, f"internal error: {type(e).__name__}: {e}"))
 
-    async def read() -> None:
+    try:
         async for request in requests:
             task = asyncio.create_task(one(request))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         while tasks:
             await asyncio.gather(*list(tasks), return_exceptions=True)
-        await out.put(None)
-
-    reader = asyncio.create_task(read())
-    try:
-        while (item := await out.get()) is not None:
-            yield item
     finally:
-        reader.cancel()
         for task in list(tasks):
             task.cancel()
 
