@@ -9,7 +9,7 @@ from common import cli, logging
 from planner.profiles import ProfileError
 from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
-from worker.server import GroupFailed, serve
+from worker.server import BindFailed, GroupFailed, serve
 from worker.settings import WorkerSettings
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(serve(settings))
-    except (ConfigError, GpuRequired, ModelLoadError, ProfileError) as e:
+    except (BindFailed, ConfigError, GpuRequired, ModelLoadError, ProfileError) as e:
         print(f"meshserve worker: {e}", file=sys.stderr)
         return 2
     except GroupFailed as e:

@@ -55,6 +55,10 @@ DEREGISTER_S = 2.0  # leaving the registry waits this long for Redis, then drain
 DRAIN_SLACK_S = 5.0
 
 
+class BindFailed(Exception):
+    """The gRPC port could not be bound (taken, or not an address of this host)."""
+
+
 class GroupFailed(Exception):
     """A rank died or a collective timed out; the worker exits so the group restarts."""
 
@@ -76,16 +80,20 @@ def _return_free_heap() -> None:
 
 
 async def serve(settings: WorkerSettings) -> None:
-    """Load, serve, register; then on SIGTERM drain, or on a group failure stop at once."""
+    """Bind, load, serve, register; then on SIGTERM drain, or on a group failure stop at
+    once. The port is bound before the models load: a shard group's ranks open sockets on
+    ephemeral ports while loading (gloo), and one of them could otherwise take the port the
+    worker was told to serve on. Nothing answers on it until every model is loaded."""
+    bound = bind_grpc(settings)
     repository, group = load_repository(settings)
-    grpc_server = await start_grpc(settings, repository)
+    grpc_server = await start_grpc(bound, repository)
     servicer = grpc_server.servicer
     metrics_address = None
     if settings.metrics_port:
-        bound = metrics.serve(
+        metrics_port = metrics.serve(
             repository, settings.metrics_port, settings.metrics_host, servicer.roofline
         )
-        metrics_address = f"{settings.metrics_host}:{bound}"
+        metrics_address = f"{settings.metrics_host}:{metrics_port}"
 
     # What loading made (modules, sessions, tokenizers) lives as long as the process: once
     # its garbage is collected, it is frozen out of the collector's sight, so a full
@@ -157,17 +165,23 @@ class GrpcServer:
     tls: bool
 
 
-async def start_grpc(settings: WorkerSettings, repository: Repository) -> GrpcServer:
-    """The gRPC server with the servicer, health and reflection, bound and started."""
+@dataclass
+class BoundServer:
+    """A gRPC server with its port bound, not yet started, and no inference service yet."""
+
+    server: grpc.aio.Server
+    health: rpc.Health
+    port: int
+    tls: bool
+    limits: Limits
+    roofs: Roofs
+
+
+def bind_grpc(settings: WorkerSettings) -> BoundServer:
+    """The gRPC server with health and reflection, its port bound (refused if taken)."""
     server, health = rpc.new_server(
         settings.max_message_bytes, rpc.reflection_wanted(settings.host, settings.reflection)
     )
-    limits = Limits(
-        max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
-    )
-    roofs = Roofs.from_setting(settings.roofline_profile, settings.intra_op_threads)
-    servicer = WorkerServicer(repository, limits, roofs)
-    server.add_generic_rpc_handlers([handler(servicer)])
     credentials = (
         tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         if settings.tls_cert and settings.tls_key
@@ -175,9 +189,24 @@ async def start_grpc(settings: WorkerSettings, repository: Repository) -> GrpcSe
     )
     if settings.tls_client_ca and credentials is None:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
-    port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
-    await server.start()
-    return GrpcServer(server, health, servicer, port, credentials is not None)
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = tls.add_port(server, address, credentials)
+    except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+        raise BindFailed(f"cannot serve on {address}: the port is taken ({e})") from None
+    limits = Limits(
+        max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
+    )
+    roofs = Roofs.from_setting(settings.roofline_profile, settings.intra_op_threads)
+    return BoundServer(server, health, port, credentials is not None, limits, roofs)
+
+
+async def start_grpc(bound: BoundServer, repository: Repository) -> GrpcServer:
+    """The bound server with the inference service over `repository`, started."""
+    servicer = WorkerServicer(repository, bound.limits, bound.roofs)
+    bound.server.add_generic_rpc_handlers([handler(servicer)])
+    await bound.server.start()
+    return GrpcServer(bound.server, bound.health, servicer, bound.port, bound.tls)
 
 
 def register(
