@@ -193,7 +193,9 @@ def bind_grpc(settings: WorkerSettings) -> BoundServer:
     try:
         port = tls.add_port(server, address, credentials)
     except RuntimeError as e:  # grpc: "Failed to bind to address ..."
-        raise BindFailed(f"cannot serve on {address}: the port is taken ({e})") from None
+        raise BindFailed(
+            f"cannot serve on {address}: the port is taken or the address is not this host's ({e})"
+        ) from None
     limits = Limits(
         max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
     )
