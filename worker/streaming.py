@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from common.errors import MeshError
+from common.llm_protocol import FINAL_RESPONSE as FINAL
 from protos import grpc_service_pb2 as pb
 
 log = structlog.get_logger()
@@ -50,14 +51,26 @@ async def serve(
             await write(reply)
 
     async def one(request: pb.ModelInferRequest) -> None:
+        # A request's final reply is written once its replies are exhausted (its statistics
+        # recorded), so a client holding it finds the request counted; the others at once.
+        final: pb.ModelStreamInferResponse | None = None
+        error: pb.ModelStreamInferResponse | None = None
         try:
             async for response in each(request):
-                await send(pb.ModelStreamInferResponse(infer_response=response))
+                if final is not None:  # a reply after one flagged final keeps its order
+                    await send(final)
+                reply = pb.ModelStreamInferResponse(infer_response=response)
+                final = reply if is_final(response) else None
+                if final is None:
+                    await send(reply)
         except MeshError as e:
-            await send(_error(request, e.message))
+            error = _error(request, e.message)
         except Exception as e:  # a bug: the request still gets an answer, the stream lives
             log.exception("internal_error", rpc="ModelStreamInfer")
-            await send(_error(request, f"internal error: {type(e).__name__}: {e}"))
+            error = _error(request, f"internal error: {type(e).__name__}: {e}")
+        for last in (final, error):
+            if last is not None:
+                await send(last)
 
     try:
         async for request in requests:
@@ -69,6 +82,12 @@ async def serve(
     finally:
         for task in list(tasks):
             task.cancel()
+
+
+def is_final(response: pb.ModelInferResponse) -> bool:
+    """A request's last reply: flagged so by a decoupled model, or a plain model's only one."""
+    params = response.parameters
+    return FINAL not in params or params[FINAL].bool_param
 
 
 def _error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
