@@ -12,6 +12,9 @@ the bool parameter `triton_final_response` and the usage parameters below.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 TEXT_INPUT = "text_input"
 STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
@@ -50,3 +53,10 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30
 
 # A text model (worker/text.py, an embedder): its BYTES input [batch, 1], one string a row.
 TEXT = "TEXT"
+
+
+def is_final(parameters: Mapping[str, Any]) -> bool:
+    """Whether a response with these parameters (its InferParameter map) is its request's
+    last: flagged final, or not flagged at all (a model that is not decoupled answers once)."""
+    flag = parameters.get(FINAL_RESPONSE)
+    return flag is None or flag.bool_param

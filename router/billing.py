@@ -19,8 +19,6 @@ from common.mesh_state import ModelEntry
 from protos.usage_pb2 import ResponseHeader, StreamResponseHeader
 from router.accounting import Tokens, token_revenue
 
-FINAL = llm_protocol.FINAL_RESPONSE
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -49,10 +47,9 @@ def _piece(header: ResponseHeader, error: str = "") -> Piece:
             return None
         return max(p.int64_param, 0)
 
-    final = params.get(FINAL)
     reason = params.get(llm_protocol.FINISH_REASON)
     return Piece(
-        final=final is None or final.bool_param,
+        final=llm_protocol.is_final(params),
         error=error,
         prompt_tokens=count(llm_protocol.PROMPT_TOKENS),
         completion_tokens=count(llm_protocol.COMPLETION_TOKENS),

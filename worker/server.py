@@ -86,7 +86,7 @@ async def serve(settings: WorkerSettings) -> None:
     worker was told to serve on. Nothing answers on it until every model is loaded."""
     bound = bind_grpc(settings)
     repository, group = load_repository(settings)
-    grpc_server = await start_grpc(bound, repository)
+    grpc_server = await start_grpc(bound, settings, repository)
     servicer = grpc_server.servicer
     metrics_address = None
     if settings.metrics_port:
@@ -157,28 +157,24 @@ def load_repository(settings: WorkerSettings) -> tuple[Repository, TpRepository 
 
 
 @dataclass
-class GrpcServer:
+class BoundServer:
+    """A gRPC server with health and reflection, its port bound; nothing served yet."""
+
     server: grpc.aio.Server
     health: rpc.Health
-    servicer: WorkerServicer
     port: int
     tls: bool
 
 
 @dataclass
-class BoundServer:
-    """A gRPC server with its port bound, not yet started, and no inference service yet."""
+class GrpcServer(BoundServer):
+    """The bound server, started with the inference service."""
 
-    server: grpc.aio.Server
-    health: rpc.Health
-    port: int
-    tls: bool
-    limits: Limits
-    roofs: Roofs
+    servicer: WorkerServicer
 
 
 def bind_grpc(settings: WorkerSettings) -> BoundServer:
-    """The gRPC server with health and reflection, its port bound (refused if taken)."""
+    """The gRPC server, its port bound (refused if taken)."""
     server, health = rpc.new_server(
         settings.max_message_bytes, rpc.reflection_wanted(settings.host, settings.reflection)
     )
@@ -196,19 +192,21 @@ def bind_grpc(settings: WorkerSettings) -> BoundServer:
         raise BindFailed(
             f"cannot serve on {address}: the port is taken or the address is not this host's ({e})"
         ) from None
+    return BoundServer(server, health, port, credentials is not None)
+
+
+async def start_grpc(
+    bound: BoundServer, settings: WorkerSettings, repository: Repository
+) -> GrpcServer:
+    """The bound server with the inference service over `repository`, started."""
     limits = Limits(
         max_elements=settings.max_message_bytes, max_bytes_elements=settings.max_bytes_elements
     )
     roofs = Roofs.from_setting(settings.roofline_profile, settings.intra_op_threads)
-    return BoundServer(server, health, port, credentials is not None, limits, roofs)
-
-
-async def start_grpc(bound: BoundServer, repository: Repository) -> GrpcServer:
-    """The bound server with the inference service over `repository`, started."""
-    servicer = WorkerServicer(repository, bound.limits, bound.roofs)
+    servicer = WorkerServicer(repository, limits, roofs)
     bound.server.add_generic_rpc_handlers([handler(servicer)])
     await bound.server.start()
-    return GrpcServer(bound.server, bound.health, servicer, bound.port, bound.tls)
+    return GrpcServer(bound.server, bound.health, bound.port, bound.tls, servicer)
 
 
 def register(

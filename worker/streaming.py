@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from common.errors import MeshError
-from common.llm_protocol import FINAL_RESPONSE as FINAL
+from common.llm_protocol import is_final
 from protos import grpc_service_pb2 as pb
 
 log = structlog.get_logger()
@@ -59,9 +59,11 @@ async def serve(
             async for response in each(request):
                 if final is not None:  # a reply after one flagged final keeps its order
                     await send(final)
+                    final = None
                 reply = pb.ModelStreamInferResponse(infer_response=response)
-                final = reply if is_final(response) else None
-                if final is None:
+                if is_final(response.parameters):
+                    final = reply
+                else:
                     await send(reply)
         except MeshError as e:
             error = _error(request, e.message)
@@ -82,12 +84,6 @@ async def serve(
     finally:
         for task in list(tasks):
             task.cancel()
-
-
-def is_final(response: pb.ModelInferResponse) -> bool:
-    """A request's last reply: flagged so by a decoupled model, or a plain model's only one."""
-    params = response.parameters
-    return FINAL not in params or params[FINAL].bool_param
 
 
 def _error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:

@@ -30,7 +30,6 @@ from common.rpc import message_options
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
-FINAL = llm_protocol.FINAL_RESPONSE
 EMPTY_FINAL = llm_protocol.EMPTY_FINAL_RESPONSE
 TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
@@ -158,7 +157,7 @@ def _record(out: Outcome, response: pb.ModelInferResponse, now: float) -> bool:
         out.cached_tokens = int(params[llm_protocol.CACHED_TOKENS].int64_param)
     if llm_protocol.FINISH_REASON in params:
         out.finish_reason = params[llm_protocol.FINISH_REASON].string_param
-    final = params[FINAL].bool_param if FINAL in params else True  # a non-decoupled model
+    final = llm_protocol.is_final(params)
     if final and out.completion_tokens is None and out.piece_tokens:
         out.completion_tokens = sum(out.piece_tokens)
     return final

@@ -28,7 +28,7 @@ from router.http.errors import HttpError
 TEXT_INPUT, TEXT_OUTPUT, MESSAGES = llm.TEXT_INPUT, llm.TEXT_OUTPUT, llm.MESSAGES
 STREAM, SAMPLING, EXCLUDE = llm.STREAM, llm.SAMPLING_PARAMETERS, llm.EXCLUDE_INPUT_IN_OUTPUT
 PROMPT_TOKENS, COMPLETION_TOKENS = llm.PROMPT_TOKENS, llm.COMPLETION_TOKENS
-CACHED_TOKENS, FINISH_REASON, FINAL = llm.CACHED_TOKENS, llm.FINISH_REASON, llm.FINAL_RESPONSE
+CACHED_TOKENS, FINISH_REASON = llm.CACHED_TOKENS, llm.FINISH_REASON
 DEFAULT_MAX_TOKENS = 256
 
 # OpenAI fields -> the engine's sampling keys (worker/llm/sampling.py).
@@ -268,11 +268,6 @@ def finish_reason(reply: pb.ModelInferResponse) -> str | None:
     return "length" if p.string_param == "length" else "stop"
 
 
-def is_final(reply: pb.ModelInferResponse) -> bool:
-    p = reply.parameters.get(FINAL)
-    return p is None or p.bool_param
-
-
 def answer(g: Generation, rid: str, reply: pb.ModelInferResponse) -> dict:
     text = tensors.output_text(reply, TEXT_OUTPUT)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(reply) or "stop"}
@@ -326,7 +321,7 @@ class Chunks:
     def events(self, reply: pb.ModelInferResponse) -> bytes:
         """The events one worker response makes (the last one ends the stream)."""
         text = tensors.output_text(reply, TEXT_OUTPUT)
-        final = is_final(reply)
+        final = llm.is_final(reply.parameters)
         used = usage(reply)
         continuous = self.g.continuous_usage and self.g.include_usage
         out = b""

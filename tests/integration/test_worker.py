@@ -6,7 +6,6 @@ import asyncio
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from common.net import free_port
-from devmesh.processes import ROOT
+from devmesh import processes
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -527,29 +526,18 @@ def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) ->
     assert "token id 8 at [0, 1] is outside the vocabulary 0..7 of model 'words'" in text
 
 
-def test_taken_port_is_refused_before_any_model_loads(model_repository) -> None:  # type: ignore[no-untyped-def]
+def test_taken_port_is_refused_before_any_model_loads(model_repository, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The port is bound first: a shard group's ranks open ephemeral ports while loading, so
     a worker that bound after loading could find its own port taken by them."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        worker = processes.worker_process(
+            model_repository, port, tmp_path, None, "--providers", "cpu"
+        )
         refused = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "worker",
-                "--model-repository",
-                str(model_repository),
-                "--port",
-                str(port),
-                "--providers",
-                "cpu",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
+            worker.args, cwd=worker.cwd, capture_output=True, text=True, timeout=60
         )
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"cannot serve on 127.0.0.1:{port}: the port is taken" in refused.stderr
