@@ -53,6 +53,9 @@ RECIPES: dict[str, tuple[float, str, str]] = {
     "decoder-int8-dynamic": (1.0, "int8", "int8"),
     "decoder-int8-weight-only": (1.0 + 4 / 64, "int8", "fp16"),
     "decoder-int4-weight-only": (0.5 + 4 / 32 + 0.5 / 32, "int8", "fp16"),
+    # int8 per output channel (one scale per column), int8 activations; the down
+    # projections stay int8 weight-only blocks (quantize/w8a8.py), counted as int8 here
+    "decoder-w8a8": (1.0, "int8", "int8"),
 }
 
 
@@ -319,6 +322,8 @@ def _output_bytes(graph: onnx.GraphProto) -> int:
 
 def _guess_recipe(model: onnx.ModelProto) -> str:
     ops = {n.op_type for n in model.graph.node}
+    if "MatMulIntegerToFloat" in ops:
+        return "w8a8"
     if "MatMulNBits" in ops:
         bits = {_attr(n, "bits", 4) for n in model.graph.node if n.op_type == "MatMulNBits"}
         return "int4-weight-only" if 4 in bits else "int8-weight-only"

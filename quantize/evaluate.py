@@ -1,7 +1,8 @@
 """Accuracy of a quantized ONNX file against its fp32 parent, and latency of both.
 
 Runs the exported graphs with onnxruntime (the runtime that serves them), on the held-out
-sets in quantize/evalset/. Tokenizers are the ones the worker uses (tokenizer.json).
+sets in quantize/evalset/. Tokenizers are the ones the worker uses (tokenizer.json). The one
+module of quantize/ that runs the engine: the gate, and W8A8's calibration (activation_amax).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
@@ -140,6 +142,42 @@ def teacher_forced(model, sequences: list[list[int]]) -> list[np.ndarray]:  # ty
         finally:
             cache.close()
     return out
+
+
+def activation_amax(
+    model: onnx.ModelProto, names: list[str], sequences: list[list[int]]
+) -> dict[str, np.ndarray]:
+    """Per-channel amax of the step graph MODEL's activations NAMES over a prefill run of
+    each sequence, run by the engine's step model (a calibration: quantize/w8a8.py)."""
+    import tempfile
+
+    from worker.llm.cache import KVCache
+    from worker.llm.model import StepModel
+    from worker.runtime import RuntimeOptions
+
+    probed = onnx.ModelProto()
+    probed.CopyFrom(model)
+    known = {o.name for o in probed.graph.output}
+    probed.graph.output.extend(
+        onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)
+        for x in names
+        if x not in known
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save(probed, str(path), save_as_external_data=True, location="model.onnx.data")
+        step = StepModel.load(path, RuntimeOptions(), ["CPUExecutionProvider"])
+    amax: dict[str, np.ndarray] = {}
+    for ids in sequences:
+        cache = KVCache(step.facts.cache_shape(1, len(ids)), len(ids))
+        try:
+            values = step.run_probes(cache, np.array([ids]), np.array([len(ids)]), 0, 1, names)
+        finally:
+            cache.close()
+        for x, v in zip(names, values, strict=True):
+            a = np.abs(v).reshape(-1, v.shape[-1]).max(0)
+            amax[x] = np.maximum(amax[x], a) if x in amax else a
+    return amax
 
 
 def greedy(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import onnx
 
-from common import model_keys, paths
+from common import cpu, model_keys, paths
 from quantize import checkpoint, checkpoints, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 from quantize.repository import llm_config_text
@@ -36,16 +36,29 @@ MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name
 
 
-# The recipe to serve by CPU (`build(by_cpu=True)`): onnxruntime's int8 MatMulNBits kernel is
-# fast with VNNI (AVX-512 or AVX) and slow on AVX2 alone, where its int4 kernel is the faster
-# one (docs/llm.md: a 16-row decode step 74 against 87 ms, a 64-token chunk 141 against
-# 199 ms on an AVX2-only AMD EPYC; on AVX-512 VNNI int8 is faster, 8.6 against 12.5 ms a
-# one-row step). In order; the first flag the CPU has wins, "*" any.
+# The recipe to serve by CPU (`build(by_cpu=True)`), in order; the first flag the CPU has
+# wins, "*" any. With AMX, W8A8 (int8 activations through MLAS's QGEMM) runs 16-32 rows
+# 1.2x faster than int8 weight-only and one row the same (docs/llm.md "W8A8 on AMX"; a CPU
+# with VNNI but no AMX was not measured, so it keeps int8 weight-only). onnxruntime's int8
+# MatMulNBits kernel is fast with VNNI (AVX-512 or AVX) and slow on AVX2 alone, where its
+# int4 kernel is the faster one (docs/llm.md: a 16-row decode step 74 against 87 ms, a
+# 64-token chunk 141 against 199 ms on an AVX2-only AMD EPYC; on AVX-512 VNNI int8 is
+# faster, 8.6 against 12.5 ms a one-row step).
+W8A8_RECIPE = "decoder-w8a8"
 BY_CPU = (
+    ("amx_int8", W8A8_RECIPE),
     ("avx512_vnni", DEFAULT_RECIPE),
     ("avx_vnni", DEFAULT_RECIPE),
     ("*", "decoder-int4-weight-only"),
 )
+# Recipes whose numbers hold only on a CPU with their rule's flag (W8A8's QGEMM saturates
+# without VNNI): built, gated and listed only where this CPU has it.
+CPU_BOUND = frozenset({W8A8_RECIPE})
+
+
+def buildable(by_cpu: Sequence[tuple[str, str]], flags: frozenset[str]) -> list[tuple[str, str]]:
+    """BY_CPU's rules less those for a CPU-bound recipe whose flag this CPU lacks."""
+    return [(flag, r) for flag, r in by_cpu if r not in CPU_BOUND or flag in flags]
 
 
 def recipes_of(recipe_name: str, by_cpu: Sequence[tuple[str, str]]) -> list[str]:
@@ -141,6 +154,7 @@ def build(
 ) -> tuple[Path, dict]:
     """Export, quantize, gate and install (with `by_cpu`, every recipe named there too); a
     refused recipe installs nothing. Returns the main recipe's gate metrics."""
+    by_cpu = buildable(by_cpu, cpu.flags())
     pipeline.export_model(MODEL, cache)
     found: dict[str, dict] = {}
     for recipe in recipes_of(recipe_name, by_cpu):

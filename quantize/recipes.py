@@ -123,6 +123,12 @@ def _weight_only(
     return apply
 
 
+def _w8a8(src: Path, dst: Path) -> None:
+    from quantize import w8a8
+
+    w8a8.recipe(_weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK))(src, dst)
+
+
 def _gguf_exact_int4(src: Path, dst: Path) -> None:
     """quantize/int4.py: Q4_1 blocks stay the very 4-bit codes the GGUF holds (zero point
     plus residual, exact), Q8_0 blocks stay 8-bit; weights with no such grid: int4 RTN."""
@@ -245,6 +251,19 @@ RECIPES = {
             "weight, and this quarters their bytes.",
             DECODER_GATE,
             _weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK),
+        ),
+        Recipe(
+            "decoder-w8a8",
+            DECODER,
+            "CPU serving of many rows on a CPU with AMX: the int8 weight-only graph with its "
+            "projections (all but the MLP's down) as int8 weights per output channel times "
+            "int8 activations per row (MatMulIntegerToFloat: MLAS's u8s8 QGEMM, several "
+            "times MatMulNBits' speed at 16-32 rows there), the RMSNorm outputs smoothed "
+            "into the weights and each input's outlier channels kept in fp32 "
+            "(quantize/w8a8.py). Exact only on a CPU with VNNI, so it is built and served "
+            "by CPU flag (quantize/llm.BY_CPU).",
+            DECODER_GATE,
+            _w8a8,
         ),
         Recipe(
             "decoder-int4-weight-only",

@@ -190,6 +190,25 @@ class StepModel:
             )
         return self._run(cache, ids, lengths, lo, hi, ids.shape[1])
 
+    def run_probes(
+        self,
+        cache: KVCache,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        lo: int,
+        hi: int,
+        names: list[str],
+    ) -> list[np.ndarray]:
+        """As `run`, returning the graph outputs NAMES instead of the logits: activations a
+        copy of the graph exposes as outputs, for a quantizer's calibration (quantize/w8a8)."""
+        io = self.session.session.io_binding()
+        self._bind_cache(io, cache, lo, hi)
+        for name in names:
+            io.bind_output(name)
+        self._feed(io, ids, lengths, 1)
+        self.session.session.run_with_iobinding(io)
+        return [v.numpy() for v in io.get_outputs()[-len(names) :]]
+
     def _run(
         self, cache: KVCache, ids: np.ndarray, lengths: np.ndarray, lo: int, hi: int, n: int
     ) -> np.ndarray:
