@@ -2,8 +2,9 @@
 per row (token), through onnxruntime's MatMulIntegerToFloat, which runs MLAS's u8s8 QGEMM.
 
 Why: at 16-32 rows MatMulNBits' int8 kernel computes rather than reads, and the QGEMM is
-several times faster there on a CPU with AMX (docs/llm.md "W8A8 on AMX": a 16-row decode
-step 29 against 35 ms, 32 rows 51 against 63, one row the same). The QGEMM is exact only
+about twice as fast there on a CPU with AMX; with the rest of the step (docs/llm.md "W8A8
+on AMX"), a 16-row decode step takes 28 against 35 ms, 32 rows 50 against 63, one row the
+same. The QGEMM is exact only
 where the CPU has VNNI (without it, vpmaddubsw saturates int16 pairs), so the recipe is
 built and served where the CPU has the flag its rule names (quantize/llm.BY_CPU).
 
