@@ -257,8 +257,8 @@ RECIPES = {
             DECODER,
             "CPU serving of many rows on a CPU with AMX: the int8 weight-only graph with its "
             "projections (all but the MLP's down) as int8 weights per output channel times "
-            "int8 activations per row (MatMulIntegerToFloat: MLAS's u8s8 QGEMM, several "
-            "times MatMulNBits' speed at 16-32 rows there), the RMSNorm outputs smoothed "
+            "int8 activations per row (MatMulIntegerToFloat: MLAS's u8s8 QGEMM, about "
+            "twice MatMulNBits' speed at 16-32 rows there), the RMSNorm outputs smoothed "
             "into the weights and each input's outlier channels kept in fp32 "
             "(quantize/w8a8.py). Exact only on a CPU with VNNI, so it is built and served "
             "by CPU flag (quantize/llm.BY_CPU).",
