@@ -39,6 +39,7 @@ SECTIONS: dict[str, str] = {
     "llm_anchor_paired_intel_amx_run2": "llm_paired",
     "llm_anchor_paired_intel_amx_w8a8": "llm_paired",
     "llm_anchor_paired_intel_amx_w8a8_run2": "llm_paired",
+    "llm_anchor_paired_intel_amx_w8a8_run3": "llm_paired",
     "llm_anchor_ngram": "llm_paired",
     "llm_prefix": "llm_prefix",
     "llm_gpu_q4": "llm_gpu",
