@@ -148,24 +148,23 @@ def activation_amax(
     model: onnx.ModelProto, names: list[str], sequences: list[list[int]]
 ) -> dict[str, np.ndarray]:
     """Per-channel amax of the step graph MODEL's activations NAMES over a prefill run of
-    each sequence, run by the engine's step model (a calibration: quantize/w8a8.py)."""
+    each sequence, run by the engine's step model (a calibration: quantize/w8a8.py). MODEL
+    is changed: NAMES become graph outputs too."""
     import tempfile
 
     from worker.llm.cache import KVCache
     from worker.llm.model import StepModel
     from worker.runtime import RuntimeOptions
 
-    probed = onnx.ModelProto()
-    probed.CopyFrom(model)
-    known = {o.name for o in probed.graph.output}
-    probed.graph.output.extend(
+    known = {o.name for o in model.graph.output}
+    model.graph.output.extend(
         onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)
         for x in names
         if x not in known
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.onnx"
-        onnx.save(probed, str(path), save_as_external_data=True, location="model.onnx.data")
+        onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data")
         step = StepModel.load(path, RuntimeOptions(), ["CPUExecutionProvider"])
     amax: dict[str, np.ndarray] = {}
     for ids in sequences:

@@ -123,10 +123,15 @@ def _weight_only(
     return apply
 
 
+_int8_weight_only = _weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK)
+
+
 def _w8a8(src: Path, dst: Path) -> None:
+    """decoder-int8-weight-only's graph, then its projections rewritten (quantize/w8a8.py)."""
     from quantize import w8a8
 
-    w8a8.recipe(_weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK))(src, dst)
+    _int8_weight_only(src, dst)
+    w8a8.apply(src, dst)
 
 
 def _gguf_exact_int4(src: Path, dst: Path) -> None:
@@ -250,7 +255,7 @@ RECIPES = {
             "the KV cache and the causal mask keep full range. Decode steps read every "
             "weight, and this quarters their bytes.",
             DECODER_GATE,
-            _weight_only(8, DECODER_INT8_BLOCK, DECODER_INT8_HEAD_BLOCK),
+            _int8_weight_only,
         ),
         Recipe(
             "decoder-w8a8",

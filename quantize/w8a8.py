@@ -30,14 +30,15 @@ language reference (`pydoc_data`), not the gate's set.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-MS_DOMAIN = "com.microsoft"
+from quantize.embedding import MS_DOMAIN
+
 ALPHA = 0.5
 OUTLIER_RATIO = 10.0
 OUTLIERS = 8
@@ -97,6 +98,7 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
+    consumers = Counter(i for n in g.node for i in n.input)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         if n.op_type == "MatMulNBits" and not is_down(n):
@@ -108,7 +110,7 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
         norm = producer.get(x)
         if norm is None or norm.op_type not in NORMS or norm.output[0] != x:
             continue
-        if sum(x in n.input for n in g.node) != len(nodes):
+        if consumers[x] != len(nodes):
             continue  # read by something else too, which the fold would change
         wmax = np.max([np.abs(weights[n.name]).max(1) for n in nodes], axis=0)
         c = np.sqrt(np.maximum(amax[x], 1e-5) / np.maximum(wmax, 1e-5)).astype(np.float32)
@@ -130,7 +132,8 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
     dropped: set[str] = set()
 
     def quantize_input(x: str) -> tuple[str, str, np.ndarray | None]:
-        """Per-row uint8 codes and scales of X (outlier channels masked out first)."""
+        """Per-row uint8 codes and scales of X, and its outlier channels (None: none): those
+        are masked out of the codes and gathered once, as `{x}.w8a8_outlier_values`."""
         a = amax[x]
         outliers = None
         src = x
@@ -142,6 +145,11 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
             added.append(numpy_helper.from_array(outliers, f"{x}.w8a8_outliers"))
             src = f"{x}.w8a8_inliers"
             nodes_out.append(helper.make_node("Mul", [x, f"{x}.w8a8_mask"], [src]))
+            nodes_out.append(
+                helper.make_node(
+                    "Gather", [x, f"{x}.w8a8_outliers"], [f"{x}.w8a8_outlier_values"], axis=-1
+                )
+            )
         p = f"{x}.w8a8"
         nodes_out.extend(
             [
@@ -185,8 +193,9 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
                 helper.make_node(
                     "MatMulIntegerToFloat", inputs, [f"{p}.w8a8_int"], p, domain=MS_DOMAIN
                 ),
-                helper.make_node("Gather", [x, f"{x}.w8a8_outliers"], [f"{p}.w8a8_x"], axis=-1),
-                helper.make_node("MatMul", [f"{p}.w8a8_x", f"{p}.w8a8_rows"], [f"{p}.w8a8_y"]),
+                helper.make_node(
+                    "MatMul", [f"{x}.w8a8_outlier_values", f"{p}.w8a8_rows"], [f"{p}.w8a8_y"]
+                ),
                 helper.make_node("Add", [f"{p}.w8a8_int", f"{p}.w8a8_y"], [out]),
             ]
         )
@@ -198,15 +207,10 @@ def rewrite(model: onnx.ModelProto, amax: dict[str, np.ndarray]) -> int:
     return len(weights)
 
 
-def recipe(weight_only: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
-    """fp32 step graph -> W8A8: WEIGHT_ONLY's 8-bit graph, calibrated on the fp32 one (whose
-    tokenizer.json lies beside it), rewritten."""
-
-    def apply(src: Path, dst: Path) -> None:
-        weight_only(src, dst)
-        amax = calibrate(src, src.with_name("tokenizer.json"))
-        model = onnx.load(str(dst))
-        rewrite(model, amax)
-        onnx.save(model, str(dst))
-
-    return apply
+def apply(src: Path, dst: Path) -> None:
+    """Rewrite the 8-bit weight-only graph at DST in place, calibrated on its fp32 parent at
+    SRC (whose tokenizer.json lies beside it)."""
+    amax = calibrate(src, src.with_name("tokenizer.json"))
+    model = onnx.load(str(dst))
+    rewrite(model, amax)
+    onnx.save(model, str(dst))
