@@ -3,11 +3,13 @@ parameters, spelled once. The worker serves them (worker/llm/serving.py, worker/
 the router bills from them (router/billing.py), and the clients, the load tool and the
 benchmarks send and read them.
 
-Request: `text_input` BYTES [1]; optional `stream` BOOL [1], `sampling_parameters` BYTES [1]
-(JSON: max_tokens, temperature, top_p, top_k, seed, stop, ...), `exclude_input_in_output`
-BOOL [1], `return_num_input_tokens` / `return_num_output_tokens` BOOL [1].
+Request: `text_input` BYTES [1] (or `messages`, or `input_ids`); optional `stream` BOOL
+[1], `sampling_parameters` BYTES [1] (JSON: max_tokens, temperature, top_p, top_k, seed,
+stop, n, logprobs, guided_*, ...), `exclude_input_in_output` BOOL [1], `tools` BYTES [1],
+`return_num_input_tokens` / `return_num_output_tokens` BOOL [1].
 Responses: `text_output` BYTES, one per piece of text when streaming; the last one carries
-the bool parameter `triton_final_response` and the usage parameters below.
+the bool parameter `triton_final_response` and the usage parameters below. With n > 1 each
+piece names its choice (`index`), and only the request's last response is final.
 """
 
 from __future__ import annotations
@@ -24,19 +26,50 @@ RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 # A chat instead of text_input: BYTES [1], a JSON list of {role, content} messages, rendered
 # by the model's own chat template on the worker (worker/llm/chat.py).
 MESSAGES = "messages"
+# A token-id prompt instead of text_input / messages: INT64 or INT32 [k], ids in the vocabulary.
+INPUT_IDS = "input_ids"
+INPUT_IDS_TYPES = ("INT64", "INT32")
+# BYTES [1]: a JSON list of OpenAI tool objects, rendered with `messages` by the chat template.
+TOOLS = "tools"
 TEXT_OUTPUT = "text_output"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
 
+# sampling_parameters keys beyond vLLM's basic ones (vLLM's own names, as Triton's vLLM
+# backend passes them through). n: choices per request (int >= 1); logprobs: top
+# alternatives per generated token (int >= 0; 0: the sampled token's logprob only; absent:
+# none).
+N = "n"
+LOGPROBS = "logprobs"
+MAX_N = 16
+MAX_LOGPROBS = 20
+# Structured output: at most one of these per request (worker/llm/guided.py).
+GUIDED_JSON = "guided_json"  # a JSON schema (an object, or a string holding one)
+GUIDED_JSON_OBJECT = "guided_json_object"  # bool: any JSON object
+GUIDED_REGEX = "guided_regex"  # str: the whole answer matches it
+GUIDED_CHOICE = "guided_choice"  # list of str: the answer is one of them
+GUIDED_GRAMMAR = "guided_grammar"  # str: a Lark / GBNF grammar (llguidance's syntax)
+GUIDED_KEYS = (GUIDED_JSON, GUIDED_JSON_OBJECT, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR)
+# A request parameter (string) the router sets from the authenticated key (a client's own
+# value is overwritten); the engine's fair admission reads it.
+TENANT = "tenant"
+
 # Parameters of a response (InferParameter), set by the worker on each piece of a stream.
 FINAL_RESPONSE = "triton_final_response"  # bool: the last response of a request
 PROMPT_TOKENS = "prompt_tokens"  # int64
-COMPLETION_TOKENS = "completion_tokens"  # int64, running: tokens generated up to this piece
+# int64, running: tokens generated up to this piece, over all choices (what is billed)
+COMPLETION_TOKENS = "completion_tokens"
 # int64: the prompt tokens served from the worker's prefix cache (not prefilled); on every
 # piece that carries prompt_tokens, <= prompt_tokens. OpenAI's
 # usage.prompt_tokens_details.cached_tokens.
 CACHED_TOKENS = "cached_tokens"
-FINISH_REASON = "finish_reason"  # string: stop | length | cancelled
+FINISH_REASON = "finish_reason"  # string: stop | length | cancelled, on each choice's last piece
+# int64: the choice this piece belongs to, on every piece when n > 1 (absent: 0)
+INDEX = "index"
+# string: a JSON list, one entry per token of this piece: {"id", "token", "bytes", "logprob",
+# "top_logprobs": [{"id", "token", "bytes", "logprob"}, ...]}. A unary answer with n > 1: a
+# JSON list of n such lists (and text_output [n], finish_reason comma-separated in order).
+RESPONSE_LOGPROBS = "logprobs"
 # A request parameter: the client wants an empty final response after the last text piece
 # (Triton's decoupled models may send one; genai-perf and our load tool read it).
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
