@@ -79,6 +79,13 @@ EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # (docs/llm.md); off by default, as in vLLM.
 CACHE_SALT = "cache_salt"
 MAX_CACHE_SALT = 256
+# Request parameters the router sets from the caller's API key (a client-sent value is
+# overwritten): `tenant` (string) and its share weight `tenant_weight` (double > 0), read by
+# the engine's token-fair admission (worker/llm/fairness.py). Absent: the one default tenant.
+TENANT = "tenant"
+TENANT_WEIGHT = "tenant_weight"
+MAX_TENANT = 64
+MAX_TENANT_WEIGHT = 1000.0
 
 # Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
 # worker's and the router's, so the two compare bucket for bucket.

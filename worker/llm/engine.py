@@ -182,9 +182,17 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids  # type: ignore[no-any-return]
 
-    def add(self, prompt: list[int], params: SamplingParams, root: bytes = b"") -> Sequence:
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        root: bytes = b"",
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> Sequence:
         """Queue a request, or refuse it at once with the numbers that did not fit. `root`:
-        its prefix cache key root (prefix.root_key: model, version, cache_salt)."""
+        its prefix cache key root (prefix.root_key: model, version, cache_salt); `tenant`
+        and `weight`: its share in fair admission (worker/llm/fairness.py)."""
         if self._closed:
             raise Unavailable("the engine is shutting down")
         limit = self.config.max_model_len
@@ -216,6 +224,8 @@ class Engine:
             detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
             reserve=reserve,
             root=root,
+            tenant=tenant,
+            weight=weight,
         )
         try:
             self.scheduler.add(seq)

@@ -13,7 +13,9 @@ One step, in order:
    is admitted, so a freed slot is reused in the same step.
 2. **Compaction** (`_compact`): decoding sequences move down into free slots below them, so
    a decode run (one run over the slots its rows span) computes no row for nothing.
-3. **Admission** (`_admit_one`), in arrival order while the head of the queue fits: it asks
+3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
+   between tenants (worker/llm/fairness.py: the oldest request of the backlogged tenant
+   served least so far, by virtual token counters; one tenant: arrival order). It asks
    the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
    max_tokens` tokens of the budget, so a running sequence never runs out of cache and
    nothing is ever evicted; a request that could not fit an empty cache was refused by the
@@ -50,12 +52,12 @@ here changes. The KV layout stays [2, layers, slots, kv_heads, max_len, head_dim
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from common.errors import ResourceExhausted
+from worker.llm.fairness import FairQueue
 from worker.llm.prefix import Match, PrefixCache
 
 
@@ -75,6 +77,8 @@ class Sequence:
     arrived_ns: int = field(default_factory=time.perf_counter_ns)
     root: bytes = b""  # the prefix cache's key root: model, version, cache_salt
     cached: int = 0  # prompt tokens the prefix cache served (copied or adopted, not prefilled)
+    tenant: str = ""  # whose request (fair admission: worker/llm/fairness.py)
+    weight: float = 1.0  # the tenant's share weight
 
     @property
     def prefilling(self) -> bool:
@@ -239,7 +243,7 @@ class Scheduler(Generic[S]):
         # whether a sequence can sample its first token from a kept row (the logits, or the
         # graph's top-k of them); None: a whole prompt still runs its last two tokens
         self.whole = whole
-        self.waiting: deque[S] = deque()
+        self.waiting: FairQueue[S] = FairQueue()
         self.running: list[S] = []
 
     def add(self, seq: S) -> None:
@@ -267,10 +271,10 @@ class Scheduler(Generic[S]):
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
         while self.waiting:
-            head, before = self.waiting[0], len(copies)
+            head, before = self.waiting.head(), len(copies)
             if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
-            admitted.append(self.waiting.popleft())
+            admitted.append(self.waiting.pop())
             if decode:
                 budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
@@ -286,6 +290,7 @@ class Scheduler(Generic[S]):
                 n = chunk_tokens(left, 2)  # the oldest progresses
             prefill.append(Chunk(seq, seq.computed, n))
             budget -= n + overhead
+        self._charge(prefill, decode, drafts)
         return StepPlan(
             tuple(cancelled),
             tuple(admitted),
@@ -296,6 +301,13 @@ class Scheduler(Generic[S]):
             tuple(copies),
             tuple(first),
         )
+
+    def _charge(self, prefill: list[Chunk[S]], decode: tuple[S, ...], drafts: int) -> None:
+        """The step's service to the tenants' counters (fair admission)."""
+        for chunk in prefill:
+            self.waiting.charge(chunk.seq, input_tokens=chunk.tokens)
+        for seq in decode:
+            self.waiting.charge(seq, output_tokens=1 + drafts)
 
     def step_budget(self, decoding: int) -> int:
         """Decode rows + prefill tokens a step may run with `decoding` rows decoding."""

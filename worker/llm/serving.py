@@ -84,6 +84,8 @@ class LLMRequest:
     stream: bool
     exclude_input: bool
     cache_salt: str = ""  # the request's cache_salt parameter: its own prefix cache partition
+    tenant: str = ""  # whose request, and its weight: fair admission (worker/llm/fairness.py)
+    weight: float = 1.0
 
 
 def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
@@ -214,6 +216,8 @@ class LLMServing:
             stream=_flag(inputs, STREAM),
             exclude_input=_flag(inputs, EXCLUDE_INPUT) or llm_protocol.MESSAGES in inputs,
             cache_salt=_salt(parameters),
+            tenant=_tenant(parameters),
+            weight=_weight(parameters),
         )
 
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
@@ -233,7 +237,9 @@ class LLMServing:
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
-        seq = self.engine.add(request.prompt, request.params, root)
+        seq = self.engine.add(
+            request.prompt, request.params, root, tenant=request.tenant, weight=request.weight
+        )
         self.prompt_tokens += len(request.prompt)
         clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
@@ -276,6 +282,26 @@ def _salt(parameters: Mapping[str, Any]) -> str:
             f"{llm_protocol.MAX_CACHE_SALT} characters expected"
         )
     return salt
+
+
+def _tenant(parameters: Mapping[str, Any]) -> str:
+    tenant = parameters.get(llm_protocol.TENANT, "")
+    if not isinstance(tenant, str) or len(tenant) > llm_protocol.MAX_TENANT:
+        raise InvalidArgument(
+            f"parameter {llm_protocol.TENANT!r}: a string of at most "
+            f"{llm_protocol.MAX_TENANT} characters expected"
+        )
+    return tenant
+
+
+def _weight(parameters: Mapping[str, Any]) -> float:
+    weight = parameters.get(llm_protocol.TENANT_WEIGHT, 1.0)
+    top = llm_protocol.MAX_TENANT_WEIGHT
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= top:
+        raise InvalidArgument(
+            f"parameter {llm_protocol.TENANT_WEIGHT!r}: a number in (0, {top:g}] expected"
+        )
+    return float(weight)
 
 
 def _flag(inputs: dict[str, np.ndarray], name: str) -> bool:

@@ -1,0 +1,176 @@
+"""Token-fair admission (worker/llm/fairness.py) through the real scheduler and KV budget,
+with no model: a test plays the engine's part, as tests/worker/llm/test_scheduler.py does,
+and finishes each sequence once it generated its max_tokens."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from worker.llm.fairness import INPUT_COST, OUTPUT_COST, FairQueue
+from worker.llm.kv_budget import KVBudget
+from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+
+_ids = itertools.count(1)
+PROMPT, MAX_TOKENS = 24, 16
+STEP = 32  # the step's token budget
+COST = PROMPT * INPUT_COST + MAX_TOKENS * OUTPUT_COST  # one request's service
+
+
+def seq(tenant: str, weight: float = 1.0, prompt: int = PROMPT, max_tokens: int = MAX_TOKENS):
+    return Sequence(
+        id=next(_ids),
+        prompt=list(range(prompt)),
+        reserve=prompt + max_tokens,
+        tenant=tenant,
+        weight=weight,
+    )
+
+
+def make(slots: int = 4) -> Scheduler[Sequence]:
+    return Scheduler(KVBudget(slots, 4096), SchedulerConfig(STEP, 64, 10_000))
+
+
+def step(sched: Scheduler[Sequence], served: Counter[str]) -> StepPlan[Sequence]:
+    """Run one plan as the engine would; `served` gets each tenant's weighted service."""
+    plan = sched.schedule()
+    for c in plan.prefill:
+        c.seq.computed = c.start + c.tokens
+        served[c.seq.tenant] += c.tokens * INPUT_COST
+        if c.completes:
+            c.seq.tokens.append(0)
+    for s in plan.decode:
+        s.computed += 1
+        s.tokens.append(0)
+        served[s.tenant] += OUTPUT_COST
+    for s in [*plan.decode, *(c.seq for c in plan.prefill)]:
+        if len(s.tokens) >= s.reserve - len(s.prompt):
+            s.finish_reason = "length"
+            sched.finish(s)
+    return plan
+
+
+def backlogged(sched: Scheduler[Sequence], tenant: str) -> bool:
+    return any(s.tenant == tenant for s in sched.waiting)
+
+
+def test_one_tenant_is_served_in_arrival_order() -> None:
+    sched = make(slots=2)
+    seqs = [seq("") for _ in range(6)]
+    for s in seqs:
+        sched.add(s)
+    order: list[Sequence] = []
+    for _ in range(200):
+        order += step(sched, Counter()).admitted
+    assert order == seqs
+
+
+def test_backlogged_tenants_service_differs_by_a_bounded_amount() -> None:
+    """Heavy queues 10x light's requests; while both are backlogged, their service never
+    differs by more than the VTC bound (2 x (a request's cost + a step's)); served first
+    come first served, light would wait behind heavy's whole backlog."""
+    sched = make(slots=4)
+    for i in range(200):
+        sched.add(seq("heavy"))
+        if i % 10 == 0:
+            sched.add(seq("light"))
+    # light's requests all arrived at once, and each pass tops light up to stay backlogged
+    for _ in range(10):
+        sched.add(seq("light"))
+    served: Counter[str] = Counter()
+    bound = 2 * (COST + STEP * OUTPUT_COST)
+    worst = 0.0
+    for _ in range(600):
+        step(sched, served)
+        if backlogged(sched, "heavy") and backlogged(sched, "light"):
+            worst = max(worst, abs(served["heavy"] - served["light"]))
+    assert served["light"] > 0 and served["heavy"] > 0
+    assert worst <= bound, (worst, bound)
+
+
+def test_first_come_first_served_would_break_that_bound() -> None:
+    """The same arrivals with everyone as one tenant: the 'light' requests wait behind
+    heavy's backlog, so the bound the test above checks is one a FIFO fails."""
+    sched = make(slots=4)
+    tenant_of = {}
+    for i in range(200):
+        s = seq("")
+        tenant_of[s.id] = "heavy"
+        sched.add(s)
+        if i % 10 == 0:
+            s = seq("")
+            tenant_of[s.id] = "light"
+            sched.add(s)
+    served: Counter[str] = Counter()
+    for _ in range(300):
+        plan = sched.schedule()
+        for c in plan.prefill:
+            served[tenant_of[c.seq.id]] += c.tokens * INPUT_COST
+            c.seq.computed = c.start + c.tokens
+            if c.completes:
+                c.seq.tokens.append(0)
+        for s in plan.decode:
+            s.computed += 1
+            s.tokens.append(0)
+            served[tenant_of[s.id]] += OUTPUT_COST
+            if len(s.tokens) >= MAX_TOKENS:
+                s.finish_reason = "length"
+                sched.finish(s)
+    assert served["heavy"] - served["light"] > 2 * (COST + STEP * OUTPUT_COST)
+
+
+def test_a_light_tenant_is_admitted_ahead_of_a_heavy_backlog() -> None:
+    sched = make(slots=1)
+    heavy = [seq("heavy") for _ in range(20)]
+    for s in heavy:
+        sched.add(s)
+    for _ in range(40):  # heavy's first request runs to its end: heavy is served, light not
+        step(sched, Counter())
+    light = seq("light")
+    sched.add(light)
+    admitted: list[Sequence] = []
+    for _ in range(200):
+        admitted += step(sched, Counter()).admitted
+        if light in admitted:
+            break
+    assert admitted[0] is light, [s.tenant for s in admitted]
+
+
+def test_an_idle_tenant_cannot_bank_credit() -> None:
+    """A tenant away while another was served comes back lifted to the backlogged
+    counters: it alternates with the other instead of taking every slot until even."""
+    sched = make(slots=1)
+    for _ in range(30):
+        sched.add(seq("a"))
+    for _ in range(200):  # a is served alone for a while
+        step(sched, Counter())
+    for _ in range(10):
+        sched.add(seq("b"))
+    admitted: list[str] = []
+    for _ in range(400):
+        admitted += [s.tenant for s in step(sched, Counter()).admitted]
+        if len(admitted) >= 8:
+            break
+    assert admitted[:8].count("a") >= 3, admitted  # not b eight times in a row
+
+
+def test_weights_share_the_service_in_their_ratio() -> None:
+    sched = make(slots=2)
+    for _ in range(200):
+        sched.add(seq("gold", weight=3.0))
+        sched.add(seq("basic", weight=1.0))
+    served: Counter[str] = Counter()
+    for _ in range(500):
+        step(sched, served)
+    ratio = served["gold"] / served["basic"]
+    assert 2.5 <= ratio <= 3.5, ratio
+
+
+def test_the_queue_keeps_arrival_order_when_iterated_and_removes_by_identity() -> None:
+    q: FairQueue[Sequence] = FairQueue()
+    a, b, c = seq("x"), seq("y"), seq("x")
+    for s in (a, b, c):
+        q.append(s)
+    assert list(q) == [a, b, c] and len(q) == 3 and b in q
+    q.remove(b)
+    assert list(q) == [a, c] and b not in q and q.head() is a
