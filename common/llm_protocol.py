@@ -50,9 +50,6 @@ GUIDED_REGEX = "guided_regex"  # str: the whole answer matches it
 GUIDED_CHOICE = "guided_choice"  # list of str: the answer is one of them
 GUIDED_GRAMMAR = "guided_grammar"  # str: a Lark / GBNF grammar (llguidance's syntax)
 GUIDED_KEYS = (GUIDED_JSON, GUIDED_JSON_OBJECT, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR)
-# A request parameter (string) the router sets from the authenticated key (a client's own
-# value is overwritten); the engine's fair admission reads it.
-TENANT = "tenant"
 
 # Parameters of a response (InferParameter), set by the worker on each piece of a stream.
 FINAL_RESPONSE = "triton_final_response"  # bool: the last response of a request
