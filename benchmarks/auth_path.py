@@ -11,9 +11,9 @@ from common import mesh_state, redis_conn
 from common.tenancy import TenantPolicy, key_hash
 from devmesh.processes import LocalMesh
 from devmesh.redis_acl import user_url
-from router import limits
-from router.auth import Auth
-from router.limits import Limiter
+from router.tenancy import limits
+from router.tenancy.auth import Auth
+from router.tenancy.limits import Limiter
 
 
 async def components(

@@ -35,7 +35,7 @@ from common import mesh_state, redis_conn, rpc
 from common.mesh_state import DepthSample, ModelEntry, RegistryEvent, WorkerInfo, now_ms
 from devmesh import toy_models
 from devmesh.processes import LocalMesh, free_port, router_process, wait_serving, worker_process
-from router.registry import Registry
+from router.forwarding.registry import Registry
 
 FAKES = 100
 CHURN_HZ = 10.0

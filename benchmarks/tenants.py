@@ -7,7 +7,7 @@ Four meshes run side by side, so that whatever else the machine does falls on al
 alike: "off" (`--no-auth`, plaintext, as `make run`); "auth" (API keys + rate limits + Redis
 ACL users, plaintext); "tls" (TLS to the router, mutual TLS to the worker, no auth); "on"
 (all of it). With auth, every call carries an API key (cached after its first look-up) and
-takes one rate-limit decision from the router's lease (router/limits.py: a
+takes one rate-limit decision from the router's lease (router/tenancy/limits.py: a
 requests-per-second bucket high enough never to refuse, plus a monthly spend cap, so each
 call's price is charged in the background too).
 

@@ -1,6 +1,6 @@
 """The LLM request/response contract: Triton's vLLM-backend tensors and meshserve's usage
 parameters, spelled once. The worker serves them (worker/llm/serving.py, worker/codec.py),
-the router bills from them (router/billing.py), and the clients, the load tool and the
+the router bills from them (router/money/billing.py), and the clients, the load tool and the
 benchmarks send and read them.
 
 Request: `text_input` BYTES [1] (or `messages`, or `input_ids`); optional `stream` BOOL

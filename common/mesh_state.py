@@ -43,7 +43,8 @@ Every key, its type, its writer -> its readers, and what it holds:
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
 
-Tenants (router/auth.py, router/limits.py). Their source of truth is the ledger's database
+Tenants (router/tenancy/auth.py, router/tenancy/limits.py). Their source of truth is the
+ledger's database
 (common/tenant_directory.py); these keys are its serving copy, written by `python -m router
 keys|tenants` (the admin role) after the database, and refilled by the ledger
 (ledger/refill.py) when Redis lost them:
@@ -62,7 +63,7 @@ keys|tenants` (the admin role) after the database, and refilled by the ledger
   meshserve kept a tenant's keys before the database did; read only by `python -m router
   tenants import`.
 - meshserve:limit:{tenant}:rps, meshserve:limit:{tenant}:tpm (HASH, router <-> router):
-  token buckets {"level", "at_us"}, read and written only by router/limits.py's scripts.
+  token buckets {"level", "at_us"}, read and written only by router/tenancy/limits.py's scripts.
 - meshserve:spend:{tenant}:{YYYYMM} (STRING, router <-> router; ledger raises it): micro-USD
   the tenant was billed this UTC month, for its spend cap; a refill raises it to what the
   ledger counted (never lowers it).

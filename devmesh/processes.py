@@ -25,7 +25,7 @@ from common.tenant_directory import TenantDirectory
 from devmesh.certs import MeshCerts
 from devmesh.redis_acl import RedisUsers, user_url
 from ledger.store import Store
-from router.keys import TenantAdmin
+from router.tenancy.keys import TenantAdmin
 
 ROOT = Path(__file__).resolve().parents[1]
 

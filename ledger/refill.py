@@ -38,7 +38,7 @@ from ledger.store import Store, utc_month
 
 log = structlog.get_logger()
 
-SPEND_TTL_S = 40 * 86400  # router/limits.py's: a month's counter outlives its month
+SPEND_TTL_S = 40 * 86400  # router/tenancy/limits.py's: a month's counter outlives its month
 MAX_TRIES = 3
 CHUNK = 500  # commands per pipeline round trip
 

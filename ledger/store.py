@@ -87,7 +87,7 @@ BUCKET_MS = 10_000  # time series resolution for rates and plots
 
 
 def utc_month(at_ms: int) -> str:
-    """YYYYMM (UTC) of a unix ms: the month of a tenant's spend (router/limits.py's too)."""
+    """YYYYMM (UTC) of a unix ms: the month of a tenant's spend (router/tenancy/limits.py's too)."""
     return dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC).strftime("%Y%m")
 
 

@@ -1,7 +1,7 @@
 """python -m router --host 127.0.0.1 --port 8001 --redis-url redis://127.0.0.1:6379/0
 
 python -m router keys create|list|revoke --tenant T, python -m router tenants set|list:
-see router/keys.py."""
+see router/tenancy/keys.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import asyncio
 import sys
 
 from common import cli, logging
-from router import keys, processes
-from router.settings import RouterSettings
+from router.process import processes
+from router.process.settings import RouterSettings
+from router.tenancy import keys
 
 
 def parse_args(argv: list[str]) -> RouterSettings:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.configure(settings.log_level, settings.log_json)
     if settings.processes > 1:
         return processes.supervise(settings)
-    from router.server import serve
+    from router.process.server import serve
 
     try:
         asyncio.run(serve(settings))

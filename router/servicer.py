@@ -19,12 +19,12 @@ from common import rpc
 from common.errors import MeshError, NotFound, UpstreamError, clip, grpc_errors
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from router.aggregate import sum_statistics
-from router.auth import Auth, Tenant
-from router.dispatch import Dispatcher
-from router.registry import Registry
-from router.replica import Replica
-from router.streams import StreamForwarder
+from router.forwarding.aggregate import sum_statistics
+from router.forwarding.dispatch import Dispatcher
+from router.forwarding.registry import Registry
+from router.forwarding.replica import Replica
+from router.forwarding.streams import StreamForwarder
+from router.tenancy.auth import Auth, Tenant
 
 log = structlog.get_logger()
 

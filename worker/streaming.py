@@ -1,8 +1,8 @@
-"""ModelStreamInfer on the worker (the router forwards streams as bytes: router/streams.py):
-every request on a stream runs concurrently, and the replies go back in the order they come
-(as Triton does). A request may have many replies (a decoupled model streams one per piece
-of text). A request that fails gets a reply with its
-error message on the stream, which stays open for the next request."""
+"""ModelStreamInfer on the worker (the router forwards streams as bytes:
+router/forwarding/streams.py): every request on a stream runs concurrently, and the replies go
+back in the order they come (as Triton does). A request may have many replies (a decoupled
+model streams one per piece of text). A request that fails gets a reply with its error message
+on the stream, which stays open for the next request."""
 
 from __future__ import annotations
 

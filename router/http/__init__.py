@@ -3,13 +3,13 @@ port, served by the same dispatch path as gRPC (see calls.py). docs/http.md for 
 
 from __future__ import annotations
 
-from router.auth import Auth
-from router.dispatch import Dispatcher
+from router.forwarding.dispatch import Dispatcher
 from router.http.app import App
 from router.http.calls import MeshCalls
 from router.http.routes import Routes
 from router.http.server import HttpServer
 from router.servicer import RouterServicer
+from router.tenancy.auth import Auth
 
 
 def front_door(

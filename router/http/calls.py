@@ -15,11 +15,11 @@ from typing import Any
 
 from common.errors import MeshError, Unauthenticated
 from protos import grpc_service_pb2 as pb
-from router.auth import Auth, Tenant
-from router.dispatch import Dispatcher
+from router.forwarding.dispatch import Dispatcher
+from router.forwarding.streams import StreamForwarder
 from router.http.errors import HttpError
 from router.servicer import RouterServicer
-from router.streams import StreamForwarder
+from router.tenancy.auth import Auth, Tenant
 
 Piece = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
 

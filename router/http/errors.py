@@ -2,7 +2,7 @@
 
 Two bodies, one per API: OpenAI's `{"error": {"message", "type", "param", "code"}}` on
 /v1/..., KServe v2's `{"error": "<message>"}` on /v2/... . A refusal over a limit keeps its
-`retry-after` (router/limits.py puts it in the gRPC trailers) as the Retry-After header.
+`retry-after` (router/tenancy/limits.py puts it in the gRPC trailers) as the Retry-After header.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class HttpError(Exception):
 
     @classmethod
     def of_stream(cls, message: str) -> HttpError:
-        """A stream's error response, `error_message` "CODE: details" (router/streams.py)."""
+        """A stream's error response, `error_message` "CODE: details"
+        (router/forwarding/streams.py)."""
         name = message.split(":", 1)[0]
         code = getattr(grpc.StatusCode, name, None) if name.isupper() else None
         return cls(STATUS.get(code, 500) if code is not None else 500, message)

@@ -8,7 +8,7 @@ import pytest
 
 from common import cli
 from router.__main__ import parse_args as router_args
-from router.settings import RouterSettings
+from router.process.settings import RouterSettings
 from worker.__main__ import parse_args as worker_args
 from worker.settings import WorkerSettings
 

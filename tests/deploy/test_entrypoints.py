@@ -29,8 +29,8 @@ import router.__main__
 import worker.__main__
 from devmesh import compose_check
 from ledger.settings import LedgerSettings
-from router.keys import AdminSettings
-from router.settings import RouterSettings
+from router.process.settings import RouterSettings
+from router.tenancy.keys import AdminSettings
 from worker.settings import WorkerSettings
 
 DEPLOY = compose_check.DEPLOY

@@ -7,7 +7,7 @@ import asyncio
 
 from common import mesh_state
 from devmesh.testing import Mesh
-from router.accounting import Accounting
+from router.money.accounting import Accounting
 
 
 def test_an_id_below_the_stream_is_refused_not_swallowed(mesh: Mesh) -> None:

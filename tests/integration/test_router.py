@@ -22,7 +22,7 @@ from devmesh.testing import (
     mlp_repository,
     worker_successes,
 )
-from router.accounting import read_usage
+from router.money.accounting import read_usage
 
 
 def repo(tmp_path: Path, name: str, **config: int) -> Path:

@@ -18,7 +18,7 @@ from common import mesh_state
 from devmesh.processes import free_port
 from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository, mlp_request
 from protos import grpc_service_pb2_grpc as pb_grpc
-from router.accounting import read_usage
+from router.money.accounting import read_usage
 
 PRICE = 250  # micro-USD, from mlp_config
 INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -19,7 +19,7 @@ from devmesh.redis_acl import make_users
 from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository
 from ledger.restarts import RestartLog
 from ledger.store import Store, utc_month
-from router.keys import TenantAdmin
+from router.tenancy.keys import TenantAdmin
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 

@@ -27,7 +27,7 @@ from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from quantize import llm
-from router.accounting import token_revenue
+from router.money.accounting import token_revenue
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -26,9 +26,9 @@ from ledger.consumer import Consumer
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from router import keys as keys_cli
-from router.keys import TenantAdmin
-from router.limits import LEASE_TTL_S, Limiter
+from router.tenancy import keys as keys_cli
+from router.tenancy.keys import TenantAdmin
+from router.tenancy.limits import LEASE_TTL_S, Limiter
 
 PRICE = 250  # micro-USD per mlp call (mlp_config)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protos import grpc_service_pb2 as pb
 from protos.routing_pb2 import InferHeader
-from router.affinity import MAX_SESSION, Affinity, session_of
+from router.forwarding.affinity import MAX_SESSION, Affinity, session_of
 
 
 def header(**params: object) -> InferHeader:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+from router.telemetry.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 BOUNDS = (0.0005, 0.001, 0.002, 5.0)
 

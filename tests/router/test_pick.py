@@ -10,9 +10,9 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
-from router.dispatch import Dispatcher
-from router.registry import Registry
-from router.replica import Replica
+from router.forwarding.dispatch import Dispatcher
+from router.forwarding.registry import Registry
+from router.forwarding.replica import Replica
 
 MODEL = "smollm2"
 

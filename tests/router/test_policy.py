@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.policy import Candidate, choose, kv_free, kv_need, load
+from router.forwarding.policy import Candidate, choose, kv_free, kv_need, load
 
 
 def cands(*loads: int, max_queue: int = 100) -> list[Candidate]:

@@ -10,11 +10,11 @@ from typing import Any
 
 from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
 from protos import grpc_service_pb2 as pb
-from router import policy
-from router.dispatch import Dispatcher
-from router.policy import Candidate
-from router.prefix_index import PrefixIndex, prompt_of
-from router.replica import Replica
+from router.forwarding import policy
+from router.forwarding.dispatch import Dispatcher
+from router.forwarding.policy import Candidate
+from router.forwarding.prefix_index import PrefixIndex, prompt_of
+from router.forwarding.replica import Replica
 
 MODEL = "smollm2"
 SYSTEM = ("You are a helpful assistant. Answer briefly and cite the manual. " * 12).encode()

@@ -9,9 +9,9 @@ import pytest
 from common.errors import Unauthenticated
 from common.mesh_state import model_key, parse_model_key
 from common.tenancy import KeyRecord, TenantPolicy, check_tenant, key_hash, key_id_of, new_key
-from router.accounting import Accounting, Receipt, Tokens
-from router.auth import _bearer
-from router.limits import seconds_to_next_month
+from router.money.accounting import Accounting, Receipt, Tokens
+from router.tenancy.auth import _bearer
+from router.tenancy.limits import seconds_to_next_month
 
 
 def test_a_key_is_stored_as_its_hash_and_named_by_its_id() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from common.mesh_state import ModelEntry
 from protos import grpc_service_pb2 as pb
-from router.accounting import Receipt, Tokens, Usage, token_revenue
-from router.billing import Piece, TokenMeter, stream_piece, unary_piece
+from router.money.accounting import Receipt, Tokens, Usage, token_revenue
+from router.money.billing import Piece, TokenMeter, stream_piece, unary_piece
 
 ENTRY = ModelEntry(["1"], 8, 0, 0, 50, 200)
 

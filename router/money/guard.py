@@ -11,9 +11,9 @@ holds and what it counts, so no forwarding code keeps a second copy:
 - its metrics: requests by code (counted once, by `count`), time upstream and in the router,
   time to first token and between tokens, tokens in and out.
 
-The dispatcher (router/dispatch.py) makes guards (`Dispatcher.open`), binds each to the
+The dispatcher (router/forwarding/dispatch.py) makes guards (`Dispatcher.open`), binds each to the
 replica it picked and adds the time upstream; the front ends (the unary servicer,
-router/streams.py, an HTTP layer) call `bill`/`end`, wait for the records with
+router/forwarding/streams.py, an HTTP layer) call `bill`/`end`, wait for the records with
 `Accounting.durable`, and `refund` what they could not deliver.
 """
 
@@ -28,11 +28,11 @@ import grpc
 
 from common.errors import ResourceExhausted, clip
 from common.mesh_state import ModelEntry
-from router import billing, metrics
-from router.accounting import NO_TOKENS, Accounting, Receipt, Tokens
-from router.auth import Tenant
-from router.billing import Piece
-from router.replica import Replica
+from router.money import billing
+from router.money.accounting import NO_TOKENS, Accounting, Receipt, Tokens
+from router.money.billing import Piece
+from router.telemetry import metrics
+from router.tenancy.auth import Tenant
 
 OK = grpc.StatusCode.OK
 UNKNOWN = "_unknown_"  # the one label and ledger version for what the mesh does not serve
@@ -80,12 +80,13 @@ class RequestGuard:
     model: str
     asked_version: str  # as the client asked ("" = the latest)
     tenant: Tenant | None = None
-    session: str | None = None  # session_id / conversation_id: affinity (router/affinity.py)
+    session: str | None = (
+        None  # session_id / conversation_id: affinity (router/forwarding/affinity.py)
+    )
     streamed: bool = False  # one request of a ModelStreamInfer (TTFT and inter-token metrics)
     entry: ModelEntry | None = None  # None: no replica serves the model (nothing to bill)
     version: str = ""  # the version it is billed under once `entry` is known
     meter: billing.TokenMeter | None = None
-    replica: Replica | None = None  # the one that answered, or was tried last
     upstream_s: float = 0.0
     ended: bool = False  # its call is recorded
     refused: bool = False  # by its tenant's key, models or limits: not a call of the model

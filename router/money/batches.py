@@ -1,6 +1,6 @@
 """One router's batches for the durable ledger: their ids (`{epoch}-{seq}`), their payload
 (usage per model key), and the script that appends them to the router's stream in Redis
-without ever reporting a count as written when it was not (see router/accounting.py)."""
+without ever reporting a count as written when it was not (see router/money/accounting.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from router.usage import Usage
+from router.money.usage import Usage
 
 # KEYS[1]: the stream, KEYS[2]: the ledger's ack, KEYS[3]: the set of routers the ledger
 # drains. ARGV[1]: the id this router appended last ("" before its first append), ARGV[2]:

@@ -8,8 +8,8 @@ flight to it finish. Every `poll_s` (1 s), and on each (re)subscription for what
 published while it was not listening, it reads every registration and depth, as it did 20
 times a second before: the cost of an idle mesh no longer grows with polls.
 
-One `Replica` (router/replica.py) per registered worker; its ejection, stall probes and
-re-admission are router/replica_health.py's. A worker missing from Redis is dropped only
+One `Replica` (router/forwarding/replica.py) per registered worker; its ejection, stall probes and
+re-admission are router/forwarding/replica_health.py's. A worker missing from Redis is dropped only
 after it has been missing for the registry TTL, counted from the later of its last sighting
 and Redis's return after an outage: a Redis that comes back empty (after an outage of any
 length) must not empty the mesh before the workers' next heartbeat. A dropped replica's
@@ -39,9 +39,9 @@ from common import mesh_state, redis_conn, tls
 from common.errors import MeshError, NotFound, Unavailable, clip
 from common.mesh_state import DepthSample, RegistryEvent, WorkerInfo, now_ms
 from common.outage import Outage
-from router import metrics
-from router.replica import Replica
-from router.replica_health import HOUSEKEEPING_S, ReplicaHealth
+from router.forwarding.replica import Replica
+from router.forwarding.replica_health import HOUSEKEEPING_S, ReplicaHealth
+from router.telemetry import metrics
 
 log = structlog.get_logger()
 
@@ -331,5 +331,5 @@ class Registry:
         replica.inflight.pop(token, None)
 
     def eject(self, replica: Replica, reason: str) -> None:
-        """A call to it failed: no new calls for a backoff (router/replica_health.py)."""
+        """A call to it failed: no new calls for a backoff (router/forwarding/replica_health.py)."""
         self.health.eject(replica, reason)

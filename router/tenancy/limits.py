@@ -61,7 +61,10 @@ from common import mesh_state
 from common.errors import ResourceExhausted
 from common.outage import Outage
 from common.tenancy import TenantPolicy
-from router.limit_scripts import CHARGE, LEASE  # LEASE: benchmarks/auth_path.py reads it here
+from router.tenancy.limit_scripts import (  # LEASE: benchmarks/auth_path.py reads it here
+    CHARGE,
+    LEASE,
+)
 
 log = structlog.get_logger()
 

@@ -28,7 +28,7 @@ from multiprocessing.synchronize import Event as EventType
 import structlog
 
 from common import logging
-from router.settings import RouterSettings
+from router.process.settings import RouterSettings
 
 log = structlog.get_logger()
 
@@ -58,7 +58,7 @@ def _die_with_parent() -> None:
 
 
 def _run_child(settings: RouterSettings, ready: EventType) -> None:
-    from router.server import serve  # imported here: the supervisor itself needs no gRPC
+    from router.process.server import serve  # imported here: the supervisor itself needs no gRPC
 
     _die_with_parent()
     logging.configure(settings.log_level, settings.log_json)

@@ -1,6 +1,6 @@
 """One worker replica as the router sees it: the one gRPC channel the router reuses for it,
 the worker's last depth sample, the router's own in-flight calls to it, and its ejection
-state. The registry (router/registry.py) keeps them from Redis; router/replica_health.py
+state. The registry (registry.py) keeps them from Redis; replica_health.py
 ejects, probes and re-admits them."""
 
 from __future__ import annotations

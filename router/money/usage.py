@@ -1,6 +1,6 @@
 """What the router counts, as values: a call's tokens, a model version's usage totals, the
 receipt a refund takes back, and the live totals every router keeps in Redis (read back by
-`read_usage`). Written by router/accounting.py; the ledger reads the same fields
+`read_usage`). Written by router/money/accounting.py; the ledger reads the same fields
 (mesh_state.USAGE_FIELDS)."""
 
 from __future__ import annotations

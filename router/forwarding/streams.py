@@ -1,7 +1,7 @@
 """ModelStreamInfer on the router: a real stream both ways, bytes untouched, billed as it goes.
 
 Each request on the client's stream is forwarded on a worker stream of its own by the one
-forward path ModelInfer takes (router/dispatch.py: same guard, policy, admission limits,
+forward path ModelInfer takes (router/forwarding/dispatch.py: same guard, policy, admission limits,
 failover): the request pins to the replica picked for all its responses. Every response
 the worker sends is passed back as it comes, its bytes untouched (`triton_final_response`
 and all); the responses of the stream's requests interleave as they come. Only headers are
@@ -47,12 +47,12 @@ import grpc
 
 from common.errors import MeshError
 from protos import grpc_service_pb2 as pb
-from router import metrics
-from router.accounting import Receipt
-from router.auth import Tenant
-from router.billing import Piece
-from router.dispatch import Dispatcher
-from router.guard import OK, RequestGuard
+from router.forwarding.dispatch import Dispatcher
+from router.money.accounting import Receipt
+from router.money.billing import Piece
+from router.money.guard import OK, RequestGuard
+from router.telemetry import metrics
+from router.tenancy.auth import Tenant
 
 Send = Callable[[bytes], Awaitable[None]]
 

@@ -4,7 +4,7 @@ A call carries `authorization: Bearer <key>` metadata. The key's SHA-256 finds i
 in Redis (common/tenancy.py, keys in common/mesh_state.py), and the record its tenant's
 policy. Missing, malformed, unknown or revoked key -> UNAUTHENTICATED; a model the tenant
 may not call -> PERMISSION_DENIED (whether the mesh serves it or not: a tenant learns
-nothing of models it may not use); over a limit -> RESOURCE_EXHAUSTED (router/limits.py).
+nothing of models it may not use); over a limit -> RESOURCE_EXHAUSTED (router/tenancy/limits.py).
 
 A looked-up key is cached for `cache_s` (1 s): a revoked key stops working within that,
 and the hot path needs no Redis read for the key. A key record or policy in Redis that
@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from common import mesh_state
 from common.errors import PermissionDenied, Unauthenticated, Unavailable, clip
 from common.tenancy import PRIVATE_PARAMETERS, KeyRecord, TenantPolicy, key_hash, key_id_of
-from router.limits import Limiter
+from router.tenancy.limits import Limiter
 
 log = structlog.get_logger()
 
@@ -135,7 +135,7 @@ class Auth:
             )
 
     async def admit(self, tenant: Tenant, model: str) -> None:
-        """Authorize the model, then one rate-limit decision (router/limits.py)."""
+        """Authorize the model, then one rate-limit decision (router/tenancy/limits.py)."""
         self.authorize(tenant, model)
         await self.limiter.admit(tenant.name, tenant.policy)
 

@@ -15,14 +15,14 @@ from prometheus_client import start_http_server
 
 from common import redis_conn, rpc, tls
 from common.redis_auth import read_password
-from router.accounting import Accounting
-from router.auth import Auth
-from router.dispatch import Dispatcher
+from router.forwarding.dispatch import Dispatcher
+from router.forwarding.registry import Registry
 from router.http import HttpServer, front_door
-from router.limits import Limiter
-from router.registry import Registry
+from router.money.accounting import Accounting
+from router.process.settings import RouterSettings
 from router.servicer import RouterServicer, handler
-from router.settings import RouterSettings
+from router.tenancy.auth import Auth
+from router.tenancy.limits import Limiter
 
 log = structlog.get_logger()
 
@@ -153,7 +153,7 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
         auth.limiter.start()
 
     reflection = rpc.reflection_wanted(settings.host, settings.reflection)
-    # SO_REUSEPORT only for this router's own processes (see router.processes): a router
+    # SO_REUSEPORT only for this router's own processes (see router.process.processes): a router
     # started alone on a taken port fails, as before.
     server, health = rpc.new_server(
         settings.max_message_bytes, reflection, reuse_port=settings.shared_port

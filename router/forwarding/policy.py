@@ -21,7 +21,7 @@ long as it is a candidate with room; otherwise the policy decides as if there we
 
 "prefix" (cache-aware, for LLM replicas): one cost per replica, as NVIDIA Dynamo's KV router
 scores them: `weight x uncached prompt blocks + decode blocks + load x prompt blocks`, the
-prompt blocks the replica does not hold yet (router/prefix_index.py's estimate), the KV
+prompt blocks the replica does not hold yet (router/forwarding/prefix_index.py's estimate), the KV
 blocks its running sequences hold (its KV sample in blocks), and its requests (`load`:
 waiting and running, with this router's calls since the sample) at the request's own size:
 a waiting sequence holds no KV yet, and a replica with a deep queue is far busier whatever

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prometheus_client import Counter
 
 from common.llm_protocol import TOKEN_BUCKETS
-from router.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+from router.telemetry.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 # Updated once or more per request (or streamed piece): kept by the event loop without a
-# lock (router/loop_metrics.py). The rest are prometheus_client's own.
+# lock (router/telemetry/loop_metrics.py). The rest are prometheus_client's own.
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -2,9 +2,9 @@
 
 `Picker.pick` builds the policy's candidates from the registry's replicas (each one's last
 depth and KV sample, if fresh, and the router's own calls in flight to it), refuses when
-every replica is at its max queue, and applies session affinity (router/affinity.py). The
-policy itself is a pure function (router/policy.py). For policy "prefix" it also reads the
-request's prompt (its bytes, as router/prefix_index.py parses them), scores each replica's
+every replica is at its max queue, and applies session affinity (affinity.py). The
+policy itself is a pure function (policy.py). For policy "prefix" it also reads the
+request's prompt (its bytes, as prefix_index.py parses them), scores each replica's
 overlap from the index, and records the prompt's blocks as held by the replica it picked. A
 replica seen with a new start time restarted empty, and one gone from the registry holds
 nothing here any more: the entries of both go at the next pick (`live`, the registry's
@@ -19,10 +19,11 @@ from collections.abc import Mapping
 
 from common.errors import ResourceExhausted
 from common.mesh_state import now_ms
-from router import metrics, policy
-from router.affinity import Affinity
-from router.prefix_index import PrefixIndex, prompt_of, replica_key
-from router.replica import Replica
+from router.forwarding import policy
+from router.forwarding.affinity import Affinity
+from router.forwarding.prefix_index import PrefixIndex, prompt_of, replica_key
+from router.forwarding.replica import Replica
+from router.telemetry import metrics
 
 
 class Picker:
@@ -55,7 +56,7 @@ class Picker:
         live: Mapping[str, Replica] | None = None,
     ) -> Replica:
         """One of `replicas` (of `model`) by the policy; the replica that served `session`
-        before while it has room (see policy.choose, router.affinity); `raw`: the request's
+        before while it has room (see policy.choose, affinity); `raw`: the request's
         bytes (policy "prefix" reads its prompt); `live`: every replica the registry knows
         now, by id (default: `replicas`)."""
         now = now_ms()

@@ -1,4 +1,4 @@
-"""The rate and spend limits' Lua scripts, run in Redis by router/limits.py: one lease of
+"""The rate and spend limits' Lua scripts, run in Redis by router/tenancy/limits.py: one lease of
 requests-per-second tokens (LEASE) and one charge of tokens and spend (CHARGE) per call of
 them, both refilling the tenant's buckets from Redis's own clock."""
 

@@ -60,8 +60,8 @@ from redis.exceptions import RedisError
 
 from common import mesh_state, redis_conn
 from common.outage import Outage
-from router.batches import APPEND, Batch, parse_batch_id
-from router.usage import (  # re-exported: the names callers know from here
+from router.money.batches import APPEND, Batch, parse_batch_id
+from router.money.usage import (  # re-exported: the names callers know from here
     FINISHED,
     NO_TOKENS,
     Receipt,
@@ -109,7 +109,7 @@ class Accounting:
             redis_url, password=password, timeout_s=1.0, connect_timeout_s=0.5
         )
         # tenant, tokens, micro-USD of each billed call (and negative for a refund): the
-        # tenant's tokens-per-minute and spend cap (router/auth.py)
+        # tenant's tokens-per-minute and spend cap (router/tenancy/auth.py)
         self.charge: Callable[[str, int, int], None] | None = None
         self.router_id = router_id
         self.wait_s = wait_s

@@ -13,7 +13,7 @@ or a worker stream, see `_Upstream`):
                                                        # is recorded if it ended without one
 
 `infer` is that loop for a unary call (one reply, billed once it is in Redis), and
-router/streams.py runs it for each request of a stream. An HTTP front end builds the
+router/forwarding/streams.py runs it for each request of a stream. An HTTP front end builds the
 ModelInferRequest bytes itself and calls `infer`, or `StreamForwarder.serve` for a stream.
 
 The request arrives as bytes and leaves as the same bytes: only its header (model, version,
@@ -21,7 +21,7 @@ id) is parsed; a header that does not parse is INVALID_ARGUMENT. The router admi
 `max_inflight` calls at once, and `max_inflight_per_model` per model: beyond them a call is
 answered RESOURCE_EXHAUSTED at once instead of queueing inside the router.
 
-Billing (see router/guard.py): a unary call counts as a success only when the router
+Billing (see router/money/guard.py): a unary call counts as a success only when the router
 answers OK. A call cancelled by its client, or whose deadline passes, before that is an
 error; one answered with less than `answer_margin_s` of its deadline left is
 DEADLINE_EXCEEDED (the reply could not reach the client in time); one answered OK whose
@@ -61,17 +61,18 @@ from common.errors import (
 )
 from common.mesh_state import ModelEntry
 from protos.routing_pb2 import InferHeader
-from router import billing, metrics
-from router.accounting import Accounting, Receipt
-from router.affinity import Affinity, session_of
-from router.auth import Auth, Tenant
-from router.billing import Piece
-from router.guard import OK, UNKNOWN, Admission, RequestGuard
-from router.policy import PREFIX_WEIGHT
-from router.prefix_index import PrefixIndex
-from router.registry import Registry
-from router.replica import Replica
-from router.routing import Picker
+from router.forwarding.affinity import Affinity, session_of
+from router.forwarding.policy import PREFIX_WEIGHT
+from router.forwarding.prefix_index import PrefixIndex
+from router.forwarding.registry import Registry
+from router.forwarding.replica import Replica
+from router.forwarding.routing import Picker
+from router.money import billing
+from router.money.accounting import Accounting, Receipt
+from router.money.billing import Piece
+from router.money.guard import OK, UNKNOWN, Admission, RequestGuard
+from router.telemetry import metrics
+from router.tenancy.auth import Auth, Tenant
 
 log = structlog.get_logger()
 
@@ -131,7 +132,7 @@ class Dispatcher:
         session: str | None = None,
         raw: bytes | None = None,
     ) -> Replica:
-        """One of `replicas` (of `model`) by the policy (see router.routing)."""
+        """One of `replicas` (of `model`) by the policy (see router.forwarding.routing)."""
         live = self.registry.replicas if self.registry is not None else None
         return self.picker.pick(replicas, model, session, raw, live)
 
@@ -200,7 +201,6 @@ class Dispatcher:
             found = self.entry(guard.model, guard.asked_version, replica)
             if found is not None:  # billed as the replica that answers serves it
                 guard.serve(*found)
-            guard.replica = replica
             timeout = self.default_timeout_s if deadline is None else deadline - time.monotonic()
             if timeout <= 0:
                 raise UpstreamError(

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from common import llm_protocol
 from common.mesh_state import ModelEntry
 from protos.usage_pb2 import ResponseHeader, StreamResponseHeader
-from router.accounting import Tokens, token_revenue
+from router.money.accounting import Tokens, token_revenue
 
 
 @dataclass(frozen=True)

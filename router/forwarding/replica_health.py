@@ -1,7 +1,7 @@
 """Replica health, as the router judges it: ejection with exponential backoff after a
 failed call, a health probe of a replica whose calls are in flight but whose depth sample
 stopped moving, and re-admission once the worker's grpc.health.v1 check says SERVING. The
-registry (router/registry.py) owns the replicas and runs `check` every HOUSEKEEPING_S."""
+registry (router/forwarding/registry.py) owns the replicas and runs `check` every HOUSEKEEPING_S."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from common import mesh_state
 from common.mesh_state import DepthSample, now_ms
-from router.replica import Replica
+from router.forwarding.replica import Replica
 
 log = structlog.get_logger()
 
