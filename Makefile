@@ -45,7 +45,7 @@ run: $(STUBS) $(MODELS)/mlp/config.pbtxt
 lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy common worker router ledger quantize devmesh benchmarks client loadtest planner
+	$(BIN)/mypy common perfmodel worker router ledger quantize devmesh benchmarks client loadtest planner
 	$(BIN)/lint-imports
 
 bench: $(STUBS)

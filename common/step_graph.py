@@ -1,5 +1,5 @@
 """The LLM engine's step graph, as a contract: quantize/llm_graph.py (and llm_shard.py, per
-rank) writes it, worker/llm/model.py and worker/tp/llm_step.py run it, planner/analysis.py
+rank) writes it, worker/llm/model.py and worker/tp/llm_step.py run it, perfmodel/analysis.py
 reads it. One graph serves prefill and decode: `input_ids` [rows, new] are the new tokens of
 some rows, `seqlens_k` [rows] each row's length after them minus one, and
 `total_sequence_length` the cache's max_len. Every layer's cache is an input (past) and an

@@ -28,13 +28,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from common import cli, logging, paths
+from perfmodel import profiles
+from perfmodel.analysis import DECODER, AnalysisError, analyse_repository
+from perfmodel.roofline import diagnose
 from planner import probe as probing
-from planner import profiles
-from planner.analysis import DECODER, AnalysisError, analyse_repository
 from planner.models import model_versions, prices, with_recipes
 from planner.plan import Plan, Workload, plan
 from planner.plot import roofline_png
-from planner.roofline import diagnose
 from planner.serving import calibrate_serving, served_profile
 from planner.validate.configs import ValidateSettings
 

@@ -30,9 +30,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from planner.analysis import DECODER, ModelAnalysis
-from planner.profiles import Profile
-from planner.roofline import run_seconds
+from perfmodel.analysis import DECODER, ModelAnalysis
+from perfmodel.profiles import Profile
+from perfmodel.roofline import run_seconds
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common import model_keys
-from planner.analysis import (
+from perfmodel.analysis import (
     DECODER,
     AnalysisError,
     ModelAnalysis,

@@ -2,8 +2,8 @@
 meet a p99 SLO at a given rate, with its cost, and what the runners-up lack.
 
 Every candidate is priced at replicas x TP devices x the price per device-hour. Its
-latency and capacity come from the Roofline run time (planner/roofline.py) through the
-M/D/c-with-batching model (planner/queueing.py). An LLM call is one generation: a prompt of
+latency and capacity come from the Roofline run time (perfmodel/roofline.py) through the
+M/D/c-with-batching model (perfmodel/queueing.py). An LLM call is one generation: a prompt of
 `context` tokens and `max_tokens` decode steps; a replica batching b of them spends
 b prefills + max_tokens decode steps of b sequences (at the mean context) per batch.
 Break-even uses the ledger's own arithmetic (ledger/economics.py) with the model's price p
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger.economics import economics
-from planner.analysis import DECODER, ModelAnalysis
-from planner.profiles import Profile
-from planner.queueing import Prediction, predict
-from planner.roofline import resident_bytes, run_seconds
+from perfmodel.analysis import DECODER, ModelAnalysis
+from perfmodel.profiles import Profile
+from perfmodel.queueing import Prediction, predict
+from perfmodel.roofline import resident_bytes, run_seconds
 
 TP_SIZES = (1, 2, 3, 4, 8)  # those that divide the model's KV heads
 MAX_REPLICAS = 64

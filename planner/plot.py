@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.profiles import Profile
-from planner.roofline import Diagnosis
+from perfmodel.profiles import Profile
+from perfmodel.roofline import Diagnosis
 
 
 def roofline_png(

@@ -34,7 +34,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from common import cpu
-from planner.profiles import Profile
+from perfmodel.profiles import Profile
 
 GEMM_N = 1024
 

@@ -22,7 +22,7 @@ batch as f + g / b (the run's share spread over the batch), through both points.
 
 At the largest limit, three open loops (Poisson arrivals at TAIL_SHARES of its saturated
 rate) measure the trip's tail with the model's own call: the p99 less what the queueing
-model gives the replica itself there (its run and its queue, planner/queueing.py, so that
+model gives the replica itself there (its run and its queue, perfmodel/queueing.py, so that
 neither is counted twice), against the host's busy cores over the window (ours and other
 jobs', from /proc/stat). On two shared cores that wait for a core is most of a p99
 (planner/probe.py measures the same with a 16-byte call, whose CPU and answer are not the
@@ -45,12 +45,12 @@ import numpy as np
 from common import paths
 from devmesh.processes import LocalMesh
 from loadtest.runner import Load, closed_loop, open_loop
-from planner.analysis import ModelAnalysis
+from perfmodel.analysis import ModelAnalysis
+from perfmodel.profiles import Profile
+from perfmodel.queueing import predict
+from perfmodel.roofline import run_seconds
 from planner.calibrate import Calibration, encoder_feeds, refit
 from planner.probe import busy_cores, cpu_seconds, host_cpu
-from planner.profiles import Profile
-from planner.queueing import predict
-from planner.roofline import run_seconds
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 

@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 from common import cli, logging
-from planner.profiles import ProfileError
+from perfmodel.profiles import ProfileError
 from worker.config import ConfigError
 from worker.runtime import GpuRequired, ModelLoadError
 from worker.server import BindFailed, GroupFailed, serve

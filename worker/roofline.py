@@ -1,7 +1,7 @@
 """Where each served model actually runs against its roof (issue 14, item 4).
 
 From the model's statistics (worker/stats.py: the rows, tokens and cached tokens of its
-runs, and their compute time) and its analysis (planner/analysis.py: FLOPs and bytes per
+runs, and their compute time) and its analysis (perfmodel/analysis.py: FLOPs and bytes per
 run, from the ONNX graph), the achieved FLOP/s and bytes/s since start, and, with a
 hardware profile, each as a fraction of the profile's roof. `Roofs.figures(model)` is what
 a metrics endpoint calls; the servicer puts the same figures in ModelStatistics.
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from common import model_keys
-from planner import profiles
-from planner.profiles import Profile
+from perfmodel import profiles
+from perfmodel.profiles import Profile
 from worker.stats import ModelStats, Work
 
 if TYPE_CHECKING:
-    from planner.analysis import ModelAnalysis
+    from perfmodel.analysis import ModelAnalysis
 
 log = structlog.get_logger()
 
@@ -78,7 +78,7 @@ class Roofs:
 
     @classmethod
     def from_setting(cls, name: str | None, threads: int) -> Roofs:
-        """`name`: a profile name or file (planner/profiles.py); None: the probed profile
+        """`name`: a profile name or file (perfmodel/profiles.py); None: the probed profile
         at build/planner/profile.json when there is one, else none (achieved figures only)."""
         if name is not None:
             return cls(profiles.load(name), threads or None)  # a bad name stops the worker
@@ -99,7 +99,7 @@ class Roofs:
                 return None
             # here, not at the top: the analysis (and onnx, 17 MB resident) is loaded when a
             # model's roofline is first asked for, not by every worker at start
-            from planner.analysis import AnalysisError, analyse_file, read_config
+            from perfmodel.analysis import AnalysisError, analyse_file, read_config
 
             try:
                 config = read_config(folder.parent)

@@ -76,7 +76,7 @@ class WorkerSettings(BaseSettings):
     memory_budget_bytes: int = Field(
         0, description="weight bytes per rank; 0: no limit"
     )  # weight bytes per rank; 0: no limit
-    # The roof ModelStatistics measures each model against (planner/profiles.py: H200,
+    # The roof ModelStatistics measures each model against (perfmodel/profiles.py: H200,
     # H100, A100, L4 or a profile file); default: build/planner/profile.json when probed.
     roofline_profile: str | None = Field(
         None, description="H200, H100, A100, L4 or a profile file (planner probe)"

@@ -22,7 +22,7 @@ Roofline on the probed profile; fitted to the session alone; fitted to the one-w
 The workers' own statistics are read after each loop, so the batch the batcher formed and
 its run time are known for the closed and the open loop apart. Workers and router share this
 machine's cores with the client, so the prediction uses the shared-host form of the queueing
-model (planner/queueing.py). Every miss of the best prediction gets the reason the numbers
+model (perfmodel/queueing.py). Every miss of the best prediction gets the reason the numbers
 show: the batches, a replica's seconds per batch, the host CPU per call, the cores the open
 loop kept busy. Writes planner.json, planner_roofline.png (this machine) and
 planner_roofline_h200.png (the same models on the H200 profile) to benchmarks/results/.

@@ -16,11 +16,11 @@ from devmesh.processes import LocalMesh
 from loadtest.calls import closed_loop, open_loop
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm import runner as llm_runner
+from perfmodel.analysis import analyse_file
+from perfmodel.profiles import Profile
+from perfmodel.roofline import diagnose
 from planner import probe
-from planner.analysis import analyse_file
 from planner.calibrate import Calibration
-from planner.profiles import Profile
-from planner.roofline import diagnose
 from planner.serving import (
     ServingCalibration,
     batch_totals,

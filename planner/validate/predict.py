@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import statistics
 
-from planner.analysis import ModelAnalysis
+from perfmodel.analysis import ModelAnalysis
+from perfmodel.profiles import Profile
+from perfmodel.queueing import Prediction, between, predict
+from perfmodel.roofline import run_seconds
 from planner.calibrate import Calibration
 from planner.plan import Workload, service_time
-from planner.profiles import Profile
-from planner.queueing import Prediction, between, predict
-from planner.roofline import run_seconds
 from planner.serving import ServingCalibration, served_profile
 from planner.validate.configs import BEST, MAX_TOKENS, PROMPT, STEP_CONTEXT, TARGETS, TOKENS, Config
 

@@ -12,12 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadtest.results import machine, write_json
-from planner import probe, profiles
-from planner.analysis import ModelAnalysis, analyse_file
+from perfmodel import profiles
+from perfmodel.analysis import ModelAnalysis, analyse_file
+from perfmodel.profiles import Profile
+from perfmodel.roofline import diagnose
+from planner import probe
 from planner.calibrate import Calibration, calibrate, refit
 from planner.plot import roofline_png
-from planner.profiles import Profile
-from planner.roofline import diagnose
 from planner.serving import ServingCalibration, calibrate_serving
 from planner.validate.configs import (
     CONFIGS,

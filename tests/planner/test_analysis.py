@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from planner.analysis import (
+from perfmodel.analysis import (
     DECODER,
     ENCODER,
     GENERIC,

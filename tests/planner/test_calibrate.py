@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from planner import profiles
-from planner.analysis import analyse_file
+from perfmodel import profiles
+from perfmodel.analysis import analyse_file
+from perfmodel.roofline import run_seconds
 from planner.calibrate import Calibration, calibrate, fit
-from planner.roofline import run_seconds
 from planner.serving import TAIL_SHARES, ServingCalibration, calibrate_serving
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from devmesh import toy_models
-from planner import profiles
+from perfmodel import profiles
 from planner.__main__ import main
 from planner.plan import Prices, Workload, plan
 from tests.planner.test_roofline import LLAMA_8B

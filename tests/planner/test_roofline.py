@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner import profiles
-from planner.analysis import DECODER, ENCODER, ModelAnalysis
-from planner.queueing import erlang_c, md_c_decay, poisson_quantile, predict, wait_quantile
-from planner.roofline import diagnose
+from perfmodel import profiles
+from perfmodel.analysis import DECODER, ENCODER, ModelAnalysis
+from perfmodel.queueing import erlang_c, md_c_decay, poisson_quantile, predict, wait_quantile
+from perfmodel.roofline import diagnose
 
 # Llama-3-8B's shape in bf16 (the reference model): 8.03 B parameters, of which
 # 7.5 B in projections and 0.5 B in the embedding table; 32 layers, 8 KV heads of 128.

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from common import cli
+from perfmodel.profiles import Profile
 from planner import __main__ as planner_cli
-from planner.profiles import Profile
 from planner.validate import report
 from planner.validate.configs import CONFIGS, TARGETS, ValidateSettings
 from planner.validate.predict import explain, missed, summarize

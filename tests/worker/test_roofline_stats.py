@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from devmesh import toy_models
-from planner.analysis import analyse_file
+from perfmodel.analysis import analyse_file
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from tests.planner.conftest import TINY, save_graph

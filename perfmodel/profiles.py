@@ -230,7 +230,7 @@ def load(name_or_path: str) -> Profile:
         return Profile(**body)
     except (ValueError, TypeError) as e:
         raise ProfileError(
-            f"{path}: not a profile ({e}); expected the fields of planner.profiles.Profile: "
+            f"{path}: not a profile ({e}); expected the fields of perfmodel.profiles.Profile: "
             "name, memory_bandwidth, flops {dtype: FLOP/s}, memory_bytes, source, ..."
         ) from e
 

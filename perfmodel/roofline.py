@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.analysis import DECODER, ModelAnalysis
-from planner.profiles import Profile
+from perfmodel.analysis import DECODER, ModelAnalysis
+from perfmodel.profiles import Profile
 
 ALLREDUCE_LATENCY_S = {"gpu": 10e-6, "cpu": 100e-6}
 ACTIVATION_HEADROOM = 1.10  # activations and the runtime's arena beside weights + KV
