@@ -37,13 +37,10 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name
 
 
 # The recipe to serve by CPU (`build(by_cpu=True)`), in order; the first flag the CPU has
-# wins, "*" any. With AMX, W8A8 (int8 activations through MLAS's QGEMM) runs 16-32 rows
-# 1.2x faster than int8 weight-only and one row the same (docs/llm.md "W8A8 on AMX"; a CPU
-# with VNNI but no AMX was not measured, so it keeps int8 weight-only). onnxruntime's int8
-# MatMulNBits kernel is fast with VNNI (AVX-512 or AVX) and slow on AVX2 alone, where its
-# int4 kernel is the faster one (docs/llm.md: a 16-row decode step 74 against 87 ms, a
-# 64-token chunk 141 against 199 ms on an AVX2-only AMD EPYC; on AVX-512 VNNI int8 is
-# faster, 8.6 against 12.5 ms a one-row step).
+# wins, "*" any. W8A8's int8 QGEMM pays with AMX; MatMulNBits' int8 kernel needs VNNI, and
+# without it the int4 kernel is faster (docs/decisions.md, "W8A8 where the CPU has AMX" and
+# "int4 weights where the CPU lacks VNNI"). A CPU with VNNI but no AMX keeps int8: W8A8 was
+# not measured there.
 W8A8_RECIPE = "decoder-w8a8"
 BY_CPU = (
     ("amx_int8", W8A8_RECIPE),

@@ -68,11 +68,9 @@ def rope_tables(c: DecoderConfig, max_positions: int) -> tuple[np.ndarray, np.nd
     return cos, sin
 
 
-# GroupQueryAttention's own scale of q.k: 1, since the RoPE tables carry 1 / sqrt(head_dim).
-# With scale 1, onnxruntime's CPU kernel computes a decode row's q.k with MLAS's one-row
-# SGEMM routine (taken only when alpha == 1) instead of packing the row's keys for a full
-# SGEMM, head by head: a 16-row decode step at 500 cached tokens 79-84 -> 61-71 ms, 32 rows
-# 142-166 -> 118-127 ms (results/llm_step_qk_scale_before.json, _after.json).
+# GroupQueryAttention's own scale of q.k: 1, since the RoPE tables carry 1 / sqrt(head_dim);
+# with alpha 1 MLAS takes its one-row SGEMM for a decode row's q.k, not a packed full SGEMM
+# (docs/decisions.md, "Attention scale folded into the RoPE tables").
 QK_SCALE = 1.0
 
 
@@ -402,9 +400,9 @@ def with_position_logits(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def without_logits_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
     """The LM head's MatMul writes `logits` itself, where `build` names it through an
-    Identity: onnxruntime copies that Identity's [rows, vocab] floats every step (6.3 MB and
-    0.8 ms at 32 rows of SmolLM2) though a top-k run never reads them. Modifies and returns
-    `proto`; a graph without that Identity is returned as it is."""
+    Identity: onnxruntime copies that Identity's [rows, vocab] floats every step, though a
+    top-k run never reads them. Modifies and returns `proto`; a graph without that Identity
+    is returned as it is."""
     g = proto.graph
     copy = next((n for n in g.node if n.op_type == "Identity" and n.output[:] == [LOGITS]), None)
     if copy is None:

@@ -64,19 +64,9 @@ def _int8_dynamic(src: Path, dst: Path) -> None:
     )
 
 
-# The decoder's 8-bit weight-only blocks: 64 weights along the input dimension per scale,
-# 128 in the LM head. Against blocks of 32 everywhere (SmolLM2, onnxruntime 1.23.2, 2
-# threads, the served graphs taking turns in one process, 300 cached tokens;
-# results/llm_step_int8_blocks.json): blocks of 64 took a one-row decode step 0.90x the
-# time, 8 / 16 / 32 rows 0.92x / 0.99x / 0.96x, a 256-token prefill chunk 0.95x, as
-# MatMulNBits handles half the scales and its int8 activations get one scale per 64. The
-# head's blocks of 128 then took a one-row step 0.97-0.99x the time again and the other
-# shapes 0.96-1.00x (its 49,152 columns are a fifth of the weights, the largest single
-# MatMul; results/llm_step_head_block.json, and an ad-hoc turn at 100 cached tokens).
-# The gate passes with room: top-1 0.977, KL 0.0099, greedy match 0.72 (blocks of 32:
-# 0.957, 0.0062, 0.63). Blocks of 128 everywhere were 1-3% faster again, but the same
-# quantizer's greedy match fell to 0.599 (refused). The head's GGUF Q8_0 codes (blocks of
-# 32) are no longer kept exactly; the int4 recipe keeps them.
+# The decoder's 8-bit weight-only blocks: 64 weights per scale, 128 in the LM head (its
+# largest MatMul): faster steps than 32 and a gate passed with room, where 128 everywhere
+# failed greedy match (docs/decisions.md, "Block size 64 for int8 weights").
 DECODER_INT8_BLOCK = 64
 DECODER_INT8_HEAD_BLOCK = 128
 

@@ -1,19 +1,17 @@
 """W8A8 for the decoder's step graph: int8 weights per output channel times int8 activations
 per row (token), through onnxruntime's MatMulIntegerToFloat, which runs MLAS's u8s8 QGEMM.
 
-Why: at 16-32 rows MatMulNBits' int8 kernel computes rather than reads, and the QGEMM is
-about twice as fast there on a CPU with AMX; with the rest of the step (docs/llm.md "W8A8
-on AMX"), a 16-row decode step takes 28 against 35 ms, 32 rows 50 against 63, one row the
-same. The QGEMM is exact only where the CPU has VNNI (without it, vpmaddubsw saturates
-int16 pairs), so the recipe is built and served where the CPU has the flag its rule names
-(quantize/llm.BY_CPU).
+Why: at 16-32 rows MatMulNBits' int8 kernel computes rather than reads, and on a CPU with
+AMX the QGEMM is about twice as fast there; decode steps of 16-32 rows take about 0.8x the
+time, one row the same (docs/decisions.md, "W8A8 where the CPU has AMX"). The QGEMM is exact
+only where the CPU has VNNI (without it, vpmaddubsw saturates int16 pairs), so the recipe is
+built and served where the CPU has the flag its rule names (quantize/llm.BY_CPU).
 
 The starting point is the int8 weight-only graph (every projection an 8-bit MatMulNBits in
 blocks; its embedding already 8-bit). Each projection is rewritten from its dequantized
-blocks, except the MLP's down projections. Per-row activation scales alone lose too much on
-SmolLM2 (top-1 0.87, greedy match 0.44: a few channels run to 10-40x the median, the down
-projections' inputs' up to 1,865x, and set every row's scale), so three things keep the
-accuracy, each measured (docs/llm.md):
+blocks, except the MLP's down projections. Per-row activation scales alone fail the gate on
+SmolLM2 (a few input channels run to 10-40x the median, the down projections' up to ~1,865x,
+and set every row's scale), so three things keep the accuracy:
 
 - smoothing (SmoothQuant, alpha 0.5): an RMSNorm output's channel j is divided by
   c_j = sqrt(amax_j / wmax_j), folded into the norm's weight, and the projections reading it

@@ -145,12 +145,9 @@ class Repository:
             )
         options = self.options
         if cfg.is_llm(config):
-            # Off unless the model says `meshserve.intra_op_spinning: "true"`. The engine's
-            # runs alternate with Python on the event loop (sampling, detokenizing, gRPC) and
-            # with a draft model's runs: on a busy machine a pool spinning after its run takes
-            # the cores they need, and a spinning thread descheduled stalls the next run
-            # (benchmarks/llm_step.py: 34 vs 287 ms per decode step, shared 2-core machine).
-            # On a machine of its own spinning is faster (docs/llm.md: +23% single-stream).
+            # Off unless the model says `meshserve.intra_op_spinning: "true"`: a pool spinning
+            # after its run takes the cores the event loop and a draft model need next; on a
+            # machine of its own spinning is faster (docs/decisions.md, "Spinning off by default").
             options = dataclasses.replace(
                 options,
                 allow_spinning=_spinning(config),

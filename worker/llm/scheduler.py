@@ -1,52 +1,36 @@
 """The scheduler: each engine step decided as a plain value, a StepPlan, before anything runs.
 
 Decide, then do (vLLM v1's `schedule() -> SchedulerOutput`, then `execute_model`, then
-`update_from_output`): `Scheduler.schedule()` says which sequences were cancelled, which
-were admitted, which prefill how many prompt tokens, which decode and how many drafts a lone
-decoding sequence verifies. worker/llm/engine.py runs the plan, samples, and hands the
-results back (`finish` when a sequence ends). Nothing here runs a model or touches
-onnxruntime, so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
+`update_from_output`): worker/llm/engine.py runs the plan, samples, and hands the results
+back (`computed` after a chunk, `finish` when a sequence ends). Nothing here runs a model,
+so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 
-One step, in order:
+`schedule()`, in order:
 
-1. **Cancelled** sequences leave: their slot and reservation are given back before anything
-   is admitted, so a freed slot is reused in the same step.
-2. **Compaction** (`_compact`): decoding sequences move down into free slots below them, so
-   a decode run (one run over the slots its rows span) computes no row for nothing.
+1. **Cancelled** sequences leave and give back their slot and reservation, so a freed slot
+   is reused in the same step.
+2. **Compaction** (`_compact`): at most one decoding sequence moves down into a free slot
+   below it, so a decode run (one run over the slots its rows span) computes no empty row.
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
-   between tenants (worker/llm/fairness.py: the oldest request of the backlogged tenant
-   served least so far, by virtual token counters; one tenant: arrival order). It asks
-   the KV cache for room (`Room.fits`, then `Room.allocate`: a slot and `prompt +
-   max_tokens` tokens of the budget, so a running sequence never runs out of cache and
-   nothing is ever evicted; a request that could not fit an empty cache was refused by the
-   engine up front; a whole prompt the prefix cache holds, with the row its run gave for
-   its last position, prefills nothing: `StepPlan.first`). The head waits rather than be
-   overtaken, so nothing starves. While streams decode, copies come out of the step's
-   token budget (`copy_tokens`): a step
-   admits the head whatever its prefix copy costs, and further prefix hits while the
-   budget holds their copies.
-4. **Decode**: every running sequence past its prompt decodes one token (or verifies k
-   drafts when it decodes alone and a draft model is set: k + 1 tokens).
-5. **Prefill**: the decode rows' tokens come out of the step's token budget (as vLLM's
-   scheduler shares one budget between decode and chunked prefill); what is left goes to
-   prompts still being read, oldest first, at most `prefill_chunk` tokens each. A long
-   prompt therefore stalls running streams by a bounded chunk per step, never by a whole
-   prompt. The budget grows with the decoding rows (`step_budget`: the larger of
-   `max_step_tokens` and `step_tokens_per_row` per row), since a decode step's cost does:
-   it is sized from measurement so that a step with a chunk takes about 1.5 decode steps of
-   those rows, whether 8 or 32 decode (docs/llm.md). With no sequence
-   decoding there is no stream to stall, and a prompt gets `prefill_chunk` tokens at once.
-   The oldest prompt always gets a chunk, so it progresses whatever the budget. A chunk is
-   never one token, nor leaves one token for the next (`chunk_tokens`): a prompt token is
-   computed the same way however the prompt was split, so a prefix-cache hit changes nothing.
+   between tenants (worker/llm/fairness.py). A sequence gets a slot and `prompt +
+   max_tokens` tokens of the budget, so it never runs out of cache and is never preempted.
+   With a prefix cache (worker/llm/prefix.py) the slot comes with the longest cached prefix
+   of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
+   prefills nothing (`StepPlan.first`). Retained prefixes are evicted, least recently used
+   first, to make room; running sequences never are. The head waits rather than be
+   overtaken; while streams decode, a step admits further prefix hits only while the
+   budget holds their copies (`copy_tokens`).
+4. **Decode**: every sequence past its prompt decodes one token, or verifies k drafts when
+   it decodes alone and speculation is on.
+5. **Prefill**: decode rows (and, while streams decode, copies and each run's fixed cost,
+   `run_tokens`) share one token budget (`step_budget`, growing with the decoding rows);
+   what is left goes to prompts, oldest first, at most `prefill_chunk` tokens each, so a
+   long prompt stalls streams by a bounded chunk. The oldest prompt always progresses. A
+   sequence first copies blocks another has computed since (`_catch_up`), and waits for a
+   block another is computing. With nothing decoding a prompt gets a whole chunk.
 
-How a prefix cache hooks in: admission is one small function, `_admit_one(seq)`, that asks
-the cache for room and takes a slot. A prefix step sits right before the room is asked for:
-it matches the prompt's leading tokens against what the cache holds, and when it reuses `n`
-cached tokens it gives the sequence a slot already holding them and sets `seq.computed = n`;
-step 4 then prefills from `computed` on (a Chunk starts at `seq.computed`), and nothing else
-here changes. The KV layout stays [2, layers, slots, kv_heads, max_len, head_dim]
-(worker/llm/cache.py): a reused prefix lives in a slot, whole rows from position 0.
+`finish` frees the slot; a sequence that ended normally leaves its prompt's rows in the
+prefix cache for the next prompt that shares them.
 """
 
 from __future__ import annotations
@@ -97,20 +81,13 @@ class Sequence:
 
 S = TypeVar("S", bound=Sequence)
 
-# A prompt token is never computed in a run of one new token (unless the prompt is one token):
-# onnxruntime's CPU GroupQueryAttention rounds a one-token run differently from the same
-# token inside a longer run (3e-8 at layer 0), and the int8 MatMulNBits of a quantized graph
-# amplify that to 0.1-0.6 in the KV cache and the logits. Runs of >= 2 tokens are bit-equal
-# whatever their sizes, so a prompt's keys, values and first token are the same however it
-# was chunked, cached or batched (docs/llm.md, "Exact by construction").
+# A prompt token is never computed in a run of one new token: onnxruntime rounds a one-token
+# run differently from longer ones, and runs of >= 2 are bit-equal however a prompt was
+# chunked, cached or batched (docs/llm.md, "Exact by construction").
 MIN_CHUNK = 2
-# A prefill run's fixed cost, in prompt tokens: one chunk of 2 tokens over 300 cached ones
-# took 10.8 ms and each further token 1.36 ms (benchmarks/llm_step.py, SmolLM2, 2 threads);
-# and a run also reads every cached row of its sequence, once per new token: a prefix-cache
-# hit's 2-token remainder over ~1,000 cached rows ran 15-22 ms while 16 streams decoded. So a
-# chunk is charged RUN_TOKENS + one token per ATTEND_ROWS_PER_TOKEN rows it attends to,
-# besides its own tokens, and a step cannot stall its streams with a handful of such runs
-# (four had tripled a 55 ms step).
+# While streams decode, a prefill chunk is charged a run's fixed cost and its reading of the
+# rows cached before it, so a step cannot fill with many small runs (docs/decisions.md,
+# "A prefill run's fixed cost is charged").
 RUN_TOKENS = 6
 ATTEND_ROWS_PER_TOKEN = 128
 
@@ -120,11 +97,8 @@ def run_tokens(cached: int) -> int:
     return RUN_TOKENS + cached // ATTEND_ROWS_PER_TOKEN
 
 
-# A copy's cost, in rows per prompt token (1.37 ms): a reused prefix or a moved sequence
-# copied into pages a free slot kept is a memcpy (8-10 ms per 1,000 rows), into pages given
-# back it faults them in (30-40 us a row: 2,224 rows took 71-80 ms). While streams decode a
-# step's copies come out of its token budget at 64 rows a token, between the two (one
-# anchor run each at 32 and 64: 195 and 202 tok/s at 16 streams, ITL p99/p50 2.48 and 2.51)
+# A cache copy's cost, in rows per prompt token: between a memcpy into kept pages and page
+# faults into fresh ones (docs/decisions.md, "Copies charged one token per 64 rows").
 COPY_ROWS_PER_TOKEN = 64
 
 
@@ -317,15 +291,10 @@ class Scheduler(Generic[S]):
         return max(c.max_step_tokens, c.step_tokens_per_row * decoding)
 
     def _compact(self, copies: list[Copy]) -> None:
-        """Move the highest decoding sequence into the lowest free slot below it, if there
-        is one: a decode run spans the slots between its rows, and a free slot there is a
-        row computed for nothing, as is a prompt admitted into it, for every step of its
-        prefill. So decoding rows stay packed at the bottom, and a new prompt is admitted
-        above them. A move is a memcpy of the sequence's rows, once, where a hole costs a
-        row at every step (docs/llm.md). One move a step: a move of 1,000 rows into pages
-        not yet touched cost up to ~100 ms (page faults), and four in one step stalled every
-        stream for a step's worth of them; holes open one per finished sequence, so one move
-        a step keeps up but for bursts, which the next steps close."""
+        """Move the highest decoding sequence into the lowest free slot below it, if any: a
+        free slot inside a decode run is a row computed for nothing at every step, a move is
+        one memcpy. One move a step, since several into fresh pages stall every stream
+        (docs/decisions.md, "One compaction move per step")."""
         decoding = [s for s in self.running if not s.prefilling]
         if not decoding:
             return

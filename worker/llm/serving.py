@@ -120,11 +120,9 @@ def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
 
 def default_step_tokens(cache_device: str, prefill_chunk: int) -> int:
     """meshserve.max_step_tokens when the config leaves it unset. On the CPU a step's cost
-    grows with its tokens, so a prompt's chunk is held to about 1.5 decode steps (EngineConfig).
-    On a GPU a whole chunk costs about one decode step (results/llm_gpu_q4.json,
-    llm_gpu_fp16.json: a 512-token chunk 3.6 ms against 3.3 ms for a one-row step, fp16 on an
-    H200), so a step takes a whole chunk: over a budget of 24, the aggregate of 32 and 64
-    streams rose 10-25% and that of 16 stayed within 2% (results/llm_gpu_engine.json)."""
+    grows with its tokens, so a prompt's chunk is held to about 1.5 decode steps (EngineConfig);
+    on a GPU a whole chunk costs about one decode step, so a step takes a whole chunk
+    (docs/decisions.md, "A whole prefill chunk per step on a GPU")."""
     if cache_device == CUDA:
         return prefill_chunk
     return EngineConfig.max_step_tokens
