@@ -18,7 +18,8 @@ from common import cpu
 
 # The vector instruction sets onnxruntime's CPU kernels (MLAS) pick their kernels by: a VM's
 # "AMD EPYC" has run with AVX-512 and VNNI one day and AVX2 only the next, and the int8 and
-# int4 MatMulNBits kernels rank differently on the two (docs/llm.md).
+# int4 MatMulNBits kernels rank differently on the two (docs/decisions.md, "int4 weights
+# where the CPU lacks VNNI").
 SIMD = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
