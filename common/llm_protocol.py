@@ -84,6 +84,23 @@ TENANT_WEIGHT = "tenant_weight"
 MAX_TENANT = 64
 MAX_TENANT_WEIGHT = 1000.0
 
+# Mid-stream migration (router/forwarding/migration.py): a stream whose worker died goes on
+# on another replica from the token ids its client was already sent, token-exact (never
+# re-tokenized text). A request parameter (bool): put the ids of each piece's tokens on it.
+RETURN_TOKEN_IDS = "return_token_ids"
+# A response parameter (string, a JSON list of ints), with RETURN_TOKEN_IDS: the ids of the
+# tokens generated since the previous piece (a piece may add tokens that gave no text yet: a
+# split UTF-8 character, a held-back stop-string prefix). The pieces' lists, joined, are the
+# completion's ids so far; their length is the piece's running completion_tokens.
+TOKEN_IDS = "token_ids"
+# A request parameter (string, a JSON list of ints): resume a generation that had produced
+# these ids. The worker prefills prompt + ids, counts the ids as already generated (max_tokens,
+# min_tokens, penalties, completion_tokens and the seeded sampler's draws go on from them),
+# replays them through its detokenizer and sends only the text that follows theirs. Pieces
+# report prompt_tokens as the prompt alone, so a resumed stream bills each token once.
+RESUME_TOKEN_IDS = "resume_token_ids"
+MAX_RESUME_TOKEN_IDS = 1 << 17  # characters of the JSON list, at most
+
 # Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
 # worker's and the router's, so the two compare bucket for bucket.
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -15,6 +15,7 @@ a stream of one, and a request is decoded once, wherever it arrives.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -117,21 +118,32 @@ class LLMBackend:
             yield self._piece(request, out.text, True, out)
             return
         empty_final = parameters.get(llm_protocol.EMPTY_FINAL_RESPONSE) is True
+        ids = parameters.get(llm_protocol.RETURN_TOKEN_IDS) is True
         async for out in self.serving.generate(parsed):
             _raise_failed(out)
             if not out.finished:
-                yield self._piece(request, out.text, False, out)
+                yield self._piece(request, out.text, False, out, ids)
             elif empty_final:
                 if out.text:
-                    yield self._piece(request, out.text, False, out)
-                yield self._piece(request, None, True, out)
+                    yield self._piece(request, out.text, False, out, ids)
+                    ids = False  # the ids went with the text
+                yield self._piece(request, None, True, out, ids)
             else:
-                yield self._piece(request, out.text, True, out)
+                yield self._piece(request, out.text, True, out, ids)
 
     def _piece(
-        self, request: pb.ModelInferRequest, text: str | None, final: bool, out: Output
+        self,
+        request: pb.ModelInferRequest,
+        text: str | None,
+        final: bool,
+        out: Output,
+        ids: bool = False,
     ) -> pb.ModelInferResponse:
-        return codec.encode_text_piece(request, self.spec, text, final, usage(out))
+        response = codec.encode_text_piece(request, self.spec, text, final, usage(out))
+        if ids:  # compact JSON: a few bytes a token
+            ids_json = json.dumps(out.token_ids, separators=(",", ":"))
+            response.parameters[llm_protocol.TOKEN_IDS].string_param = ids_json
+        return response
 
     @property
     def depth(self) -> int:

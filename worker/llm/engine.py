@@ -189,22 +189,31 @@ class Engine:
         root: bytes = b"",
         tenant: str = "",
         weight: float = 1.0,
+        resume: list[int] | None = None,
     ) -> Sequence:
         """Queue a request, or refuse it at once with the numbers that did not fit. `root`:
         its prefix cache key root (prefix.root_key: model, version, cache_salt); `tenant`
-        and `weight`: its share in fair admission (worker/llm/fairness.py)."""
+        and `weight`: its share in fair admission (worker/llm/fairness.py); `resume`: the ids
+        it had generated elsewhere (llm_protocol.RESUME_TOKEN_IDS), continued from."""
         if self._closed:
             raise Unavailable("the engine is shutting down")
         limit = self.config.max_model_len
         if not prompt:
             raise InvalidArgument("the prompt is empty: text_input must hold at least one token")
-        if len(prompt) >= limit:
+        resume = resume or []
+        if len(resume) >= params.max_tokens:
             raise InvalidArgument(
-                f"the prompt is {len(prompt)} tokens; max_model_len is {limit} (prompt + "
+                f"parameter 'resume_token_ids' holds {len(resume)} ids, max_tokens is "
+                f"{params.max_tokens}: nothing is left to generate"
+            )
+        full = prompt + resume
+        if len(full) >= limit:
+            raise InvalidArgument(
+                f"the prompt is {len(full)} tokens; max_model_len is {limit} (prompt + "
                 "generated tokens), so a prompt may have at most "
                 f"{limit - 1} tokens"
             )
-        bad = next((t for t in prompt if not 0 <= t < self.model.facts.vocab_size), None)
+        bad = next((t for t in full if not 0 <= t < self.model.facts.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(
                 f"token id {bad} is outside the vocabulary [0, {self.model.facts.vocab_size})"
@@ -218,7 +227,7 @@ class Engine:
             )
         seq = Sequence(
             id=next(self._ids),
-            prompt=prompt,
+            prompt=full,
             params=params,
             sampler=Sampler(params, prompt, self.model.facts.vocab_size),
             detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
@@ -226,7 +235,10 @@ class Engine:
             root=root,
             tenant=tenant,
             weight=weight,
+            resumed=len(resume),
         )
+        seq.sampler.resume(resume)
+        seq.detok.replay(resume)
         try:
             self.scheduler.add(seq)
         except ResourceExhausted:

@@ -42,6 +42,9 @@ class Output:
     completion_tokens: int = 0
     error: str | None = None  # the run failed: the sequence ends without more text
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # the ids generated since the previous output (llm_protocol.TOKEN_IDS): a piece's text
+    # may lag its tokens (a split character, a held-back stop-string prefix)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -53,6 +56,29 @@ class Sequence(scheduler.Sequence):
     sampler: Sampler
     detok: Detokenizer
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    # a resumed generation (llm_protocol.RESUME_TOKEN_IDS): the prompt's last `resumed` ids
+    # were generated before, elsewhere, and count as generated
+    resumed: int = 0
+    reported: int = 0  # of `tokens`, those already on an output
+
+    @property
+    def generated(self) -> int:
+        return self.resumed + len(self.tokens)
+
+    def output(self, text: str, reason: str | None = None, error: str | None = None) -> Output:
+        """The next output: its text, its end, the running counts and its new ids."""
+        ids, self.reported = self.tokens[self.reported :], len(self.tokens)
+        prompt = len(self.prompt) - self.resumed
+        return Output(
+            text,
+            reason is not None,
+            reason,
+            prompt,
+            self.generated,
+            error,
+            min(self.cached, prompt),
+            ids,
+        )
 
 
 @dataclass
@@ -117,10 +143,11 @@ class Results:
             self._leave(seq)
 
     def banned(self, seq: Sequence, generated: int | None = None) -> list[int]:
-        """The ids the sequence may not sample next, with `generated` tokens generated (None:
-        its tokens so far): EOS while under min_tokens."""
+        """The ids the sequence may not sample next, with `generated` tokens generated here
+        (None: its tokens so far; a resumed sequence's earlier ones are added): EOS while
+        under min_tokens."""
         p = seq.params
-        n = len(seq.tokens) if generated is None else generated
+        n = seq.resumed + (len(seq.tokens) if generated is None else generated)
         return sorted(self.eos) if n < p.min_tokens and not p.ignore_eos else []
 
     def can_sample(self, seq: Sequence, row: object) -> bool:
@@ -166,7 +193,8 @@ class Results:
 
     def _at_length(self, seq: Sequence, generated: int) -> bool:
         return (
-            generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self.max_model_len
+            seq.resumed + generated >= seq.params.max_tokens
+            or len(seq.prompt) + generated >= self.max_model_len
         )
 
     def emit(self, seq: Sequence, token: int) -> None:
@@ -185,9 +213,7 @@ class Results:
         if reason is None:
             if piece:
                 # Running counts on every piece: what a stream cut here has sent.
-                seq.outputs.put_nowait(
-                    Output(piece, False, None, len(seq.prompt), len(seq.tokens), None, seq.cached)
-                )
+                seq.outputs.put_nowait(seq.output(piece))
             return
         self.finish(seq, reason, piece)
 
@@ -197,9 +223,7 @@ class Results:
         seq.finish_reason = reason
         if reason != CANCELLED:
             piece += seq.detok.finish()
-        seq.outputs.put_nowait(
-            Output(piece, True, reason, len(seq.prompt), len(seq.tokens), None, seq.cached)
-        )
+        seq.outputs.put_nowait(seq.output(piece, reason))
         self.stats.finished[reason] += 1
         self._ended(seq)
 
@@ -207,9 +231,7 @@ class Results:
         """A run that raised: the sequence ends with the error instead of text."""
         seq.finish_reason = "error"
         self.stats.finished["error"] += 1
-        seq.outputs.put_nowait(
-            Output("", True, "error", len(seq.prompt), len(seq.tokens), f"{error}", seq.cached)
-        )
+        seq.outputs.put_nowait(seq.output("", "error", f"{error}"))
         self._ended(seq)
 
     def _ended(self, seq: Sequence) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class LLMRequest:
     cache_salt: str = ""  # the request's cache_salt parameter: its own prefix cache partition
     tenant: str = ""  # whose request, and its weight: fair admission (worker/llm/fairness.py)
     weight: float = 1.0
+    resume: list[int] = field(default_factory=list)  # llm_protocol.RESUME_TOKEN_IDS
 
 
 def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
@@ -216,6 +217,7 @@ class LLMServing:
             cache_salt=_salt(parameters),
             tenant=_tenant(parameters),
             weight=_weight(parameters),
+            resume=_resume(parameters),
         )
 
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
@@ -236,7 +238,12 @@ class LLMServing:
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
         seq = self.engine.add(
-            request.prompt, request.params, root, tenant=request.tenant, weight=request.weight
+            request.prompt,
+            request.params,
+            root,
+            tenant=request.tenant,
+            weight=request.weight,
+            resume=request.resume,
         )
         self.prompt_tokens += len(request.prompt)
         clock = token_metrics.TokenClock(self.spec.name)
@@ -280,6 +287,26 @@ def _salt(parameters: Mapping[str, Any]) -> str:
             f"{llm_protocol.MAX_CACHE_SALT} characters expected"
         )
     return salt
+
+
+def _resume(parameters: Mapping[str, Any]) -> list[int]:
+    """The ids a resumed generation had produced (llm_protocol.RESUME_TOKEN_IDS), [] none."""
+    name = llm_protocol.RESUME_TOKEN_IDS
+    value = parameters.get(name)
+    if value is None:
+        return []
+    expected = f"parameter {name!r}: a JSON list of token ids expected"
+    if not isinstance(value, str) or len(value) > llm_protocol.MAX_RESUME_TOKEN_IDS:
+        raise InvalidArgument(
+            f"{expected} (a string of at most {llm_protocol.MAX_RESUME_TOKEN_IDS} characters)"
+        )
+    try:
+        ids = json.loads(value)
+    except ValueError:
+        raise InvalidArgument(f"{expected}, got {value[:64]!r}") from None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise InvalidArgument(f"{expected}, got {value[:64]!r}")
+    return ids
 
 
 def _tenant(parameters: Mapping[str, Any]) -> str:
