@@ -7,8 +7,10 @@ Every key, its type, its writer -> its readers, and what it holds:
   registry TTL unless the heartbeat renews it.
 - meshserve:depth:{id} (STRING, worker -> router): "depth:unix_ms", the worker's requests
   waiting + running and when that was sampled; a worker serving an LLM engine appends
-  ":kv_used:kv_total", the KV cache tokens its running sequences hold and its budget.
-  Expires with the registry TTL.
+  ":kv_used:kv_total", the KV cache tokens its running sequences hold and its budget, then
+  ":slots:rate_milli", the sequences it runs at once and the rate its requests finish
+  (per 1,000 s, measured: worker/llm/service_time.py), from which a router predicts the
+  wait of a new request (router/forwarding/shedding.py). Expires with the registry TTL.
 - meshserve:scale:{model}:queue (LIST, worker -> KEDA's Redis scaler, tests): its LENGTH is
   the model's queue depth over the mesh: the requests (LLM: sequences) waiting + running on
   every live replica serving the model, summed; the elements are placeholders. KEDA's
@@ -38,8 +40,8 @@ Every key, its type, its writer -> its readers, and what it holds:
   the token fields negative for a streamed piece whose delivery failed after it was
   recorded), field "at_ms" when the batch closed. A batch of a router that predates token
   pricing has the first five fields only, one that predates cached tokens the first eleven
-  (CALL_FIELDS + TOKEN_FIELDS). The ledger applies
-  entries in id order, exactly once, and quarantines what fails its checks.
+  (CALL_FIELDS + TOKEN_FIELDS), one that predates load shedding the first thirteen. The
+  ledger applies entries in id order, exactly once, and quarantines what fails its checks.
 - meshserve:ledger:ack:{router} (STRING, ledger -> router): "{epoch}-{seq}", the highest id
   of that router the durable ledger has committed; the router forgets batches up to it.
 
@@ -103,7 +105,11 @@ TOKEN_FIELDS = (
 # Prompt tokens served from the workers' prefix caches (billed at the cached-input price),
 # and what that price took off the token revenue (at the input price for every token).
 CACHE_FIELDS = ("cached_tokens", "cached_discount_micro_usd")
-USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS + CACHE_FIELDS
+# Of the errors: calls the router shed before they started (router/forwarding/shedding.py: the
+# predicted queue wait was over the caller's bound; answered RESOURCE_EXHAUSTED with
+# retry-after, no revenue).
+SHED_FIELDS = ("shed",)
+USAGE_FIELDS = CALL_FIELDS + TOKEN_FIELDS + CACHE_FIELDS + SHED_FIELDS
 
 
 def now_ms() -> int:
@@ -314,19 +320,26 @@ class DepthSample:
     at_ms: int
     kv_used: int = 0  # KV cache tokens held (LLM engines only; 0 and 0 otherwise)
     kv_total: int = 0
+    slots: int = 0  # requests it runs at once (LLM engines; 0: no service rate published)
+    rate_milli: int = 0  # requests it finishes per 1,000 s with its slots busy (0: unknown)
 
     def encode(self) -> str:
-        kv = f":{self.kv_used}:{self.kv_total}" if self.kv_total else ""
-        return f"{self.depth}:{self.at_ms}{kv}"
+        kv = f":{self.kv_used}:{self.kv_total}" if self.kv_total or self.slots else ""
+        service = f":{self.slots}:{self.rate_milli}" if self.slots else ""
+        return f"{self.depth}:{self.at_ms}{kv}{service}"
 
     @classmethod
     def decode(cls, text: str | bytes) -> DepthSample:
-        """ValueError unless "depth:unix_ms" with two integers >= 0."""
+        """ValueError unless "depth:unix_ms[:kv_used:kv_total[:slots:rate_milli]]", every
+        part an integer >= 0."""
         if isinstance(text, bytes):
             text = text.decode()
         parts = [int(p) for p in text.split(":")]
-        if len(parts) not in (2, 4):
-            raise ValueError(f"depth sample {text[:64]!r}: expected depth:at_ms[:kv_used:kv_total]")
+        if len(parts) not in (2, 4, 6):
+            raise ValueError(
+                f"depth sample {text[:64]!r}: expected "
+                "depth:at_ms[:kv_used:kv_total[:slots:rate_milli]]"
+            )
         sample = cls(*parts)
         if min(parts) < 0 or sample.kv_used > sample.kv_total:
             raise ValueError(f"a negative or inconsistent depth sample: {text[:64]!r}")

@@ -30,6 +30,10 @@ PRIVATE_PARAMETERS = model_keys.PRIVATE
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 KEY_FORMAT = re.compile(r"^ms_([0-9a-f]{8})_([A-Za-z0-9_-]{22,64})$")
 ALL_MODELS = "*"
+# Priority classes and the factor each scales the router's queue-wait bound by
+# (router/forwarding/shedding.py): lower classes are shed first, at lower predicted waits.
+PRIORITIES = {"high": 2.0, "normal": 1.0, "low": 0.5}
+MAX_WEIGHT = 1000.0  # a tenant's share weight in the engines' fair admission
 
 
 def check_tenant(name: str) -> str:
@@ -74,6 +78,8 @@ class TenantPolicy:
     tokens_per_minute: int = 0  # prompt + completion tokens; 0: no limit
     monthly_spend_cap_micro_usd: int = 0  # 0: no cap
     admin: bool = False
+    priority: str = "normal"  # a key of PRIORITIES: when its calls are shed under overload
+    weight: float = 1.0  # its share of an engine against other backlogged tenants
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def allows(self, model: str) -> bool:
@@ -111,6 +117,13 @@ class TenantPolicy:
         admin = raw.get("admin", False)
         if not isinstance(admin, bool):
             raise ValueError("'admin' must be true or false")
+        priority = raw.get("priority", "normal")
+        if priority not in PRIORITIES:
+            raise ValueError(f"'priority' must be one of {sorted(PRIORITIES)}, not {priority!r}")
+        weight = raw.get("weight", 1.0)
+        number = isinstance(weight, int | float) and not isinstance(weight, bool)
+        if not number or not 0 < weight <= MAX_WEIGHT:
+            raise ValueError(f"'weight' must be a number in (0, {MAX_WEIGHT:g}]")
         return cls(
             models=tuple(models),
             requests_per_second=float(_number(raw, "requests_per_second", float, 1e6)),
@@ -120,6 +133,8 @@ class TenantPolicy:
                 _number(raw, "monthly_spend_cap_micro_usd", int, 2**62)
             ),
             admin=admin,
+            priority=priority,
+            weight=float(weight),
         )
 
 

@@ -52,6 +52,7 @@ MAX_COUNT = 2**53  # any count beyond this is not a batch of one router's flush 
 LENGTHS = (
     len(mesh_state.CALL_FIELDS),
     len(mesh_state.CALL_FIELDS) + len(mesh_state.TOKEN_FIELDS),
+    len(mesh_state.USAGE_FIELDS) - len(mesh_state.SHED_FIELDS),
     len(mesh_state.USAGE_FIELDS),
 )
 
@@ -92,6 +93,8 @@ def parse_entry(
         calls, success, errors, revenue, upstream_ns = counts[: LENGTHS[0]]
         if calls < 0 or errors < 0 or upstream_ns < 0 or success + errors != calls:
             raise ValueError(f"{key[:64]!r}: counts do not add up: {counts}")
+        if not 0 <= counts[-1] <= errors:  # shed calls are errors (mesh_state.SHED_FIELDS)
+            raise ValueError(f"{key[:64]!r}: {counts[-1]} shed of {errors} errors")
         if revenue * success < 0 or (success == 0 and revenue != 0):
             raise ValueError(f"{key[:64]!r}: revenue {revenue} for {success} successes")
         usage[tuple(parts)] = counts

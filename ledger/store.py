@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.mesh_state import CACHE_FIELDS, CALL_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
+from common.mesh_state import CACHE_FIELDS, CALL_FIELDS, SHED_FIELDS, TOKEN_FIELDS, USAGE_FIELDS
 from common.sqldb import Cursor, Database
 
 SCHEMA = [
@@ -74,6 +74,11 @@ SCHEMA = [
         tenant TEXT NOT NULL, model TEXT NOT NULL, version TEXT NOT NULL,
         cached_tokens BIGINT NOT NULL, cached_discount_micro_usd BIGINT NOT NULL,
         PRIMARY KEY (tenant, model, version))""",
+    # Calls the routers shed before they started (counted in `usage` as errors too), per
+    # model version and tenant ("" with auth off).
+    """CREATE TABLE IF NOT EXISTS shed_usage (
+        model TEXT NOT NULL, version TEXT NOT NULL, tenant TEXT NOT NULL, shed BIGINT NOT NULL,
+        PRIMARY KEY (model, version, tenant))""",
     # What each tenant was billed per UTC month (YYYYMM of the batch): the spend a Redis
     # that lost its counters is refilled with (ledger/refill.py).
     """CREATE TABLE IF NOT EXISTS tenant_spend (
@@ -179,6 +184,7 @@ class Store(Database):
                 else:
                     for (model, version, *tenant), counts in entry.usage.items():
                         self._add_usage(cur, model, version, counts, entry.at_ms)
+                        _add_shed(cur, model, version, tenant[0] if tenant else "", counts)
                         if tenant:
                             self._add_tenant_usage(cur, tenant[0], model, version, counts)
                             self._add_spend(cur, tenant[0], counts, entry.at_ms)
@@ -195,7 +201,8 @@ class Store(Database):
     def _add_usage(cur: Cursor, model: str, version: str, counts: list[int], at_ms: int) -> None:
         calls = counts[: len(FIELDS)]
         tokens = counts[len(FIELDS) : len(FIELDS) + len(TOKEN_FIELDS)]
-        cached = counts[len(FIELDS) + len(TOKEN_FIELDS) :]
+        at = len(FIELDS) + len(TOKEN_FIELDS)
+        cached = counts[at : at + len(CACHE_FIELDS)]
         if any(cached):
             _add_counts(cur, "cache_usage", CACHE_FIELDS, (model, version), cached)
         _add_counts(cur, "usage", FIELDS, (model, version), calls)
@@ -296,6 +303,8 @@ class Store(Database):
             for r in table:
                 counts = usage.setdefault((r[0], r[1]), dict.fromkeys(USAGE_FIELDS, 0))
                 counts.update(zip(fields, map(int, r[2:]), strict=True))
+        for (model, version, _), n in self.shed().items():
+            usage.setdefault((model, version), dict.fromkeys(USAGE_FIELDS, 0))["shed"] += n
         return usage
 
     def tenant_usage(self) -> dict[tuple[str, str], dict[str, int]]:
@@ -319,6 +328,12 @@ class Store(Database):
             if (r[0], r[1]) in usage:
                 usage[(r[0], r[1])].update(zip(CACHE_FIELDS, map(int, r[2:]), strict=True))
         return usage
+
+    def shed(self) -> dict[tuple[str, str, str], int]:
+        """(model, version, tenant) -> calls shed before they started."""
+        with self.transaction() as cur:
+            rows = cur.execute("SELECT model, version, tenant, shed FROM shed_usage").all()
+        return {(r[0], r[1], r[2]): int(r[3]) for r in rows}
 
     def tenant_spend(self, month: str) -> dict[str, int]:
         """tenant -> micro-USD billed in the UTC month YYYYMM."""
@@ -385,3 +400,13 @@ def _add_counts(
         f"INSERT INTO {table} VALUES ({marks}) ON CONFLICT (model, version) DO UPDATE SET {sets}",
         (*key, *counts),
     )
+
+
+def _add_shed(cur: Cursor, model: str, version: str, tenant: str, counts: list[int]) -> None:
+    shed = dict(zip(USAGE_FIELDS, counts, strict=False)).get(SHED_FIELDS[0], 0)
+    if shed:
+        cur.execute(
+            "INSERT INTO shed_usage VALUES (?, ?, ?, ?) ON CONFLICT (model, version, tenant) "
+            "DO UPDATE SET shed = shed_usage.shed + excluded.shed",
+            (model, version, tenant, shed),
+        )

@@ -45,6 +45,7 @@ class Registration:
         info: WorkerInfo,
         depth: Callable[[], int],
         kv: Callable[[], tuple[int, ...]] = lambda: (0, 0),
+        service: Callable[[], tuple[int, int]] = lambda: (0, 0),
         loads: Callable[[], dict[str, ModelLoad]] = dict,
         heartbeat_s: float = 1.0,
         ttl_s: float = 5.0,
@@ -57,6 +58,7 @@ class Registration:
         self.info = info
         self.depth = depth
         self.kv = kv  # (used, total) KV cache tokens, published with the depth
+        self.service = service  # (slots, requests finished per 1,000 s): likewise
         self.loads = loads  # per model: this worker's share of the scaling keys
         self.scale = ScaleKeys(self.redis, info.id, int(ttl_s * 1000))
         self.heartbeat_s = heartbeat_s
@@ -101,7 +103,8 @@ class Registration:
                     last_depth.kv_used,
                 )
                 if changed or (due and (depth or beat)):
-                    last_depth = DepthSample(depth, sampled_ms, kv_used, kv_total)
+                    slots, rate = self.service()
+                    last_depth = DepthSample(depth, sampled_ms, kv_used, kv_total, slots, rate)
                     registered = await self._publish_depth(last_depth)
                 # On change, and once a heartbeat to stay within the TTL: the script reads
                 # every replica's share, so idle refreshes are kept few.

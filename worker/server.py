@@ -220,6 +220,7 @@ def register(
         worker_info(settings, repository, grpc_server.port),
         depth=lambda: sum(m.depth for m in repository.all()),
         kv=lambda: kv_tokens(repository),
+        service=lambda: service_rates(repository),
         loads=lambda: scaling_loads(repository),
         heartbeat_s=settings.heartbeat_seconds,
         ttl_s=settings.registry_ttl_seconds,
@@ -283,6 +284,17 @@ def kv_tokens(repository: Repository) -> tuple[int, int]:
     """(used, total) KV cache tokens over the worker's LLM models."""
     pairs = [m.kv_tokens for m in repository.all()]
     return sum(u for u, _ in pairs), sum(t for _, t in pairs)
+
+
+def service_rates(repository: Repository) -> tuple[int, int]:
+    """(slots, requests finished per 1,000 s) over the worker's LLM models: what the
+    routers predict a new request's queue wait from (router/forwarding/shedding.py)."""
+    slots = rate = 0.0
+    for m in repository.all():
+        if m.llm is not None:
+            s, r = m.llm.service_rate()
+            slots, rate = slots + s, rate + r
+    return int(slots), int(rate * 1000)
 
 
 def scaling_loads(repository: Repository) -> dict[str, ModelLoad]:

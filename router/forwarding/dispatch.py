@@ -19,7 +19,11 @@ ModelInferRequest bytes itself and calls `infer`, or `StreamForwarder.serve` for
 The request arrives as bytes and leaves as the same bytes: only its header (model, version,
 id) is parsed; a header that does not parse is INVALID_ARGUMENT. The router admits at most
 `max_inflight` calls at once, and `max_inflight_per_model` per model: beyond them a call is
-answered RESOURCE_EXHAUSTED at once instead of queueing inside the router.
+answered RESOURCE_EXHAUSTED at once instead of queueing inside the router; and with a
+queue-wait bound, not a call whose model's predicted wait is over it (router/forwarding/shedding.py).
+To an LLM's replicas the router adds the request parameters `tenant` and `tenant_weight`
+from the caller's key (`with_tenant`; auth off: the default tenant), replacing any the client
+sent: the engines' fair admission shares by them.
 
 Billing (see router/money/guard.py): a unary call counts as a success only when the router
 answers OK. A call cancelled by its client, or whose deadline passes, before that is an
@@ -51,10 +55,12 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from common import llm_protocol
 from common.errors import (
     DeadlineExceeded,
     InvalidArgument,
     MeshError,
+    ResourceExhausted,
     Unavailable,
     UpstreamError,
     clip,
@@ -67,6 +73,7 @@ from router.forwarding.prefix_index import PrefixIndex
 from router.forwarding.registry import Registry
 from router.forwarding.replica import Replica
 from router.forwarding.routing import Picker
+from router.forwarding.shedding import Shedder
 from router.money import billing
 from router.money.accounting import Accounting, Receipt
 from router.money.billing import Piece
@@ -108,6 +115,7 @@ class Dispatcher:
         auth: Auth | None = None,
         prefix_weight: float = PREFIX_WEIGHT,
         prefix_index_blocks: int = 200_000,
+        shedder: Shedder | None = None,
     ) -> None:
         self.registry = registry
         self.accounting = accounting
@@ -124,6 +132,7 @@ class Dispatcher:
         self.admission = Admission(max_inflight, max_inflight_per_model)
         self.answer_margin_s = answer_margin_s
         self.auth = auth  # tenants: models and limits (None: auth off)
+        self.shedder = shedder  # the queue-wait bound (None: off)
 
     def pick(
         self,
@@ -176,6 +185,17 @@ class Dispatcher:
                 guard.refused = True  # counted in metrics, not a call of the model's
                 raise
         if guard.entry is not None:
+            if self.shedder is not None:
+                try:
+                    self.shedder.check(
+                        guard.model,
+                        guard.priority,
+                        self.registry.replicas_for(guard.model, guard.asked_version),
+                        self.admission.by_model[guard.model],
+                    )
+                except ResourceExhausted:
+                    guard.shed = True  # a call of the model, refused before it started
+                    raise
             guard.admit()
 
     async def responses(
@@ -189,6 +209,8 @@ class Dispatcher:
         replicas = self.registry.replicas_for(guard.model, guard.asked_version)
         if not replicas:
             raise self.registry.unserved(guard.model, guard.asked_version)
+        if any(r.sample is not None and (r.sample.kv_total or r.sample.slots) for r in replicas):
+            raw = with_tenant(raw, guard.tenant)  # an LLM: its engines share by tenant
         tried: set[str] = set()
         while True:
             pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
@@ -374,6 +396,18 @@ class Dispatcher:
         if version and version not in entry.versions:
             version = UNKNOWN  # a client-chosen string never becomes a row of its own
         return entry, version or entry.versions[-1]
+
+
+def with_tenant(raw: bytes, tenant: Tenant | None) -> bytes:
+    """The request with its `tenant` and `tenant_weight` parameters set from the key (auth
+    off: the default tenant, ""): a serialized map entry appended to a message replaces the
+    one of the same key parsed before it, so the client's own values are overwritten without
+    decoding the request."""
+    header = InferHeader()
+    header.parameters[llm_protocol.TENANT].string_param = tenant.name if tenant else ""
+    weight = tenant.policy.weight if tenant else 1.0
+    header.parameters[llm_protocol.TENANT_WEIGHT].double_param = weight
+    return raw + header.SerializeToString()
 
 
 def _cut(deadline: float | None) -> grpc.StatusCode:

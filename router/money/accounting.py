@@ -157,13 +157,14 @@ class Accounting:
         tokens: Tokens = NO_TOKENS,
         finish: str | None = None,
         tenant: str = "",
+        shed: bool = False,
     ) -> asyncio.Future:
-        """Count one call (of `tenant`, "" with auth off); the returned future resolves once
-        its batch is in Redis."""
-        self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns, tokens, finish)
+        """Count one call (of `tenant`, "" with auth off; `shed`: an error the router refused
+        before it started); the returned future resolves once its batch is in Redis."""
+        self.totals[(model, version)].add(ok, price_micro_usd, upstream_ns, tokens, finish, shed)
         batch = self._current
         key = mesh_state.model_key(model, version, tenant)
-        batch.usage[key].add(ok, price_micro_usd, upstream_ns, tokens, finish)
+        batch.usage[key].add(ok, price_micro_usd, upstream_ns, tokens, finish, shed)
         self._charge(tenant, tokens, price_micro_usd if ok else 0)
         return self._recorded(batch)
 

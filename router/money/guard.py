@@ -90,6 +90,7 @@ class RequestGuard:
     upstream_s: float = 0.0
     ended: bool = False  # its call is recorded
     refused: bool = False  # by its tenant's key, models or limits: not a call of the model
+    shed: bool = False  # refused by the router's queue-wait prediction: a call, counted shed
     admitted: bool = False
     counted: bool = False  # in metrics.REQUESTS
     started: float = field(default_factory=time.perf_counter)
@@ -103,6 +104,10 @@ class RequestGuard:
     @property
     def tenant_name(self) -> str:
         return self.tenant.name if self.tenant is not None else ""
+
+    @property
+    def priority(self) -> str:
+        return self.tenant.policy.priority if self.tenant is not None else "normal"
 
     def serve(self, entry: ModelEntry, version: str) -> None:
         """The model's registration and the version the request is billed under."""
@@ -170,6 +175,7 @@ class RequestGuard:
             tokens,
             finish,
             tenant,
+            self.shed,
         )
         if ok:
             return Receipt(self.model, self.version, price, tokens, finish, tenant=tenant), future

@@ -61,6 +61,7 @@ class Usage:
     finished_other: int = 0
     cached_tokens: int = 0
     cached_discount_micro_usd: int = 0
+    shed: int = 0  # of the errors: refused before they started (router/forwarding/shedding.py)
 
     def add(
         self,
@@ -69,8 +70,10 @@ class Usage:
         upstream_ns: int,
         tokens: Tokens = NO_TOKENS,
         finish: str | None = None,
+        shed: bool = False,
     ) -> None:
         self.calls += 1
+        self.shed += shed and not ok
         self.success += ok
         self.errors += not ok
         self.revenue_micro_usd += price if ok else 0

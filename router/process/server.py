@@ -17,6 +17,7 @@ from common import redis_conn, rpc, tls
 from common.redis_auth import read_password
 from router.forwarding.dispatch import Dispatcher
 from router.forwarding.registry import Registry
+from router.forwarding.shedding import Shedder
 from router.http import HttpServer, front_door
 from router.money.accounting import Accounting
 from router.process.settings import RouterSettings
@@ -111,6 +112,11 @@ def build(settings: RouterSettings, router_id: str) -> Parts:
         auth=auth,
         prefix_weight=settings.prefix_weight,
         prefix_index_blocks=settings.prefix_index_blocks,
+        shedder=(
+            Shedder(settings.queue_wait_bound_seconds, settings.sample_max_age_ms)
+            if settings.queue_wait_bound_seconds > 0
+            else None
+        ),
     )
     return Parts(registry, accounting, auth, dispatcher, mesh_credentials)
 

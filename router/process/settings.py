@@ -91,6 +91,13 @@ class RouterSettings(BaseSettings):
         1024, ge=1, description="calls in the router at once; beyond: RESOURCE_EXHAUSTED"
     )
     max_inflight_per_model: int = Field(512, ge=1)
+    queue_wait_bound_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="refuse a call (RESOURCE_EXHAUSTED / HTTP 429 with retry-after) whose model's "
+        "predicted queue wait is over this, for normal-priority tenants (high: x2, low: x0.5); "
+        "0 = off (router/forwarding/shedding.py)",
+    )
     answer_margin_ms: float = Field(
         2.0, ge=0, description="deadline left below which no OK is sent"
     )

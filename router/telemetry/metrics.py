@@ -37,6 +37,12 @@ REJECTED = Counter(
     "Calls answered RESOURCE_EXHAUSTED at once: the router's in-flight limit was reached",
     ["scope"],
 )
+SHED = Counter(
+    "meshserve_router_shed",
+    "Calls refused before they started: the model's predicted queue wait was over the bound "
+    "of the caller's priority (router/forwarding/shedding.py)",
+    ["model", "priority"],
+)
 AFFINITY = Counter(
     "meshserve_router_affinity",
     "Picks of requests naming a session: outcome=hit (the replica that served it before), "

@@ -21,7 +21,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common import mesh_state, redis_conn
 from common.redis_auth import read_password
 from common.sqldb import Database
-from common.tenancy import ALL_MODELS, KeyRecord, TenantPolicy, check_tenant, key_hash, new_key
+from common.tenancy import (
+    ALL_MODELS,
+    PRIORITIES,
+    KeyRecord,
+    TenantPolicy,
+    check_tenant,
+    key_hash,
+    new_key,
+)
 from common.tenant_directory import TenantDirectory
 
 # KEYS[1]: the version Redis holds. ARGV[1]: the one this change made. Redis moves to it only
@@ -156,6 +164,15 @@ def main(argv: list[str]) -> int:
     tenants.add_argument("--tokens-per-minute", type=int, default=0)
     tenants.add_argument("--monthly-spend-cap-micro-usd", type=int, default=0)
     tenants.add_argument("--admin", action="store_true", help="sees prices in ModelConfig")
+    tenants.add_argument(
+        "--priority",
+        choices=sorted(PRIORITIES),
+        default="normal",
+        help="under overload, lower classes are shed first (router/forwarding/shedding.py)",
+    )
+    tenants.add_argument(
+        "--weight", type=float, default=1.0, help="its share of an engine (fair admission)"
+    )
     args = parser.parse_args(argv)
     overrides = {
         k: v
@@ -209,6 +226,8 @@ def _tenants(admin: TenantAdmin, args: argparse.Namespace) -> int:
             tokens_per_minute=args.tokens_per_minute,
             monthly_spend_cap_micro_usd=args.monthly_spend_cap_micro_usd,
             admin=args.admin,
+            priority=args.priority,
+            weight=args.weight,
         ).to_json()
     )  # checked as the router will read it
     admin.set_tenant(args.tenant, policy)

@@ -19,7 +19,7 @@ def test_a_well_formed_batch_and_a_refund_parse() -> None:
     assert (entry.epoch, entry.seq, entry.usage) == (
         1700000000000,
         3,
-        {("mlp", "1"): [4, 3, 1, 750, 10] + [0] * 8},  # a 5-count batch: no tokens
+        {("mlp", "1"): [4, 3, 1, 750, 10] + [0] * 9},  # a 5-count batch: no tokens
     )
     refund = parse_entry("1700000000000-4", fields({"mlp|1": [0, -1, 1, -250, 0]}), {"mlp"})
     assert refund.usage[("mlp", "1")][1] == -1
@@ -35,9 +35,9 @@ def test_a_well_formed_batch_and_a_refund_parse() -> None:
         (fields({"ghost|1": [1, 1, 0, 250, 0]}), "not one the mesh serves"),
         (fields({"mlp|1": [1, 2, 0, 500, 0]}), "do not add up"),
         (fields({"mlp|1": [1, 1, 0, -250, 0]}), "revenue"),
-        (fields({"mlp|1": [1, 1, 0, 250]}), "5 or 11 or 13 ints"),
-        (fields({"mlp|1": [1, 1, 0, 250, 0.5]}), "5 or 11 or 13 ints"),
-        (fields({"mlp|1": [True, 1, 0, 250, 0]}), "5 or 11 or 13 ints"),
+        (fields({"mlp|1": [1, 1, 0, 250]}), "5 or 11 or 13 or 14 ints"),
+        (fields({"mlp|1": [1, 1, 0, 250, 0.5]}), "5 or 11 or 13 or 14 ints"),
+        (fields({"mlp|1": [True, 1, 0, 250, 0]}), "5 or 11 or 13 or 14 ints"),
         (fields({"mlp|1": [1, 1, 0, 250, 0]}, at_ms="-5"), "at_ms"),
         ({**fields({"mlp|1": [1, 1, 0, 250, 0]}), "extra": "x"}, "fields"),
         (fields([]), "non-empty object"),

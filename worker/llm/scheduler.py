@@ -63,6 +63,7 @@ class Sequence:
     cached: int = 0  # prompt tokens the prefix cache served (copied or adopted, not prefilled)
     tenant: str = ""  # whose request (fair admission: worker/llm/fairness.py)
     weight: float = 1.0  # the tenant's share weight
+    admitted_ns: int = 0  # when it got its slot (perf_counter_ns): its service time starts
 
     @property
     def prefilling(self) -> bool:
@@ -338,6 +339,7 @@ class Scheduler(Generic[S]):
                 copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
             if match.last is not None:
                 first.append((seq, match.last))
+        seq.admitted_ns = time.perf_counter_ns()
         self.running.append(seq)
         return True
 

@@ -12,6 +12,7 @@ response holds the prompt (unless excluded) and the whole completion.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from worker.llm.chat import ChatTemplate
 from worker.llm.device import CUDA
 from worker.llm.engine import Engine, EngineConfig, Output
 from worker.llm.model import Model
+from worker.llm.service_time import ServiceTime
 from worker.llm.speculative import DraftConfig, NgramConfig, SpeculativeConfig
 
 log = structlog.get_logger()
@@ -200,6 +202,7 @@ class LLMServing:
         )
         self.prompt_tokens = 0  # of the requests admitted
         self.completion_tokens = 0  # generated and handed out
+        self.service = ServiceTime()  # published for the routers' queue-wait prediction
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
         text = self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
@@ -249,7 +252,18 @@ class LLMServing:
         clock = token_metrics.TokenClock(self.spec.name)
         async for out in self.engine.stream(seq):
             self.completion_tokens += clock.observe(out.completion_tokens)
+            if out.finished and seq.admitted_ns and out.error is None:
+                self.service.observe((time.perf_counter_ns() - seq.admitted_ns) / 1e9)
             yield out
+
+    def service_rate(self) -> tuple[int, float]:
+        """(slots, requests finished per second): with requests waiting, the rate at the
+        concurrency running now (the KV budget may hold it under the slots); else at every
+        slot's."""
+        slots = self.config.max_num_seqs
+        engine = self.engine
+        busy = max(1, len(engine.running)) if engine.waiting else slots
+        return slots, self.service.rate(busy)
 
     async def complete(self, request: LLMRequest) -> Output:
         """The whole completion as one Output: the prompt first, as Triton's vLLM backend
