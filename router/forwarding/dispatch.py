@@ -20,7 +20,8 @@ The request arrives as bytes and leaves as the same bytes: only its header (mode
 id) is parsed; a header that does not parse is INVALID_ARGUMENT. The router admits at most
 `max_inflight` calls at once, and `max_inflight_per_model` per model: beyond them a call is
 answered RESOURCE_EXHAUSTED at once instead of queueing inside the router; and with a
-queue-wait bound, not a call whose model's predicted wait is over it (router/forwarding/shedding.py).
+queue-wait bound, not a call whose model's predicted wait is over it
+(router/forwarding/shedding.py).
 To an LLM's replicas the router adds the request parameters `tenant` and `tenant_weight`
 from the caller's key (`with_tenant`; auth off: the default tenant), replacing any the client
 sent: the engines' fair admission shares by them.

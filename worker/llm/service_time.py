@@ -1,5 +1,6 @@
 """How fast the engine gets through requests: what the worker publishes for the routers'
-queue-wait prediction (router/forwarding/shedding.py), with its depth (common/mesh_state.DepthSample).
+queue-wait prediction (router/forwarding/shedding.py), with its depth
+(common/mesh_state.DepthSample).
 
 Each finished request's service time (admission to its end) feeds an exponential moving
 average; the rate a waiting request's turn comes at is then the sequences running at once
