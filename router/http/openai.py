@@ -1,163 +1,155 @@
-"""OpenAI's API over the mesh's LLM and embedding tensors: requests checked, answers shaped.
+"""OpenAI's API over the mesh's LLM and embedding tensors: checked requests become worker
+requests (common/llm_protocol names, Triton's vLLM-backend tensors).
 
-A request becomes a worker request (Triton's vLLM-backend tensors, common/llm_protocol
-names): a chat sends its `messages` as JSON for the worker to render with the model's own
-chat template; a completion sends its `prompt` as `text_input`; both send their sampling
-fields as `sampling_parameters`. An embedding request sends each input string as a row of
-`TEXT`. Every field OpenAI defines that the mesh cannot honour is refused by name (400), not
-ignored; unknown fields too. Usage is OpenAI's shape, with
-`prompt_tokens_details.cached_tokens` when the engine reports `cached_tokens`.
+A chat sends its `messages` as JSON for the worker to render with the model's own chat
+template; a completion sends its `prompt` as `text_input`, or its token ids as `input_ids`;
+both send their sampling fields as `sampling_parameters`, with vLLM's keys for `n`,
+`logprobs` and structured output: `response_format` json_object becomes
+`guided_json_object`, json_schema `guided_json`. Tools (tool_choice other than none) use
+llama.cpp's generic format (tools.py): the tools go to the template as the `tools` input,
+the answer is constrained to its JSON schema and read back into `tool_calls`
+(answers.py). An embedding request sends its strings as rows of `TEXT`, or its token ids
+as `input_ids` and `attention_mask`.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import time
-import uuid
+import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common import bytes_codec
 from common import llm_protocol as llm
 from protos import grpc_service_pb2 as pb
-from router.http import tensors
+from router.http import protocol, tensors, tools
 from router.http.errors import HttpError
 
-TEXT_INPUT, TEXT_OUTPUT, MESSAGES = llm.TEXT_INPUT, llm.TEXT_OUTPUT, llm.MESSAGES
-STREAM, SAMPLING, EXCLUDE = llm.STREAM, llm.SAMPLING_PARAMETERS, llm.EXCLUDE_INPUT_IN_OUTPUT
-PROMPT_TOKENS, COMPLETION_TOKENS = llm.PROMPT_TOKENS, llm.COMPLETION_TOKENS
-CACHED_TOKENS, FINISH_REASON = llm.CACHED_TOKENS, llm.FINISH_REASON
 DEFAULT_MAX_TOKENS = 256
 
-# OpenAI fields -> the engine's sampling keys (worker/llm/sampling.py).
+# OpenAI (and vLLM) request fields -> the engine's sampling keys (worker/llm/sampling.py).
 SAMPLING_FIELDS = {
     "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "stop": "stop",
     "seed": "seed",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
-    # vLLM's extensions, which the engine has too
     "top_k": "top_k",
     "min_tokens": "min_tokens",
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
 }
-COMMON = {"model", "n", "stream", "stream_options", "user", "logprobs", *SAMPLING_FIELDS}
-CHAT_FIELDS = COMMON | {"messages"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user"}
-REFUSED = {  # fields OpenAI defines that the engine cannot give, and why
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
-    "response_format": "structured output is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "top_logprobs": "logprobs are not supported",
-    "suffix": "suffix (insertion) is not supported",
-    "dimensions": "the model's embedding size is fixed",
-    "parallel_tool_calls": "tool calls are not supported",
-    "audio": "audio is not supported",
-    "modalities": "only text is supported",
-    "prediction": "predicted outputs are not supported",
-}
-
-
-def _bad(message: str, param: str) -> HttpError:
-    return HttpError(400, message, param)
-
-
-def _fields(doc: dict, allowed: set[str]) -> None:
-    for key in doc:
-        if key in REFUSED:
-            raise _bad(f"{key}: {REFUSED[key]}", key)
-        if key not in allowed:
-            raise _bad(f"{key}: not a field of this endpoint (or not supported)", key)
-
-
-def model_of(doc: dict) -> str:
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model: a model name (string) expected", "model")
-    return model
 
 
 @dataclass(frozen=True)
 class Generation:
-    """A checked chat or completion request."""
+    """A checked chat, completion or response request, as the worker will get it."""
 
     model: str
     chat: bool
     stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    echo: bool
-    prompt: str | None  # completion
-    messages: list | None  # chat
     sampling: dict[str, Any]
+    n: int = 1
+    include_usage: bool = False
+    continuous_usage: bool = False
+    echo: bool = False
+    prompt: str | None = None  # a completion's text
+    prompt_ids: list[int] | None = None  # a completion's token ids
+    messages: list | None = None  # a chat
+    tools: list | None = None  # the `tools` input: OpenAI's chat tool objects
+    tool_format: bool = False  # answers are tools.py's JSON: read them into tool_calls
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only)
+    extra: dict[str, Any] = field(default_factory=dict)  # what an endpoint keeps for its answer
 
 
-def generation(doc: dict, chat: bool) -> Generation:
-    _fields(doc, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    model = model_of(doc)
-    for key, one in (("n", 1), ("best_of", 1)):
-        if key in doc and doc[key] not in (None, one):
-            raise _bad(f"{key}: only {one} is supported", key)
-    if doc.get("logprobs") not in (None, False, 0):
-        raise _bad("logprobs: not supported (the engine does not report them)", "logprobs")
-    stream = _bool(doc, "stream")
-    options = doc.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise _bad("stream_options: an object, and only with stream: true", "stream_options")
-    options = options or {}
-    for key in options:
-        if key not in ("include_usage", "continuous_usage_stats"):
-            raise _bad(f"stream_options.{key}: not supported", f"stream_options.{key}")
-    include_usage = _bool(options, "include_usage", "stream_options.include_usage")
-    continuous = _bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
-    sampling: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
-    for key, target in SAMPLING_FIELDS.items():
-        value = doc.get(key)
-        if value is None:
-            continue
-        if key == "stop":
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                raise _bad("stop: a string or a list of strings expected", "stop")
-        elif key == "ignore_eos":
-            value = _bool(doc, key)
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(f"{key}: a number expected, got {type(value).__name__}", key)
-        sampling[target] = value
-    if chat:
-        messages = doc.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages: a non-empty list of {role, content} objects expected", "messages")
-        return Generation(
-            model, True, stream, include_usage, continuous, False, None, messages, sampling
-        )
-    prompt = doc.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad("prompt: a string (or a list of one string) expected", "prompt")
-    echo = _bool(doc, "echo")
-    return Generation(model, False, stream, include_usage, continuous, echo, prompt, None, sampling)
+def sampling_of(req: protocol.Sampling, max_tokens: int | None) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_tokens": max_tokens or DEFAULT_MAX_TOKENS}
+    for name, key in SAMPLING_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None and name != "max_tokens":
+            sampling[key] = [value] if name == "stop" and isinstance(value, str) else value
+    if req.n != 1:
+        sampling[llm.N] = req.n
+    guided = req.guided()
+    for key, value in guided.items():
+        sampling[key] = value
+    return sampling
 
 
-def _bool(doc: dict, key: str, name: str | None = None) -> bool:
-    value = doc.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise _bad(f"{name or key}: true or false expected", name or key)
-    return value
+def tool_setup(
+    functions: list[dict],
+    choice: str | None,
+    named: str | None,
+    parallel: bool,
+    messages: list[dict],
+    response: dict | None,
+) -> tuple[list[dict], list[dict] | None, dict | None]:
+    """(messages, the tools input, the answer's schema) for tools in the generic format;
+    tool_choice none (or no tools) leaves the messages as they are."""
+    if not functions or choice == "none":
+        return messages, None, None
+    if named is not None:
+        functions = [f for f in functions if f["name"] == named]
+    required = named is not None or choice == "required"
+    chat_tools = [{"type": "function", "function": f} for f in functions]
+    answer = tools.schema(functions, required, parallel and named is None, response)
+    return tools.with_instruction(messages), chat_tools, answer
+
+
+def chat(req: protocol.ChatRequest) -> Generation:
+    sampling = sampling_of(req, req.max_completion_tokens or req.max_tokens)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    fmt = req.response_format
+    response = None
+    if isinstance(fmt, protocol.JsonSchemaFormat):
+        response = fmt.json_schema.schema_
+    elif isinstance(fmt, protocol.JsonObjectFormat):
+        response = {"type": "object"}
+    choice = req.tool_choice if isinstance(req.tool_choice, str) else None
+    named = (
+        req.tool_choice.function.name
+        if isinstance(req.tool_choice, protocol.NamedToolChoice)
+        else None
+    )
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    messages, chat_tools, answer = tool_setup(
+        functions, choice, named, req.parallel_tool_calls, messages, response
+    )
+    if answer is not None:
+        sampling[llm.GUIDED_JSON] = answer
+    elif isinstance(fmt, protocol.JsonSchemaFormat):
+        sampling[llm.GUIDED_JSON] = response
+    elif isinstance(fmt, protocol.JsonObjectFormat):
+        sampling[llm.GUIDED_JSON_OBJECT] = True
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if logprobs is not None:
+        sampling[llm.LOGPROBS] = logprobs
+    options = req.stream_options or protocol.StreamOptions()
+    return Generation(
+        req.model, True, req.stream, sampling, req.n, options.include_usage,
+        options.continuous_usage_stats, messages=messages, tools=chat_tools,
+        tool_format=answer is not None, logprobs=logprobs,
+    )  # fmt: skip
+
+
+def completion(req: protocol.CompletionRequest) -> Generation:
+    sampling = sampling_of(req, req.max_tokens)
+    if req.logprobs is not None:
+        sampling[llm.LOGPROBS] = req.logprobs
+    prompt, ids = (req.prompt, None) if isinstance(req.prompt, str) else (None, req.prompt)
+    if req.echo and req.stream and ids is not None:
+        raise protocol.bad("echo", "a streamed echo needs a text prompt, not token ids")
+    options = req.stream_options or protocol.StreamOptions()
+    return Generation(
+        req.model, False, req.stream, sampling, req.n, options.include_usage,
+        options.continuous_usage_stats, req.echo, prompt, ids,  # type: ignore[arg-type]
+        logprobs=req.logprobs,
+    )  # fmt: skip
 
 
 def _bytes_input(request: pb.ModelInferRequest, name: str, texts: list[str]) -> None:
@@ -170,60 +162,66 @@ def _bool_input(request: pb.ModelInferRequest, name: str, value: bool) -> None:
     request.raw_input_contents.append(b"\x01" if value else b"\x00")
 
 
+def _ids_input(request: pb.ModelInferRequest, name: str, rows: list[list[int]]) -> None:
+    request.inputs.add(name=name, datatype="INT64", shape=[len(rows), len(rows[0])])
+    flat = [x for row in rows for x in row]
+    try:
+        request.raw_input_contents.append(struct.pack(f"<{len(flat)}q", *flat))
+    except struct.error:
+        raise protocol.bad("input" if len(rows) > 1 else "prompt", "token ids are int64") from None
+
+
 def worker_request(g: Generation, request_id: str) -> bytes:
     request = pb.ModelInferRequest(model_name=g.model, id=request_id)
-    if g.chat:
-        _bytes_input(request, MESSAGES, [json.dumps(g.messages)])
+    if g.messages is not None:
+        _bytes_input(request, llm.MESSAGES, [json.dumps(g.messages)])
+    elif g.prompt_ids is not None:
+        _ids_input(request, llm.INPUT_IDS, [g.prompt_ids])
+        request.inputs[-1].shape[:] = [len(g.prompt_ids)]
     else:
         assert g.prompt is not None
-        _bytes_input(request, TEXT_INPUT, [g.prompt])
-    _bool_input(request, STREAM, g.stream)
-    _bytes_input(request, SAMPLING, [json.dumps(g.sampling)])
-    _bool_input(request, EXCLUDE, not g.echo)
+        _bytes_input(request, llm.TEXT_INPUT, [g.prompt])
+    if g.tools is not None:
+        _bytes_input(request, llm.TOOLS, [json.dumps(g.tools)])
+    _bool_input(request, llm.STREAM, g.stream)
+    _bytes_input(request, llm.SAMPLING_PARAMETERS, [json.dumps(g.sampling)])
+    # a streamed echo is the router's (the worker never repeats the prompt in a stream)
+    _bool_input(request, llm.EXCLUDE_INPUT_IN_OUTPUT, not g.echo or g.stream)
     return request.SerializeToString()
 
 
-@dataclass(frozen=True)
-class Embedding:
-    model: str
-    texts: list[str]
-    base64: bool
+# -- embeddings --------------------------------------------------------------------------
 
 
-def embedding(doc: dict) -> Embedding:
-    _fields(doc, EMBEDDING_FIELDS)
-    model = model_of(doc)
-    texts = doc.get("input")
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise _bad("input: a string or a non-empty list of strings expected", "input")
-    if len(texts) > 2048:
-        raise _bad(f"input: at most 2048 strings, got {len(texts)}", "input")
-    encoding = doc.get("encoding_format", "float")
-    if encoding not in ("float", "base64"):
-        raise _bad("encoding_format: 'float' or 'base64' expected", "encoding_format")
-    return Embedding(model, texts, encoding == "base64")
-
-
-def embedding_request(e: Embedding, request_id: str) -> bytes:
+def embedding_request(e: protocol.EmbeddingRequest, request_id: str) -> bytes:
+    """Strings as TEXT rows; token ids as input_ids with their attention_mask, padded
+    right to the longest row (the model's own inputs: worker/text.py passes them on)."""
     request = pb.ModelInferRequest(model_name=e.model, id=request_id)
-    request.inputs.add(name=llm.TEXT, datatype="BYTES", shape=[len(e.texts), 1])
-    request.raw_input_contents.append(bytes_codec.join(t.encode() for t in e.texts))
+    texts = e.texts()
+    if texts is not None:
+        request.inputs.add(name=llm.TEXT, datatype="BYTES", shape=[len(texts), 1])
+        request.raw_input_contents.append(bytes_codec.join(t.encode() for t in texts))
+        return request.SerializeToString()
+    rows = e.token_rows()
+    width = max(len(r) for r in rows)
+    _ids_input(request, "input_ids", [r + [0] * (width - len(r)) for r in rows])
+    _ids_input(request, "attention_mask", [[1] * len(r) + [0] * (width - len(r)) for r in rows])
     return request.SerializeToString()
 
 
-def embedding_answer(e: Embedding, reply: pb.ModelInferResponse) -> dict:
+def embedding_answer(e: protocol.EmbeddingRequest, reply: pb.ModelInferResponse) -> dict:
+    rows_in = len(e.texts() or e.token_rows())
     found = tensors.output_floats(reply)
-    if found is None or len(found[1]) != 2 or found[1][0] != len(e.texts):
+    if found is None or len(found[1]) != 2 or found[1][0] != rows_in:
         raise HttpError(400, f"model {e.model!r} does not return one embedding per input", "model")
     values, (rows, width) = found
     data = []
     for i in range(rows):
         row = values[i * width : (i + 1) * width]
-        vector: Any = base64.b64encode(array("f", row).tobytes()).decode() if e.base64 else row
+        b64 = e.encoding_format == "base64"
+        vector: Any = base64.b64encode(array("f", row).tobytes()).decode() if b64 else row
         data.append({"object": "embedding", "index": i, "embedding": vector})
-    tokens = _int_param(reply, PROMPT_TOKENS) or 0
+    tokens = int_param(reply, llm.PROMPT_TOKENS) or 0
     return {
         "object": "list",
         "data": data,
@@ -232,109 +230,8 @@ def embedding_answer(e: Embedding, reply: pb.ModelInferResponse) -> dict:
     }
 
 
-# -- answers -------------------------------------------------------------------------------
-
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def _int_param(reply: pb.ModelInferResponse, name: str) -> int | None:
+def int_param(reply: pb.ModelInferResponse, name: str) -> int | None:
     p = reply.parameters.get(name)
     if p is None or p.WhichOneof("parameter_choice") != "int64_param":
         return None
     return int(p.int64_param)
-
-
-def usage(reply: pb.ModelInferResponse) -> dict | None:
-    prompt, completion = _int_param(reply, PROMPT_TOKENS), _int_param(reply, COMPLETION_TOKENS)
-    if prompt is None and completion is None:
-        return None
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt or 0,
-        "completion_tokens": completion or 0,
-        "total_tokens": (prompt or 0) + (completion or 0),
-    }
-    cached = _int_param(reply, CACHED_TOKENS)
-    if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
-
-
-def finish_reason(reply: pb.ModelInferResponse) -> str | None:
-    p = reply.parameters.get(FINISH_REASON)
-    if p is None or not p.string_param:
-        return None
-    return "length" if p.string_param == "length" else "stop"
-
-
-def answer(g: Generation, rid: str, reply: pb.ModelInferResponse) -> dict:
-    text = tensors.output_text(reply, TEXT_OUTPUT)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(reply) or "stop"}
-    choice["logprobs"] = None
-    if g.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": rid,
-        "object": "chat.completion" if g.chat else "text_completion",
-        "created": int(time.time()),
-        "model": g.model,
-        "choices": [choice],
-        "usage": usage(reply) or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }
-
-
-class Chunks:
-    """The server-sent events of one streamed chat or completion, piece by piece."""
-
-    def __init__(self, g: Generation, rid: str) -> None:
-        self.g = g
-        self.rid = rid
-        self.created = int(time.time())
-        self.started = False
-
-    def _chunk(self, choices: list, usage_: dict | None = None, with_usage: bool = False) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.rid,
-            "object": "chat.completion.chunk" if self.g.chat else "text_completion",
-            "created": self.created,
-            "model": self.g.model,
-            "choices": choices,
-        }
-        if with_usage:
-            body["usage"] = usage_
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-    def _choice(self, text: str | None, finish: str | None) -> dict:
-        if self.g.chat:
-            delta: dict[str, Any] = {}
-            if not self.started:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            self.started = True
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-    def events(self, reply: pb.ModelInferResponse) -> bytes:
-        """The events one worker response makes (the last one ends the stream)."""
-        text = tensors.output_text(reply, TEXT_OUTPUT)
-        final = llm.is_final(reply.parameters)
-        used = usage(reply)
-        continuous = self.g.continuous_usage and self.g.include_usage
-        out = b""
-        if text or (not final and not self.started):
-            out += self._chunk([self._choice(text, None)], used, continuous)
-        if final:
-            reason = finish_reason(reply) or "stop"
-            out += self._chunk([self._choice(None, reason)], used, continuous)
-            if self.g.include_usage:
-                out += self._chunk([], used, True)
-            out += b"data: [DONE]\n\n"
-        return out
-
-
-def error_event(error: HttpError) -> bytes:
-    return b"data: " + error.openai() + b"\n\n" + b"data: [DONE]\n\n"

@@ -4,12 +4,13 @@ router/http/calls.py (the dispatch path) and a codec (openai.py, tensors.py, pbj
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 
 from protos import grpc_service_pb2 as pb
-from router.http import openai, tensors
+from router.http import answers, openai, protocol, responses, tensors
 from router.http.app import Handler, Out, Request
 from router.http.calls import MeshCalls
 from router.http.errors import HttpError
@@ -46,6 +47,8 @@ class Routes:
             return self.completion
         if method == "POST" and parts == ["embeddings"]:
             return self.embeddings
+        if method == "POST" and parts == ["responses"]:
+            return self.responses
         if method == "GET" and parts[:1] == ["models"] and len(parts) <= 2:
             return self.models
         return None
@@ -75,24 +78,51 @@ class Routes:
     # -- OpenAI --------------------------------------------------------------------------------
 
     async def chat(self, request: Request, out: Out) -> None:
-        await self._generation(request, out, chat=True)
+        await self._openai_call(request, out, protocol.ChatRequest, openai.chat)
 
     async def completion(self, request: Request, out: Out) -> None:
-        await self._generation(request, out, chat=False)
+        await self._openai_call(request, out, protocol.CompletionRequest, openai.completion)
 
-    async def _generation(self, request: Request, out: Out, chat: bool) -> None:
+    async def _openai_call(self, request: Request, out: Out, model: Any, build: Any) -> None:
         tenant = await self.calls.tenant(request.header("authorization"))
-        g = openai.generation(tensors.parse_json(request.body), chat)
-        rid = openai.new_id(chat)
-        raw = openai.worker_request(g, rid)
+        g = build(protocol.parse(model, tensors.parse_json(request.body)))
+        rid = answers.new_id(g.chat)
         if not g.stream:
 
             async def answer(reply: pb.ModelInferResponse) -> None:
-                await out.respond(200, _json(openai.answer(g, rid, reply)))
+                await out.respond(200, _json(answers.answer(g, rid, reply)))
+
+            await self.calls.infer_answered(openai.worker_request(g, rid), tenant, answer)
+            return
+        chunks = answers.Chunks(g, rid)
+        await self._events(out, openai.worker_request(g, rid), tenant, chunks.first, chunks.events)
+
+    async def responses(self, request: Request, out: Out) -> None:
+        tenant = await self.calls.tenant(request.header("authorization"))
+        g = responses.generation(
+            protocol.parse(responses.ResponsesRequest, tensors.parse_json(request.body))
+        )
+        raw = openai.worker_request(g, "resp")
+        if not g.stream:
+
+            async def answer(reply: pb.ModelInferResponse) -> None:
+                await out.respond(200, _json(responses.Response(g).whole(reply)))
 
             await self.calls.infer_answered(raw, tenant, answer)
             return
-        chunks = openai.Chunks(g, rid)
+        events = responses.Events(g)
+        await self._events(out, raw, tenant, events.start, events.events)
+
+    async def _events(
+        self,
+        out: Out,
+        raw: bytes,
+        tenant: Any,
+        first: Callable[[], bytes],
+        events: Callable[[pb.ModelInferResponse], bytes],
+    ) -> None:
+        """A streamed call as server-sent events: `first` once the stream starts, then the
+        events each worker response makes."""
 
         async def piece(response: pb.ModelStreamInferResponse) -> None:
             if response.error_message:
@@ -100,7 +130,10 @@ class Routes:
                 return
             if not out.started:
                 await out.start_events()
-            await out.event(chunks.events(response.infer_response))
+                opening = first()
+                if opening:
+                    await out.event(opening)
+            await out.event(events(response.infer_response))
 
         await self.calls.stream(raw, tenant, piece)
         await out.end_events()
@@ -115,11 +148,11 @@ class Routes:
         if not out.started:
             await out.respond(error.status, error.openai(), headers=error.headers)
             return
-        await out.event(openai.error_event(error))
+        await out.event(answers.error_event(error))
 
     async def embeddings(self, request: Request, out: Out) -> None:
         tenant = await self.calls.tenant(request.header("authorization"))
-        e = openai.embedding(tensors.parse_json(request.body))
+        e = protocol.parse(protocol.EmbeddingRequest, tensors.parse_json(request.body))
 
         async def answer(reply: pb.ModelInferResponse) -> None:
             await out.respond(200, _json(openai.embedding_answer(e, reply)))

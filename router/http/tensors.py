@@ -279,6 +279,14 @@ def output_text(reply: pb.ModelInferResponse, name: str) -> str:
     return ""
 
 
+def output_texts(reply: pb.ModelInferResponse, name: str) -> list[str]:
+    """Each string of a BYTES output (an LLM's choices, one per element)."""
+    for i, t in enumerate(reply.outputs):
+        if t.name == name and i < len(reply.raw_output_contents):
+            return [b.decode(errors="replace") for b in split_bytes(reply.raw_output_contents[i])]
+    return []
+
+
 def output_floats(reply: pb.ModelInferResponse) -> tuple[list[float], list[int]] | None:
     """The first FP32 output's values and shape (an embedder's sentence embeddings)."""
     for i, t in enumerate(reply.outputs):

@@ -148,10 +148,8 @@ def test_an_error_for_each_status(served) -> None:  # type: ignore[no-untyped-de
     client = sdk(base, key)
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model="smollm2", messages=hi, n=2)
+        client.chat.completions.create(model="smollm2", messages=hi, n=0)
     assert bad.value.body["param"] == "n"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model="smollm2", messages=hi, tools=[])
     with pytest.raises(openai.AuthenticationError):
         sdk(base, "ms_nokey_secret").models.list()
     with pytest.raises(openai.AuthenticationError, match="API key"):
