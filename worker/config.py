@@ -55,6 +55,7 @@ LLM_INPUTS = (
     (llm_protocol.SAMPLING_PARAMETERS, mc.TYPE_STRING, True),
     (llm_protocol.EXCLUDE_INPUT_IN_OUTPUT, mc.TYPE_BOOL, True),
     (llm_protocol.MESSAGES, mc.TYPE_STRING, True),
+    (llm_protocol.TOOLS, mc.TYPE_STRING, True),
 )
 LLM_OUTPUT = llm_protocol.TEXT_OUTPUT
 

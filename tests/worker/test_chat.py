@@ -112,3 +112,79 @@ def test_no_template_and_a_broken_one(tmp_path: Path) -> None:
     assert ChatTemplate.from_folder(folder(tmp_path, {"eos_token": "x"}), "m") is None
     with pytest.raises(ConfigError, match="does not compile"):
         ChatTemplate.from_folder(folder(tmp_path, {"chat_template": "{% for %}"}), "m")
+
+
+# -- tools ---------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALLED = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_7",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_7", "content": "-3C"},
+]
+# A template that shows tools, calls and tool answers itself (as Hermes-style ones do).
+NATIVE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+    "{% if m.tool_calls %}CALLS {{ m.tool_calls | tojson }}\n"
+    "{% elif m.role == 'tool' %}ANSWER {{ m.tool_call_id }} {{ m.content }}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+)
+
+
+def test_smollm2_template_gets_tools_calls_and_answers_as_text(
+    tmp_path: Path, smollm2_config: dict
+) -> None:
+    """SmolLM2's template shows none of them: they are converted as llama.cpp's minja does."""
+    chat = ChatTemplate.from_folder(folder(tmp_path, dict(smollm2_config)), "smollm2")
+    assert chat is not None
+    assert (chat.abilities.tools, chat.abilities.tool_calls) == (False, False)
+    got = chat.render(CALLED, [WEATHER])
+    system = got.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou can call any of the following tools")
+    assert json.loads(system.split("requests: ", 1)[1]) == [WEATHER]
+    shown = json.loads(got.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0])
+    assert shown == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "call_7"}]
+    }
+    answer = json.loads(got.split("<|im_start|>user\n")[2].split("<|im_end|>")[0])
+    assert answer == {"tool_response": {"content": "-3C", "tool_call_id": "call_7"}}
+    assert got.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_with_tools_gets_them_as_hugging_face_passes_them(tmp_path: Path) -> None:
+    chat = ChatTemplate.from_folder(folder(tmp_path, {"chat_template": NATIVE}), "m")
+    assert chat is not None
+    assert (chat.abilities.tools, chat.abilities.tool_calls, chat.abilities.tool_responses) == (
+        True,
+        True,
+        True,
+    )
+    want = render_jinja_template([CALLED], chat_template=NATIVE, tools=[WEATHER])[0][0]
+    assert chat.render(CALLED, [WEATHER]) == want
+    assert "TOOLS" not in chat.render(CALLED)
+
+
+def test_bad_tools_and_tool_calls_name_the_field(tmp_path: Path) -> None:
+    chat = ChatTemplate.from_folder(folder(tmp_path, {"chat_template": NATIVE}), "m")
+    assert chat is not None
+    with pytest.raises(InvalidArgument, match="tools: a list"):
+        chat.render(CALLED, {"not": "a list"})
+    bad = [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]
+    with pytest.raises(InvalidArgument, match=r"messages\[0\].tool_calls\[0\].function.name"):
+        chat.render(bad)

@@ -9,13 +9,24 @@ non-escaping `tojson` filter, the config's special tokens (bos_token, eos_token,
 variables, and `add_generation_prompt` so the text ends where the assistant's answer starts.
 
 A message is `{"role": str, "content": str}`, or content as OpenAI's list of text parts
-(`[{"type": "text", "text": ...}]`, joined). Anything else is INVALID_ARGUMENT naming the
-message and the field; so is a template that refuses the conversation (raise_exception).
+(`[{"type": "text", "text": ...}]`, joined); an assistant's may carry `tool_calls`, a tool
+message its `tool_call_id`. Anything else is INVALID_ARGUMENT naming the message and the
+field; so is a template that refuses the conversation (raise_exception).
+
+Tools (the `tools` input, OpenAI's tool objects) reach the template as its `tools`
+variable. What a template cannot show is converted first, as llama.cpp's minja does
+(`chat_template` polyfills): the template's abilities are found once by rendering probe
+conversations; without tools support the tools are described in the system message, without
+tool calls an assistant's calls become its content as JSON ({"tool_calls": [...]}), and
+without tool responses a tool message becomes a user message holding {"tool_response": ...}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +42,7 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128
 
 
 class ChatTemplate:
@@ -41,6 +53,16 @@ class ChatTemplate:
             self.template = _environment().from_string(template)
         except jinja2.TemplateError as e:
             raise ConfigError(f"model {model!r}: its chat template does not compile: {e}") from e
+        self.abilities = Abilities.of(self._probe)
+
+    def _probe(self, messages: list[dict], tools: list | None = None) -> str:
+        """A raw render for finding the template's abilities ("" when it refuses)."""
+        try:
+            return self.template.render(
+                messages=messages, tools=tools, add_generation_prompt=False, **self.variables
+            )
+        except Exception:  # any template error is "cannot", as minja's try_raw_render
+            return ""
 
     @classmethod
     def from_folder(cls, folder: Path, model: str) -> ChatTemplate | None:
@@ -62,13 +84,19 @@ class ChatTemplate:
         variables = {k: _token(config.get(k)) for k in SPECIAL_TOKENS if config.get(k)}
         return cls(template, variables, model)
 
-    def render(self, messages: object) -> str:
-        """The prompt for `messages` (a JSON value: a list of messages), ending with the
-        generation prompt."""
+    def render(self, messages: object, tools: object = None) -> str:
+        """The prompt for `messages` (a JSON value: a list of messages) and `tools` (None
+        or a list of OpenAI tool objects), ending with the generation prompt."""
         checked = check_messages(messages)
+        if tools is not None and (not isinstance(tools, list) or len(tools) > MAX_TOOLS):
+            raise InvalidArgument(f"tools: a list of at most {MAX_TOOLS} tool objects expected")
+        checked = self.abilities.convert(checked, tools or None)
         try:
             return self.template.render(
-                messages=checked, add_generation_prompt=True, **self.variables
+                messages=checked,
+                tools=tools if tools and self.abilities.tools else None,
+                add_generation_prompt=True,
+                **self.variables,
             )
         except jinja2.TemplateError as e:
             raise InvalidArgument(
@@ -76,7 +104,7 @@ class ChatTemplate:
             ) from None
 
 
-def check_messages(messages: object) -> list[dict[str, str]]:
+def check_messages(messages: object) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: a non-empty list of {role, content} objects expected")
     if len(messages) > MAX_MESSAGES:
@@ -90,8 +118,28 @@ def check_messages(messages: object) -> list[dict[str, str]]:
             raise InvalidArgument(
                 f"messages[{i}].role: one of {list(ROLES)} expected, got {role!r}"[:300]
             )
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        message: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(calls, i)
+        content = m.get("content")
+        message["content"] = None if content is None and calls else _content(content, i)
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: object, i: int) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidArgument(f"{where}: a list of tool calls expected")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise InvalidArgument(f"{where}[{j}].function.name: a string expected")
+    return calls
 
 
 def _content(content: Any, i: int) -> str:
@@ -114,6 +162,80 @@ def _content(content: Any, i: int) -> str:
         f"messages[{i}].content: a string or a list of text parts expected, "
         f"got {type(content).__name__}"
     )
+
+
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "A tool.",
+        "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a template shows of tools, found by rendering probes (minja's caps)."""
+
+    tools: bool
+    tool_calls: bool
+    tool_responses: bool
+
+    @classmethod
+    def of(cls, render: Callable[..., str]) -> Abilities:
+        user = {"role": "user", "content": "Hey"}
+        args = json.dumps({"argument_needle": "x"})
+        call = {"id": "call_1", "type": "function",
+                "function": {"name": "probe_tool", "arguments": args}}  # fmt: skip
+        called = {"role": "assistant", "content": None, "tool_calls": [call]}
+        tool_calls = "argument_needle" in render([user, called])
+        answer = {"role": "tool", "tool_call_id": "call_1", "content": "Some response!"}
+        return cls(
+            tools="probe_tool" in render([user], [PROBE_TOOL]),
+            tool_calls=tool_calls,
+            tool_responses=tool_calls and "Some response!" in render([user, called, answer]),
+        )
+
+    def convert(self, messages: list[dict], tools: list | None) -> list[dict]:
+        """The messages with what the template cannot show made text."""
+        out = []
+        for m in messages:
+            m = dict(m)
+            if "tool_calls" in m and not self.tool_calls:
+                shown: dict[str, Any] = {
+                    "tool_calls": [_shown_call(c) for c in m.pop("tool_calls")]
+                }
+                if m.get("content"):
+                    shown["content"] = m["content"]
+                m["content"] = json.dumps(shown, indent=2)
+            if m["role"] == "tool" and not self.tool_responses:
+                response = {"tool": m.pop("name", None), "content": m["content"],
+                            "tool_call_id": m.pop("tool_call_id", None)}  # fmt: skip
+                shown = {k: v for k, v in response.items() if v is not None}
+                m = {"role": "user", "content": json.dumps({"tool_response": shown}, indent=2)}
+            out.append(m)
+        if tools and not self.tools:
+            text = "You can call any of the following tools to satisfy the user's requests: "
+            out = _with_system(out, text + json.dumps(tools, indent=2))
+        return out
+
+
+def _shown_call(call: dict) -> dict:
+    f = call["function"]
+    arguments = f.get("arguments")
+    with contextlib.suppress(ValueError):  # shown as the object it holds, as minja does
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    shown = {"name": f["name"], "arguments": arguments}
+    if "id" in call:
+        shown["id"] = call["id"]
+    return shown
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _token(value: object) -> str:

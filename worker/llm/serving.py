@@ -236,7 +236,13 @@ class LLMServing:
             messages = json.loads(_text(inputs[llm_protocol.MESSAGES], llm_protocol.MESSAGES))
         except ValueError as e:
             raise InvalidArgument(f"input {llm_protocol.MESSAGES!r} is not JSON: {e}") from None
-        return self.chat.render(messages)
+        tools = None
+        if llm_protocol.TOOLS in inputs:
+            try:
+                tools = json.loads(_text(inputs[llm_protocol.TOOLS], llm_protocol.TOOLS))
+            except ValueError as e:
+                raise InvalidArgument(f"input {llm_protocol.TOOLS!r} is not JSON: {e}") from None
+        return self.chat.render(messages, tools)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
         root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
