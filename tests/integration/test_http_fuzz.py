@@ -38,6 +38,7 @@ PATHS = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
+    "/v1/responses",
 ]
 
 
@@ -91,7 +92,9 @@ json_values = st.recursive(
 )
 KEYS = ["inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "id",
         "binary_data_size", "model", "messages", "prompt", "input", "max_tokens", "stream",
-        "temperature", "n", "role", "content", "text_input"]  # fmt: skip
+        "temperature", "n", "role", "content", "text_input", "tools", "tool_choice",
+        "function", "response_format", "type", "json_schema", "schema", "logprobs",
+        "instructions"]  # fmt: skip
 documents = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4)
