@@ -3,12 +3,15 @@ router/http/calls.py (the dispatch path) and a codec (openai.py, tensors.py, pbj
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import structlog
 
+from common.errors import MeshError
 from protos import grpc_service_pb2 as pb
 from router.http import answers, openai, protocol, responses, tensors
 from router.http.app import Handler, Out, Request
@@ -23,6 +26,18 @@ JSON = "application/json"
 
 def _json(doc: Any) -> bytes:
     return json.dumps(doc).encode()
+
+
+@contextlib.contextmanager
+def _naming(param: str | None) -> Iterator[None]:
+    """A model's refusal of what the request carried (token ids to a model that takes
+    text, say) as a 400 naming the field that carried it."""
+    try:
+        yield
+    except MeshError as e:
+        if param is None or e.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise HttpError(400, f"{param}: {e.message}", param) from None
 
 
 class Routes:
@@ -92,7 +107,8 @@ class Routes:
             async def answer(reply: pb.ModelInferResponse) -> None:
                 await out.respond(200, _json(answers.answer(g, rid, reply)))
 
-            await self.calls.infer_answered(openai.worker_request(g, rid), tenant, answer)
+            with _naming("prompt" if g.prompt_ids is not None else None):
+                await self.calls.infer_answered(openai.worker_request(g, rid), tenant, answer)
             return
         chunks = answers.Chunks(g, rid)
         await self._events(out, openai.worker_request(g, rid), tenant, chunks.first, chunks.events)
@@ -157,7 +173,9 @@ class Routes:
         async def answer(reply: pb.ModelInferResponse) -> None:
             await out.respond(200, _json(openai.embedding_answer(e, reply)))
 
-        await self.calls.infer_answered(openai.embedding_request(e, "embd"), tenant, answer)
+        raw = openai.embedding_request(e, "embd")
+        with _naming("input" if e.texts() is None else None):
+            await self.calls.infer_answered(raw, tenant, answer)
 
     async def models(self, request: Request, out: Out) -> None:
         tenant = await self.calls.tenant(request.header("authorization"))
