@@ -17,6 +17,16 @@ if TYPE_CHECKING:  # numpy only where arrays are made: the router (join, split) 
 _LENGTH = struct.Struct("<I")
 
 
+def text(item: object, name: str) -> str:
+    """One BYTES element as text: UTF-8, or InvalidArgument naming the input `name`."""
+    if not isinstance(item, bytes):
+        return str(item)
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(f"input {name!r} is not valid UTF-8: {e}") from None
+
+
 def join(items: Iterable[bytes]) -> bytes:
     """Plain form for a few elements (no numpy): length-prefixed and concatenated."""
     return b"".join(_LENGTH.pack(len(b)) + b for b in items)

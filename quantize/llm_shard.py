@@ -29,8 +29,6 @@ the model's tokenizer.json and decoupled config.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,17 +44,21 @@ from common.shard_format import (
     HIDDEN,
     HIDDEN_OUT,
     LLM,
-    MANIFEST,
     PARTIAL,
     REDUCED,
     ROPE_FILE,
-    sha256,
     shard_dir,
 )
 from common.shard_format import LOGITS_SHARD as SHARD
 from quantize import llm_graph as lg
 from quantize.models import DecoderConfig, LlamaDecoder
-from quantize.shard import ShardError, check_tp
+from quantize.shard import (
+    ShardError,
+    check_tp,
+    file_record,
+    segment_records,
+    stage_shard_set,
+)
 
 KIND = LLM
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"  # llm_graph's names; a file per rank here
@@ -197,32 +199,24 @@ def _sharded_bytes(proto: onnx.ModelProto) -> int:
 def write(
     model: LlamaDecoder, name: str, model_dir: Path, tp: int, max_positions: int, version: str = "1"
 ) -> Path:
-    """Every rank's segments and the manifest, staged then renamed (complete or absent);
+    """Every rank's segments and the manifest (quantize/shard.py's stage_shard_set);
     returns the manifest's path."""
     model = model.eval()
     c = model.config
     plans = [plan(model, r, tp, max_positions) for r in range(tp)]  # refuses a bad TP first
-    target = shard_dir(model_dir, version, tp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / target.name
+    cos, sin = lg.rope_tables(c, max_positions)
+
+    def build(staged: Path) -> dict[str, Any]:
         ranks: list[dict[str, Any]] = []
         for rank, segments in enumerate(plans):
             folder = staged / f"rank{rank}"
             folder.mkdir(parents=True)
-            cos, sin = lg.rope_tables(c, max_positions)
             np.savez(folder / ROPE_FILE, cos=cos, sin=sin)
-            files = []
             paths = [(s.name, lg.save(s.proto, folder / f"{s.name}.onnx")) for s in segments]
-            for segment, path in [*paths, ("rope", folder / ROPE_FILE)]:
-                files.append(
-                    {
-                        "segment": segment,
-                        "path": str(path.relative_to(staged)),
-                        "sha256": sha256(path),
-                        "bytes": path.stat().st_size,
-                    }
-                )
+            files = [
+                file_record(segment, path, staged)
+                for segment, path in [*paths, ("rope", folder / ROPE_FILE)]
+            ]
             ranks.append(
                 {
                     "rank": rank,
@@ -233,7 +227,7 @@ def write(
                     "files": files,
                 }
             )
-        manifest = {
+        return {
             "format": FORMAT,
             "model": name,
             "kind": KIND,
@@ -241,19 +235,13 @@ def write(
             "config": dataclasses.asdict(c),
             "max_positions": max_positions,
             "vocab_padded": padded_vocab(c.vocab_size, tp),
-            "segments": [
-                {"name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}
-                for s in plans[0]
-            ],
+            "segments": segment_records(plans[0]),
             "replicated_bytes": ranks[0]["weight_bytes"] - ranks[0]["sharded_bytes"],
             "sharded_bytes": sum(r["sharded_bytes"] for r in ranks),
             "ranks": ranks,
         }
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if target.exists():
-            target.replace(Path(tmp) / "old")
-        staged.replace(target)
-    return target / MANIFEST
+
+    return stage_shard_set(shard_dir(model_dir, version, tp), build)
 
 
 def write_model(

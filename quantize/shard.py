@@ -26,6 +26,7 @@ import dataclasses
 import json
 import tempfile
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,15 +311,44 @@ def io_of(model: BertEncoder) -> tuple[list[dict], list[dict]]:
     )
 
 
-def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version: str = "1") -> Path:
-    """Every rank's segments and the manifest; returns the manifest's path. The shard set
-    appears complete or not at all (staged in a temporary folder, then renamed)."""
-    model = model.eval()
-    plans = [plan_for(model, r, tp) for r in range(tp)]  # refuses a bad TP size up front
-    target = shard_dir(model_dir, version, tp)
+def file_record(segment: str, path: Path, staged: Path) -> dict[str, Any]:
+    """A written file as the manifest lists it (the worker verifies its size and checksum)."""
+    return {
+        "segment": segment,
+        "path": str(path.relative_to(staged)),
+        "sha256": sha256(path),
+        "bytes": path.stat().st_size,
+    }
+
+
+def segment_records(segments: Sequence[Any]) -> list[dict[str, Any]]:
+    """The segments' names and tensor names, the same on every rank."""
+    return [
+        {"name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)} for s in segments
+    ]
+
+
+def stage_shard_set(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """Writes a shard set so that it appears complete or not at all: `build(staged)` writes
+    every rank's files under `staged` and returns the manifest, then the folder is renamed
+    over `target`. Returns the manifest's path."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / target.name
+        manifest = build(staged)
+        (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if target.exists():
+            target.replace(Path(tmp) / "old")
+        staged.replace(target)
+    return target / MANIFEST
+
+
+def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version: str = "1") -> Path:
+    """Every rank's segments and the manifest (stage_shard_set); returns the manifest's path."""
+    model = model.eval()
+    plans = [plan_for(model, r, tp) for r in range(tp)]  # refuses a bad TP size up front
+
+    def build(staged: Path) -> dict[str, Any]:
         ranks: list[dict[str, Any]] = []
         for rank, plan in enumerate(plans):
             folder = staged / f"rank{rank}"
@@ -327,45 +357,29 @@ def write_shards(model: nn.Module, name: str, model_dir: Path, tp: int, version:
             for seg in plan:
                 path = folder / f"{seg.name}.onnx"
                 export_segment(seg, path)
-                files.append(
-                    {
-                        "segment": seg.name,
-                        "path": str(path.relative_to(staged)),
-                        "sha256": sha256(path),
-                        "bytes": path.stat().st_size,
-                    }
-                )
+                files.append(file_record(seg.name, path, staged))
             ranks.append(
-                {  # type: ignore[dict-item]
+                {
                     "rank": rank,
                     "weight_bytes": sum(_param_bytes(s.module) for s in plan),
                     "sharded_bytes": _sharded_bytes(plan, model, tp),
                     "files": files,
                 }
             )
-        sharded_total = sum(r["sharded_bytes"] for r in ranks)
         inputs, outputs = io_of(model)  # type: ignore[arg-type]
-        c = model.config
-        manifest = {
+        return {
             "format": FORMAT,
             "model": name,
             "kind": ENCODER,
             "tp": tp,
-            "config": dataclasses.asdict(c),  # type: ignore[call-overload]
-            "segments": [
-                {"name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}
-                for s in plans[0]
-            ],
+            "config": dataclasses.asdict(model.config),  # type: ignore[call-overload]
+            "segments": segment_records(plans[0]),
             "inputs": inputs,
             "outputs": outputs,
             # per-rank weights ~ replicated + sharded / tp: lets a refusal suggest a TP size
             "replicated_bytes": ranks[0]["weight_bytes"] - ranks[0]["sharded_bytes"],
-            "sharded_bytes": sharded_total,
+            "sharded_bytes": sum(r["sharded_bytes"] for r in ranks),
             "ranks": ranks,
         }
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if target.exists():
-            old = Path(tmp) / "old"
-            target.replace(old)
-        staged.replace(target)
-    return target / MANIFEST
+
+    return stage_shard_set(shard_dir(model_dir, version, tp), build)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from common import bytes_codec
 from common.errors import InvalidArgument
 from worker.config import (
     TEXT_INPUT,
@@ -78,7 +79,7 @@ class TextModel:
                 f"send {TEXT_INPUT}, or instead the token inputs {self.token_inputs} (optional "
                 f"in ModelConfig), not both (got {TEXT_INPUT} and {extra})"
             )
-        texts = [_text(x) for x in inputs[TEXT_INPUT].reshape(-1)]
+        texts = [bytes_codec.text(x, TEXT_INPUT) for x in inputs[TEXT_INPUT].reshape(-1)]
         ids, mask = self.encode(texts, left=False)
         return await self.submit({IDS: ids, MASK: mask}, outputs)
 
@@ -98,12 +99,3 @@ class TextModel:
         """One real run through the session, on tokens of real text."""
         ids, mask = self.encode(["warm up"], left=False)
         run(list(self.spec.outputs), {IDS: ids, MASK: mask})
-
-
-def _text(item: object) -> str:
-    if isinstance(item, bytes):
-        try:
-            return item.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InvalidArgument(f"{TEXT_INPUT} is not valid UTF-8: {e}") from e
-    return str(item)

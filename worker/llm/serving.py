@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
-from common import llm_protocol, model_keys
+from common import bytes_codec, llm_protocol, model_keys
 from common.errors import InvalidArgument
 from worker import token_metrics
 from worker.config import ConfigError, ModelSpec, bool_parameter
@@ -287,13 +287,7 @@ class LLMServing:
 def _text(array: np.ndarray, name: str = TEXT_INPUT) -> str:
     if array.size != 1:
         raise InvalidArgument(f"input {name!r}: one string expected, got {array.size} elements")
-    item = array.reshape(-1)[0]
-    if isinstance(item, bytes):
-        try:
-            return item.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InvalidArgument(f"input {name!r} is not valid UTF-8: {e}") from None
-    return str(item)
+    return bytes_codec.text(array.reshape(-1)[0], name)
 
 
 def _salt(parameters: Mapping[str, Any]) -> str:
