@@ -94,10 +94,11 @@ RETURN_TOKEN_IDS = "return_token_ids"
 # completion's ids so far; their length is the piece's running completion_tokens.
 TOKEN_IDS = "token_ids"
 # A request parameter (string, a JSON list of ints): resume a generation that had produced
-# these ids. The worker prefills prompt + ids, counts the ids as already generated (max_tokens,
-# min_tokens, penalties, completion_tokens and the seeded sampler's draws go on from them),
-# replays them through its detokenizer and sends only the text that follows theirs. Pieces
-# report prompt_tokens as the prompt alone, so a resumed stream bills each token once.
+# these ids. The worker takes them in place of its first samples, decoding them one a step as
+# the first run did (their keys and values, and so every later token, bit for bit as in an
+# uninterrupted run; the seeded sampler draws for them as it did), and sends only what
+# follows: no text of theirs, and each piece's counts as the uninterrupted run's
+# (completion_tokens includes them), so the router bills only what grows: each token once.
 RESUME_TOKEN_IDS = "resume_token_ids"
 MAX_RESUME_TOKEN_IDS = 1 << 17  # characters of the JSON list, at most
 

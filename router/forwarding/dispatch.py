@@ -39,7 +39,9 @@ a ledger row only when the mesh serves it; anything else is `_unknown_`.
 One retry on another replica after UNAVAILABLE (a dead or unreachable worker, which is then
 ejected) or RESOURCE_EXHAUSTED (its queue filled since the last sample), while the caller's
 deadline allows and before any response of the request was forwarded; never after
-INVALID_ARGUMENT, NOT_FOUND and the like.
+INVALID_ARGUMENT, NOT_FOUND and the like. A stream of an LLM that breaks with UNAVAILABLE
+after pieces were forwarded moves to another replica, resumed from the token ids its client
+was sent, up to `migration_limit` times (router/forwarding/migration.py).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from common.errors import (
 from common.mesh_state import ModelEntry
 from protos.routing_pb2 import InferHeader
 from router.forwarding.affinity import Affinity, session_of
+from router.forwarding.migration import DEFAULT_LIMIT, Migration
 from router.forwarding.policy import PREFIX_WEIGHT
 from router.forwarding.prefix_index import PrefixIndex
 from router.forwarding.registry import Registry
@@ -117,6 +120,7 @@ class Dispatcher:
         prefix_weight: float = PREFIX_WEIGHT,
         prefix_index_blocks: int = 200_000,
         shedder: Shedder | None = None,
+        migration_limit: int = DEFAULT_LIMIT,
     ) -> None:
         self.registry = registry
         self.accounting = accounting
@@ -134,6 +138,7 @@ class Dispatcher:
         self.answer_margin_s = answer_margin_s
         self.auth = auth  # tenants: models and limits (None: auth off)
         self.shedder = shedder  # the queue-wait bound (None: off)
+        self.migration_limit = migration_limit  # per streamed request (forwarding/migration.py)
 
     def pick(
         self,
@@ -212,6 +217,8 @@ class Dispatcher:
             raise self.registry.unserved(guard.model, guard.asked_version)
         if any(r.sample is not None and (r.sample.kv_total or r.sample.slots) for r in replicas):
             raw = with_tenant(raw, guard.tenant)  # an LLM: its engines share by tenant
+        migration = Migration.of(raw, self.migration_limit) if guard.streamed else None
+        request = raw if migration is None else migration.asked
         tried: set[str] = set()
         while True:
             pool = [r for r in replicas if r.id not in tried and not r.ejected and not r.dropped]
@@ -231,9 +238,11 @@ class Dispatcher:
                 )
             forwarded = False
             try:
-                async with aclosing(self._attempt(replica, guard, raw, timeout)) as replies:
+                async with aclosing(self._attempt(replica, guard, request, timeout)) as replies:
                     async for reply in replies:
                         forwarded = True
+                        if migration is not None:
+                            migration.observe(reply.piece)
                         yield reply
                 return
             except UpstreamError as e:
@@ -244,6 +253,17 @@ class Dispatcher:
                 another = any(
                     r.id not in tried and not r.ejected and not r.dropped for r in replicas
                 )
+                if migration is not None and another and migration.allows(status):
+                    request = migration.next_request()
+                    metrics.MIGRATIONS.labels(guard.label).inc()
+                    log.info(
+                        "migrating_stream",
+                        worker=replica.id,
+                        model=guard.model,
+                        tokens=len(migration.ids),
+                        migration=migration.done,
+                    )
+                    continue
                 if not forwarded and status in RETRYABLE and len(tried) == 1 and another:
                     metrics.RETRIES.labels(status.name).inc()
                     event = "retrying_stream" if guard.streamed else "retrying"

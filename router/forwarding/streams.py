@@ -19,7 +19,11 @@ Ends of a request:
   the stream stays open for its other requests. An error response rather than ending the
   RPC, because one client stream multiplexes requests that may be pinned to other, healthy
   replicas, and Triton reports a request's failure the same way. Before any response was
-  forwarded, an UNAVAILABLE or RESOURCE_EXHAUSTED is retried once on another replica;
+  forwarded, an UNAVAILABLE or RESOURCE_EXHAUSTED is retried once on another replica; an
+  LLM stream broken by UNAVAILABLE after pieces were forwarded migrates instead: it goes on
+  on another replica from the token ids its client was sent, and the client sees one
+  unbroken stream (router/forwarding/migration.py; the worker's pieces then carry
+  `token_ids`, which the router asks for on every stream);
 - the client cancels the stream or its deadline passes: every worker stream of it is
   cancelled (the worker aborts the generation), and the unfinished requests are errors.
   (A router that dies ends the client's RPC with UNAVAILABLE: the transport closes.)

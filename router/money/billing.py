@@ -10,13 +10,14 @@ a stream (the tokens generated up to that piece), `finish_reason` on the final o
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
 from common import llm_protocol
 from common.mesh_state import ModelEntry
-from protos.usage_pb2 import ResponseHeader, StreamResponseHeader
+from protos.usage_pb2 import ResponseHeader, StreamResponseHeader, UsageParameter
 from router.money.accounting import Tokens, token_revenue
 
 
@@ -30,6 +31,10 @@ class Piece:
     completion_tokens: int | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None
+    # the ids of the tokens this piece adds (llm_protocol.TOKEN_IDS, when the router asked
+    # for them): what a migrated stream resumes from; None: not sent, or not a list of ints
+    token_ids: tuple[int, ...] | None = None
+    choice: int | None = None  # llm_protocol.INDEX: one choice of several (n > 1)
 
 
 def priced_per_token(entry: ModelEntry) -> bool:
@@ -48,6 +53,7 @@ def _piece(header: ResponseHeader, error: str = "") -> Piece:
         return max(p.int64_param, 0)
 
     reason = params.get(llm_protocol.FINISH_REASON)
+    index = params.get(llm_protocol.INDEX)
     return Piece(
         final=llm_protocol.is_final(params),
         error=error,
@@ -55,7 +61,21 @@ def _piece(header: ResponseHeader, error: str = "") -> Piece:
         completion_tokens=count(llm_protocol.COMPLETION_TOKENS),
         finish_reason=reason.string_param if reason is not None else None,
         cached_tokens=count(llm_protocol.CACHED_TOKENS),
+        token_ids=_ids(params.get(llm_protocol.TOKEN_IDS)),
+        choice=index.int64_param if index is not None else None,
     )
+
+
+def _ids(p: UsageParameter | None) -> tuple[int, ...] | None:
+    if p is None or p.WhichOneof("parameter_choice") != "string_param":
+        return None
+    try:
+        ids = json.loads(p.string_param)
+    except ValueError:
+        return None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        return None
+    return tuple(ids)
 
 
 def unary_piece(raw: bytes) -> Piece:

@@ -117,6 +117,7 @@ def build(settings: RouterSettings, router_id: str) -> Parts:
             if settings.queue_wait_bound_seconds > 0
             else None
         ),
+        migration_limit=settings.migration_limit,
     )
     return Parts(registry, accounting, auth, dispatcher, mesh_credentials)
 

@@ -67,6 +67,12 @@ class RouterSettings(BaseSettings):
         "health probe with this timeout; no answer ejects it and retries its calls "
         "elsewhere",
     )
+    migration_limit: int = Field(
+        2,
+        ge=0,
+        description="times one LLM stream may move to another replica when its worker dies "
+        "mid-way, resumed from the token ids its client was sent; 0 = off",
+    )
     accounting: bool = Field(
         True, description="count calls (--no-accounting only to measure what accounting costs)"
     )

@@ -22,6 +22,12 @@ LATENCY = LoopHistogram(
     buckets=BUCKETS,
 )
 RETRIES = Counter("meshserve_router_retries", "Calls retried on another replica", ["reason"])
+MIGRATIONS = Counter(
+    "meshserve_router_migrations",
+    "Streams moved mid-way to another replica after theirs failed, resumed from the token ids "
+    "their clients were sent (router/forwarding/migration.py)",
+    ["model"],
+)
 EJECTIONS = Counter("meshserve_router_ejections", "Replicas ejected after a failure", ["worker"])
 INFLIGHT = LoopGauge("meshserve_router_inflight", "Calls in flight from this router", ["worker"])
 REPLIES_BEFORE_DURABLE = Counter(

@@ -97,8 +97,12 @@ def postgres_mesh(llm_repository: Path, tmp_path: Path) -> Iterator[tuple[Mesh, 
         yield running
 
 
-def llm_request(prompt: str, max_tokens: int, rid: str = "") -> pb.ModelInferRequest:
+def llm_request(
+    prompt: str, max_tokens: int, rid: str = "", token_ids: bool = False
+) -> pb.ModelInferRequest:
     r = pb.ModelInferRequest(model_name=MODEL, id=rid)
+    if token_ids:  # as the router asks of a worker, to migrate the stream if it dies
+        r.parameters["return_token_ids"].bool_param = True
     for name, dtype, value in (
         ("text_input", "BYTES", prompt.encode()),
         ("stream", "BOOL", None),
@@ -158,13 +162,14 @@ async def stream(
     stop_after: int | None = None,
     got: Received | None = None,
     timeout: float = 120.0,
+    token_ids: bool = False,
 ) -> Received:
     """One request on one stream; the client cancels after `stop_after` pieces. `got` fills
     as the pieces come."""
     got = got or Received()
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=timeout)
-        await call.write(llm_request(prompt, max_tokens, "r1"))
+        await call.write(llm_request(prompt, max_tokens, "r1", token_ids))
         try:
             async for response in call:
                 got.responses.append(response)
@@ -209,7 +214,7 @@ def test_a_stream_through_the_router_is_the_stream_from_the_worker(
 ) -> None:
     mesh, router, store = sqlite_mesh
     worker = next(iter(mesh.workers))
-    direct = asyncio.run(stream(worker, "The capital of France is", 16))
+    direct = asyncio.run(stream(worker, "The capital of France is", 16, token_ids=True))
     routed = asyncio.run(stream(router, "The capital of France is", 16))
     assert len(direct.responses) > 5 and direct.finished and not direct.error
     # byte for byte: the same pieces, the same flags, the same final usage

@@ -42,13 +42,6 @@ class Detokenizer:
             self._read = len(self.ids)
         return self._release(final=False)
 
-    def replay(self, ids: list[int]) -> None:
-        """Feed a resumed generation's earlier ids, their text taken as sent already: the
-        state (what was sent, what is held back) is the one the first run had after them, so
-        the continuation starts mid-character or mid-stop-string where that run stopped."""
-        for token in ids:
-            self.add(token)
-
     def finish(self) -> str:
         """The rest, at the end of the sequence (a trailing partial character included)."""
         rest = self._decode(self.ids[self._prefix :])

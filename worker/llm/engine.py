@@ -207,7 +207,7 @@ class Engine:
                 f"{params.max_tokens}: nothing is left to generate"
             )
         full = prompt + resume
-        if len(full) >= limit:
+        if len(full) >= limit:  # a resumed sequence's ids were within it
             raise InvalidArgument(
                 f"the prompt is {len(full)} tokens; max_model_len is {limit} (prompt + "
                 "generated tokens), so a prompt may have at most "
@@ -227,7 +227,7 @@ class Engine:
             )
         seq = Sequence(
             id=next(self._ids),
-            prompt=full,
+            prompt=prompt,
             params=params,
             sampler=Sampler(params, prompt, self.model.facts.vocab_size),
             detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
@@ -235,10 +235,9 @@ class Engine:
             root=root,
             tenant=tenant,
             weight=weight,
-            resumed=len(resume),
+            forced=resume,
+            reported=len(resume),
         )
-        seq.sampler.resume(resume)
-        seq.detok.replay(resume)
         try:
             self.scheduler.add(seq)
         except ResourceExhausted:

@@ -56,29 +56,19 @@ class Sequence(scheduler.Sequence):
     sampler: Sampler
     detok: Detokenizer
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
-    # a resumed generation (llm_protocol.RESUME_TOKEN_IDS): the prompt's last `resumed` ids
-    # were generated before, elsewhere, and count as generated
-    resumed: int = 0
-    reported: int = 0  # of `tokens`, those already on an output
-
-    @property
-    def generated(self) -> int:
-        return self.resumed + len(self.tokens)
+    # A resumed generation (llm_protocol.RESUME_TOKEN_IDS): the ids it had produced
+    # elsewhere, taken in place of its first samples. Decoded one a step as they first were,
+    # not prefilled with the prompt: a one-token run rounds differently from a longer one
+    # (scheduler.MIN_CHUNK), so only this gives their keys and values, and every later
+    # token, bit for bit as in the uninterrupted run.
+    forced: list[int] = field(default_factory=list)
+    reported: int = 0  # of `tokens`, those already on an output (or sent before a resume)
 
     def output(self, text: str, reason: str | None = None, error: str | None = None) -> Output:
         """The next output: its text, its end, the running counts and its new ids."""
         ids, self.reported = self.tokens[self.reported :], len(self.tokens)
-        prompt = len(self.prompt) - self.resumed
-        return Output(
-            text,
-            reason is not None,
-            reason,
-            prompt,
-            self.generated,
-            error,
-            min(self.cached, prompt),
-            ids,
-        )
+        counts = len(self.prompt), len(self.tokens)
+        return Output(text, reason is not None, reason, *counts, error, self.cached, ids)
 
 
 @dataclass
@@ -143,11 +133,10 @@ class Results:
             self._leave(seq)
 
     def banned(self, seq: Sequence, generated: int | None = None) -> list[int]:
-        """The ids the sequence may not sample next, with `generated` tokens generated here
-        (None: its tokens so far; a resumed sequence's earlier ones are added): EOS while
-        under min_tokens."""
+        """The ids the sequence may not sample next, with `generated` tokens generated (None:
+        its tokens so far): EOS while under min_tokens."""
         p = seq.params
-        n = seq.resumed + (len(seq.tokens) if generated is None else generated)
+        n = len(seq.tokens) if generated is None else generated
         return sorted(self.eos) if n < p.min_tokens and not p.ignore_eos else []
 
     def can_sample(self, seq: Sequence, row: object) -> bool:
@@ -174,12 +163,15 @@ class Results:
     def sample(self, seq: Sequence, row: Row, generated: int) -> int:
         """The sequence's next token from its row, its `generated` tokens so far counted (its
         sampler's state is this call's alone: the step thread samples while the event loop
-        emits the tokens before)."""
+        emits the tokens before). A resumed sequence's earlier ids come first: sampled all the
+        same, so that its sampler's random draws go on as they first did, then replaced."""
         banned = self.banned(seq, generated)
         if isinstance(row, tuple):
             token = seq.sampler.sample_top(row[0], row[1], banned)
         else:
             token = seq.sampler.sample(row, banned)  # a row of this step's own logits
+        if generated < len(seq.forced):
+            token = seq.forced[generated]
         seq.sampler.observe(token)
         return token
 
@@ -193,14 +185,16 @@ class Results:
 
     def _at_length(self, seq: Sequence, generated: int) -> bool:
         return (
-            seq.resumed + generated >= seq.params.max_tokens
-            or len(seq.prompt) + generated >= self.max_model_len
+            generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self.max_model_len
         )
 
     def emit(self, seq: Sequence, token: int) -> None:
         """The sampled token joins the sequence: its new text goes out, or its end."""
         seq.tokens.append(token)
         reason = None
+        if len(seq.tokens) <= len(seq.forced):  # its text was sent before the resume
+            seq.detok.add(token)
+            return
         if self._eos(seq, token):
             reason = STOP
             piece = ""

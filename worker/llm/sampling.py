@@ -221,15 +221,6 @@ class Sampler:
             return p.top_k + banned
         return None
 
-    def resume(self, generated: list[int]) -> None:
-        """Continue a generation that sampled `generated` elsewhere: the penalties count them,
-        and a sampled (not greedy) request skips the random numbers they drew, one each (as
-        every path here draws), so a seed gives the tokens an uninterrupted run gives."""
-        for token in generated:
-            self.observe(token)
-        if generated and not self.params.greedy:
-            self.rng.random(len(generated))
-
     def observe(self, token: int) -> None:
         if self._seen is not None and self._counts is not None:
             self._seen[token] = True

@@ -90,14 +90,16 @@ def test_detokenizing_resumes_mid_character_and_mid_stop_string(
     smollm2_tokenizer: Tokenizer,
 ) -> None:
     """Every cut of a text whose characters span several byte-level tokens, with a stop
-    string held back across the cut: the replayed detokenizer sends exactly the rest."""
+    string held back across the cut: a detokenizer fed the ids before the cut, their text
+    dropped (as a resumed sequence does), sends exactly the rest."""
     text = "Naïve café: 日本語のテキスト 🙂🚀 and the END of it"
     ids = smollm2_tokenizer.encode(text).ids
     stop = ("END",)
 
     def stream(tokens: list[int], replayed: list[int]) -> str:
         d = Detokenizer(smollm2_tokenizer, stop, skip_special=True)
-        d.replay(replayed)
+        for t in replayed:  # as a resumed sequence's earlier ids: their text was sent
+            d.add(t)
         return "".join(d.add(t) for t in tokens) + d.finish()
 
     whole = stream(ids, [])

@@ -1,0 +1,302 @@
+"""Streams that outlive their worker: real redis-server, two SmolLM2 workers, the router and
+a ledger. A worker killed -9 (or drained) under concurrent greedy streams: each of its
+streams moves to the other worker from the token ids its client was sent, and every client
+gets the text and the ids an uninterrupted run gives, billed once per token; with migration
+off, or past its limit, the stream ends with UNAVAILABLE as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from devmesh.processes import ROOT, free_port
+from devmesh.testing import Mesh
+from ledger.store import Store
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from quantize import llm
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+MAX_TOKENS = 48
+STREAMS = 12
+WAIT_S = 180.0  # bounds every wait for the streams
+
+
+@pytest.fixture(scope="module")
+def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("llm-repo")
+    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
+    return root
+
+
+@dataclass
+class Routed:
+    mesh: Mesh
+    metrics_port: int
+    http_port: int
+    store: Store
+
+    def victim(self) -> tuple[str, int]:
+        """The worker with the most calls in flight from the router, and that number."""
+        inflight = {
+            address: scrape(self.metrics_port).get(
+                f'meshserve_router_inflight{{worker="{worker_id(address)}"}}', 0.0
+            )
+            for address, process in self.mesh.workers.items()
+            if process.alive
+        }
+        address = max(inflight, key=lambda a: inflight[a])
+        return address, int(inflight[address])
+
+
+def start(llm_repository: Path, tmp_path: Path, *router_args: str) -> Routed:
+    mesh = Mesh(tmp_path / "logs")
+    store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    mesh.start_redis()
+    for _ in range(2):
+        mesh.add_worker(llm_repository, "--grace-seconds", "1")
+    mesh.wait_registered(2)
+    metrics_port, http_port = free_port(), free_port()
+    mesh.start_router(
+        "--stall-seconds", "0.5", "--metrics-port", str(metrics_port),
+        "--http-port", str(http_port), *router_args,
+    )  # fmt: skip
+    mesh.start_ledger(store.url, "--interval-seconds", "0.1")
+    return Routed(mesh, metrics_port, http_port, store)
+
+
+@pytest.fixture
+def routed(llm_repository: Path, tmp_path: Path) -> Iterator[Routed]:
+    r = start(llm_repository, tmp_path)
+    try:
+        yield r
+    finally:
+        r.mesh.stop(kill=True)
+        r.store.close()
+
+
+@pytest.fixture
+def unmigrated(llm_repository: Path, tmp_path: Path) -> Iterator[Routed]:
+    r = start(llm_repository, tmp_path, "--migration-limit", "0")
+    try:
+        yield r
+    finally:
+        r.mesh.stop(kill=True)
+        r.store.close()
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+
+
+def migrations(port: int) -> float:
+    return scrape(port).get(f'meshserve_router_migrations_total{{model="{MODEL}"}}', 0.0)
+
+
+def worker_id(address: str) -> str:
+    host, port = address.rsplit(":", 1)
+    return f"worker-{host}-{port}"
+
+
+def prompt(i: int) -> str:
+    return f"Story {i}: the lighthouse keeper number {i} looked at the sea and"
+
+
+@dataclass
+class Got:
+    """What one client received."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)  # the pieces' token_ids, joined
+    prompt: int = 0
+    completion: int = 0
+    pieces: int = 0
+    final: bool = False
+    error: str = ""
+
+    def add(self, text: str, params: dict) -> None:
+        self.pieces += 1
+        self.text += text
+        self.ids += json.loads(params.get("token_ids", "[]"))
+        self.prompt = max(self.prompt, params.get("prompt_tokens", 0))
+        self.completion = max(self.completion, params.get("completion_tokens", 0))
+        self.final = self.final or params.get("triton_final_response", False)
+
+
+def sampling() -> str:
+    return json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+
+
+def llm_request(text: str) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name=MODEL, id="r")
+    for name, dtype, value in (
+        ("text_input", "BYTES", text.encode()),
+        ("stream", "BOOL", None),
+        ("sampling_parameters", "BYTES", sampling().encode()),
+        ("exclude_input_in_output", "BOOL", None),
+    ):
+        r.inputs.add(name=name, datatype=dtype, shape=[1])
+        r.raw_input_contents.append(
+            b"\x01" if value is None else len(value).to_bytes(4, "little") + value
+        )
+    return r
+
+
+def _params(response: pb.ModelInferResponse) -> dict:
+    return {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in response.parameters.items()}
+
+
+async def grpc_stream(address: str, text: str, got: Got) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=WAIT_S)
+        await call.write(llm_request(text))
+        try:
+            async for r in call:
+                if r.error_message:
+                    got.error = r.error_message
+                    return
+                out = r.infer_response
+                piece = out.raw_output_contents[0][4:].decode() if out.raw_output_contents else ""
+                got.add(piece, _params(out))
+                if got.final:
+                    return
+        except grpc.aio.AioRpcError as e:
+            got.error = e.code().name
+
+
+def http_stream(port: int, text: str, got: Got) -> None:
+    """One request on the router's generate_stream (server-sent events), read event by event."""
+    body = json.dumps(
+        {"text_input": text, "stream": True, "sampling_parameters": sampling(),
+         "exclude_input_in_output": True}
+    )  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body)
+        reply = conn.getresponse()
+        for line in reply:
+            if not line.startswith(b"data: "):
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                got.error = doc["error"]
+                return
+            got.add(doc.get("text_output", ""), doc)
+            if got.final:
+                return
+    finally:
+        conn.close()
+
+
+async def run_streams(
+    routed: Routed, n: int, http: bool = False, kill: int | None = None, after: int = 3
+) -> tuple[list[Got], int]:
+    """n concurrent streams; with `kill` (a signal), once each has `after` pieces, the worker
+    with the most of them gets it. The clients' outcomes and the victim's calls then."""
+    gots = [Got() for _ in range(n)]
+    if http:
+        tasks = [
+            asyncio.ensure_future(asyncio.to_thread(http_stream, routed.http_port, prompt(i), g))
+            for i, g in enumerate(gots)
+        ]
+    else:
+        address = routed.mesh.router_address
+        tasks = [
+            asyncio.ensure_future(grpc_stream(address, prompt(i), g)) for i, g in enumerate(gots)
+        ]
+    on_victim = 0
+    if kill is not None:
+        deadline = time.monotonic() + WAIT_S
+        while any(g.pieces < after for g in gots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert all(not g.final for g in gots), "a stream ended before the kill: raise MAX_TOKENS"
+        victim, on_victim = routed.victim()
+        routed.mesh.workers[victim].signal(kill)
+    await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+    return gots, on_victim
+
+
+def billed(store: Store) -> tuple[int, int, int, int]:
+    """(prompt, completion, successes, errors) of the LLM in the ledger."""
+    u = [v for (m, _), v in store.usage().items() if m == MODEL]
+    keys = ("prompt_tokens", "completion_tokens", "success", "errors")
+    return tuple(sum(v[k] for v in u) for k in keys)  # type: ignore[return-value]
+
+
+def received(gots: list[Got]) -> tuple[int, int, int, int]:
+    ok = sum(g.final and not g.error for g in gots)
+    completion = sum(g.completion for g in gots)
+    return sum(g.prompt for g in gots), completion, ok, len(gots) - ok
+
+
+def settle(store: Store, expected: tuple, timeout: float = 30.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while billed(store) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # nothing more may arrive
+    return billed(store)
+
+
+def check_handed_over(reference: list[Got], gots: list[Got]) -> None:
+    for i, (ref, got) in enumerate(zip(reference, gots, strict=True)):
+        assert got.final and not got.error, (i, got)
+        assert got.completion == len(got.ids) == MAX_TOKENS, (i, got)
+        assert got.ids == ref.ids, i  # token-exact: nothing repeated, nothing missing
+        assert got.text == ref.text, i
+        assert got.prompt == ref.prompt
+
+
+def test_a_worker_killed_under_12_streams_hands_every_stream_over(routed: Routed) -> None:
+    reference, _ = asyncio.run(run_streams(routed, STREAMS))
+    assert all(g.final and g.completion == MAX_TOKENS for g in reference)
+    gots, on_victim = asyncio.run(run_streams(routed, STREAMS, kill=signal.SIGKILL))
+    assert on_victim >= STREAMS // 2  # the worker serving most of them
+    check_handed_over(reference, gots)
+    moved = migrations(routed.metrics_port)
+    assert 1 <= moved <= on_victim, (moved, on_victim)
+    # billed once per token: the ledger holds exactly what the clients received, the
+    # re-prefilled tokens of the moved streams billed neither as prompt nor as completion
+    expected = received(reference + gots)
+    assert expected[2:] == (2 * STREAMS, 0)
+    assert settle(routed.store, expected) == expected
+
+
+def test_http_streams_of_a_killed_worker_go_on_too(routed: Routed) -> None:
+    reference, _ = asyncio.run(run_streams(routed, 4, http=True))
+    gots, on_victim = asyncio.run(run_streams(routed, 4, http=True, kill=signal.SIGKILL))
+    assert on_victim >= 2
+    check_handed_over(reference, gots)
+    assert migrations(routed.metrics_port) >= 1
+    expected = received(reference + gots)
+    assert settle(routed.store, expected) == expected
+
+
+def test_with_migration_off_a_killed_workers_streams_end_unavailable(
+    unmigrated: Routed,
+) -> None:
+    gots, on_victim = asyncio.run(run_streams(unmigrated, 6, kill=signal.SIGKILL))
+    broken = [g for g in gots if g.error]
+    assert on_victim >= 3 and len(broken) >= 1
+    assert all(g.error.startswith("UNAVAILABLE") and not g.final for g in broken)
+    assert all(g.final and g.completion == MAX_TOKENS for g in gots if not g.error)
+    assert migrations(unmigrated.metrics_port) == 0
+    expected = received(gots)  # each broken stream billed the tokens its client got
+    assert settle(unmigrated.store, expected) == expected
