@@ -1,11 +1,25 @@
 """Helpers the benchmark scripts share: processes, requests, CPU counters, results (the
 machine facts and the JSON file are loadtest/results.py's; the load loops are
-loadtest/calls.py's)."""
+loadtest/calls.py's).
+
+The results convention: `python -m benchmarks.<name>` writes benchmarks/results/<name>.json,
+its data plus a top-level "summary" object that benchmarks/summary.py renders by discovery
+(a new benchmark needs no edit there):
+
+    "summary": {"title": str, "machine": str, "date": "YYYY-MM-DD", "command": str,
+                "rows": [[label, value, target, verdict], ...]}
+
+verdict is "met" / "missed", computed from the numbers (loadtest.results.check), or "" for a
+figure without a target (loadtest.results.figure). An optional top-level "history" list keeps
+earlier runs' headline rows: [{"date", "machine", "commit", "file", "rows"}, ...] (the
+benchmark keeps it when it rewrites the file: `write_result`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +34,8 @@ from common import paths
 from common.net import free_port as free_port  # re-exported
 from devmesh import processes
 from loadtest import results
+from loadtest.results import check as check  # re-exported
+from loadtest.results import figure as figure  # re-exported
 from loadtest.results import machine as machine  # re-exported
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -94,9 +110,30 @@ def infer_request(model: str, name: str, array: np.ndarray, datatype: str) -> pb
     return request
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """results/<name>.json (loadtest/results.py: non-finite numbers as null)."""
-    return results.write_json(RESULTS / f"{name}.json", payload)
+QUICK_RESULTS = paths.build_dir() / "bench-quick"  # --quick runs: not the committed results
+
+
+def write_result(
+    name: str, payload: dict, title: str, rows: list[list], quick: bool = False
+) -> Path:
+    """results/<name>.json (loadtest/results.py: non-finite numbers as null) with its summary
+    object and history (the earlier file's, its headline rows added); a --quick run's file
+    goes to QUICK_RESULTS instead, so that it never replaces a full run's."""
+    path = (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
+    command = " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]])
+    summary = results.summary_block(title, rows, payload["machine"], command)
+    kept = [] if quick else history(path)
+    return results.write_json(path, {**payload, "summary": summary, "history": kept})
+
+
+def history(path: Path, keep: int = 8) -> list[dict]:
+    """The history a rewrite of `path` keeps: the file's own, its summary's rows first."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    s = old.get("summary") or {}
+    entry = {k: s.get(k) for k in ("date", "machine", "command", "rows")} | {"file": path.name}
+    return ([entry] if s.get("rows") else []) + list(old.get("history", []))[: keep - 1]
 
 
 def model_successes(address: str, model: str) -> int:

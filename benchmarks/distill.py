@@ -1,6 +1,6 @@
 """Distillation beside quantization: teacher fp32 / int8 against student fp32 / int8.
 
-    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30] [--layers K]
+    python -m benchmarks.distill [--model minilm smollm2] [--repeats 30] [--layers K] [--quick]
 
 Per model: size, onnxruntime CPU latency (MiniLM: one forward pass of 16-token sentences
 at batch 1 and 16; SmolLM2: one engine decode step at batch 1 and 16), all four measured
@@ -22,8 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.common import RESULTS, ROOT, machine, write_result
-from benchmarks.readings import table
+from benchmarks.common import RESULTS, ROOT, check, figure, machine, write_result
 from quantize import distill, evaluate, pipeline
 from quantize.recipes import DECODER, ENCODER, distill_recipe
 
@@ -120,7 +119,10 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, help="the student's layers, for one --model (default: its plan's)"
     )
+    parser.add_argument("--quick", action="store_true", help="--repeats 3")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
     if args.layers is not None and len(args.model) != 1:
         parser.error("--layers needs exactly one --model")
     previous = RESULTS / "distill.json"
@@ -128,65 +130,40 @@ def main() -> None:
     kept = {m: {"repeats": old.get("repeats"), **v} for m, v in old["models"].items()}
     measured = {m: bench_model(m, args.repeats, args.cache, args.layers) for m in args.model}
     models = {m: measured.get(m, v) for m, v in kept.items()} | measured
-    path: Path = write_result(
-        "distill", {"benchmark": "distill", "machine": machine(), "models": models}
-    )
+    payload = {"benchmark": "distill", "machine": machine(), "models": models}
+    path: Path = write_result("distill", payload, TITLE, rows(payload), args.quick)
     print(f"wrote {path}")
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Distillation beside quantization (teacher vs student, fp32 vs int8)"
 
 
-def section(r: dict) -> str:
-    parts = [
-        "## Distillation beside quantization (teacher vs student, fp32 vs int8)",
-        "`python -m benchmarks.distill` — onnxruntime CPU, the four files measured in "
-        "alternation; gate metrics against the fp32 teacher, each judged by its own recipe's "
-        "gate (int8: the quantization gate; students: the distillation gate).",
-    ]
+def rows(r: dict) -> list[list]:
+    """Headline rows per model: the student int8's speedup at batch 16 and its quality, with
+    the encoder's targets."""
+    out = []
     for model, m in r["models"].items():
-        s = m["student"]
-        resumed = s.get("resumed_from_step", 0)
-        timed = f" (this build resumed its checkpoint at step {resumed})" if resumed else ""
-        repeats = f", median of {m['repeats']} runs" if m.get("repeats") else ""
-        parts.append(
-            f"### {model}: {s['plan']['layers']}-layer student (layers {s['kept_layers']} of "
-            f"the teacher), {s['plan']['steps']} steps of {s['plan']['batch']} on "
-            f"{s['texts']} sentences, {s['train_seconds']} s of training on "
-            f"{s['torch_threads']} torch threads{timed}; "
-            f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}. Latency: "
-            f"{m['latency_measures']}{repeats}."
-        )
-        first = "mean_cosine" if m["kind"] == "encoder" else "top1_agreement"
-        second = "triplet_order_kept" if m["kind"] == "encoder" else "kl_divergence"
-        rows = []
-        for label, size in m["size_bytes"].items():
-            x = m["metrics"].get(label)
-            verdict = m["gate"].get(label)
-            rows.append(
-                [
-                    label,
-                    f"{size / 1e6:.1f}",
-                    m["latency_ms"]["batch_1"][label],
-                    m["latency_ms"]["batch_16"][label],
-                    f"{m['speedup_vs_teacher_fp32']['batch_16'][label]}x",
-                    f"{x[first]:.4f}" if x else "-",
-                    f"{x[second]:.4f}" if x else "-",
-                    ("accepted" if verdict["accepted"] else "refused") if verdict else "-",
-                ]
-            )
-        parts.append(
-            table(["file", "MB", "b1 ms", "b16 ms", "b16 speedup", first, second, "gate"], rows)
-        )
-        if "target" in m:
-            t = m["target"]
-            parts.append(
-                f"Target (student int8 >= 4x teacher fp32 at batch 16, mean cosine >= 0.95, "
-                f"rankings kept): {t['speedup_batch_16']}x, cosine {t['mean_cosine']:.4f}, "
-                f"triplet order kept {t['triplet_order_kept']:.2f} -> "
-                f"**{'met' if t['met'] else 'not met'}**."
-            )
-    return "\n\n".join(parts)
+        t = m.get("target")
+        speedup = m["speedup_vs_teacher_fp32"]["batch_16"]
+        if t is None:
+            out += [
+                figure(f"{model}: {k} / teacher fp32 speed at batch 16", v, "x")
+                for k, v in speedup.items()
+                if k != "teacher fp32"
+            ]
+            continue
+        out += [
+            check(
+                f"{model}: student int8 / teacher fp32 speed at batch 16",
+                t["speedup_batch_16"],
+                TARGET_SPEEDUP,
+                False,
+                "x",
+            ),
+            check(f"{model}: student int8 mean cosine", t["mean_cosine"], TARGET_COSINE, False),
+            check(f"{model}: student int8 triplet order kept", t["triplet_order_kept"], 1.0, False),
+        ]
+    return out
 
 
 if __name__ == "__main__":

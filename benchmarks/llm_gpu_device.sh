@@ -10,7 +10,7 @@
 #         TensorRT provider into ort.tar.xz, 203 MB: one part fewer, minutes of xz here)
 #         split -b 58M -d -a 1 bundle.tar .gpu/part      (.gpu/ in .git/info/exclude)
 #   device, calls 1-5: mkdir -p /tmp/p && cp .gpu/partN /tmp/p/   (carry .gpu/partN)
-#   device, call 6:    bash benchmarks/llm_gpu_device.sh [all|graph|engine-graphs]  (carry .gpu/part5)
+#   device, call 6:    bash benchmarks/llm_gpu_device.sh [llm_gpu flags]  (carry .gpu/part5)
 set -u
 cd "$(dirname "$0")/.."
 exec > >(tee "${OUT:-/tmp}/log.txt") 2>&1
@@ -30,24 +30,5 @@ NV=$(python3 -c "import glob,site; print(':'.join(sorted({p.rsplit('/',1)[0] for
 export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-}
 ldd /tmp/site/onnxruntime/capi/libonnxruntime_providers_cuda.so | grep -E "not found|cudnn|cublas|cudart"
 python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
-case "${1:-all}" in
-all)  # the first session's three runs
-    timeout 300 python3 -m benchmarks.llm_gpu --graphs q4-as-stored --providers cuda cpu \
-        --parts placement step host_cache engine --out llm_gpu_q4
-    timeout 150 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
-        --parts placement step host_cache engine --out llm_gpu_fp16
-    timeout 330 python3 -m benchmarks.llm_gpu --graphs q4-as-stored fp16 --providers cuda \
-        --parts engine agreement --step-budgets 24 512 --out llm_gpu_engine ;;
-graph)  # CUDA graphs against kernel launches, and the engine with its top-k bound once
-    timeout 280 python3 -m benchmarks.llm_gpu --graphs fp16 q4-as-stored --providers cuda \
-        --parts cuda_graph step engine --rows 1 16 64 --chunks 512 --streams 16 64 \
-        --step-budgets 512 --out llm_gpu_graph ;;
-engine-graphs)  # the engine with the worker's CUDA graphs, against launching kernel by kernel
-    timeout 240 python3 -m benchmarks.llm_gpu --graphs ${GRAPHS:-fp16} --providers cuda \
-        --parts ${PARTS:-cuda_graph engine engine_graphs} --streams 16 64 --step-budgets 512 \
-        --out ${NAME:-llm_gpu_engine_graphs} ;;
-engine-twice)  # the engine's greedy tokens against its own, kernel by kernel both times
-    timeout 120 python3 -m benchmarks.llm_gpu --graphs fp16 --providers cuda \
-        --parts engine_twice --out llm_gpu_engine_twice ;;
-esac
+timeout 540 python3 -m benchmarks.llm_gpu "$@"  # e.g. --quick, or --parts cuda_graph engine_graphs
 date -u

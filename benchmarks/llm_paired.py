@@ -44,7 +44,6 @@ from tokenizers import Tokenizer
 
 from benchmarks import llm_serve
 from benchmarks.common import RssSampler, cpu_seconds, process_tree, rss_tree_mb
-from benchmarks.readings import table
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.runner import LLMLoad, closed_loop
@@ -502,50 +501,3 @@ def idle_reading(idle: dict) -> str:
         for n, v in idle.items()
     ]
     return "CPU cores used while another side was loaded: " + ", ".join(parts)
-
-
-# ---- benchmarks/README.md's section for every anchor file (benchmarks/summary.py) -----------
-
-
-COMMAND = "python -m benchmarks.llm --systems llama-server --model-repository DIR --out NAME"
-
-
-def section(r: dict) -> str:
-    """An anchor's section: a paired run's here, a sequential one's llm_serve.section."""
-    a = r["anchor"]
-    if a.get("mode", "sequential") != "paired" or "skipped" in a:
-        return llm_serve.section(r)
-    checks = [
-        [
-            name,
-            ", ".join("-" if v is None else f"{v:.2f}" for v in c.get("rounds", [])) or "-",
-            c["value"],
-            f"{'>=' if c['better'] == 'higher' else '<='} {c['target']}",
-            c.get("against", "-"),
-            "met" if c["met"] else "MISSED",
-        ]
-        for name, c in a["checks"].items()
-    ]
-    m = r["machine"]
-    cpu, worker, ggml = llm_serve.setup(r)
-    p = a["plan"]
-    return "\n\n".join(
-        [
-            "## LLM engine against llama-server, in interleaved rounds (continuous batching, "
-            "same GGUF)",
-            f"`python -m benchmarks.llm --systems llama-server` (--anchor-mode paired) on {cpu}"
-            f" — every server up at once, one loaded at a time, taking turns round by round "
-            f"(ABC CBA BCA ...): {p['single_rounds']} single-stream rounds, {p['rounds']} "
-            f"rounds at each of {p['levels']} streams. llama-server "
-            f"{' '.join(a['llama_server_args'])}, once per OMP_WAIT_POLICY, both interleaved "
-            f"('default': unset), ggml {ggml}; the worker: {worker}. Each target's verdict is "
-            "the median of its per-round ratios (the worker over the same round's "
-            "llama-server), against the OMP policy that leaves the worker weakest; medians "
-            "of the rounds below, each round and turn in the file. Load average before the "
-            f"measured rounds: {(a.get('load_before') or {}).get('load_avg')}; at the start "
-            f"and end of the run: {m.get('load_avg_start')}, {m.get('load_avg_end')}.",
-            *llm_serve.tables(a),
-            table(["target", "per-round ratios", "median", "target", "against", ""], checks),
-            "\n".join(f"- {line}" for line in a["reading"]),
-        ]
-    )

@@ -40,7 +40,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
-from benchmarks.readings import table
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 
@@ -325,80 +324,3 @@ def verdict(server: dict, worker: dict) -> tuple[dict, list[str]]:
         for name, c in checks.items()
     ]
     return checks, lines
-
-
-def section(r: dict) -> str:
-    """benchmarks/README.md's section for a sequential anchor's results (through
-    llm_paired.section, which benchmarks/summary.py calls for every anchor file)."""
-    a = r["anchor"]
-    if "skipped" in a:
-        return f"## LLM engine against llama-server\n\nnot measured: {a['skipped']}"
-    cpu, worker, ggml = setup(r)
-    specs = {
-        name.partition(", ")[2]: " ".join(run["spec_args"])
-        for name, run in a["llama_server_runs"].items()
-        if run.get("spec_args")
-    }
-    title = "## LLM engine against llama-server (continuous batching, same GGUF)"
-    runs = "once per OMP_WAIT_POLICY ('default': unset)"
-    if specs:
-        title = "## LLM engine against llama-server, both speculating by n-gram lookup"
-        runs += ", without speculation and with each n-gram setting: " + "; ".join(
-            f"{name} ({args})" for name, args in specs.items()
-        )
-    return "\n\n".join(
-        [
-            title,
-            f"`python -m benchmarks.llm --systems llama-server` on {cpu} — {r['note']} Plan: "
-            f"{a['plan']}; llama-server {' '.join(a['llama_server_args'])}, {runs}, "
-            f"ggml {ggml}; the worker: "
-            f"{worker}. Medians of the rounds; each round's figures are in the file. Each "
-            "target is checked against llama-server's strongest figure for it.",
-            *tables(a),
-            "\n".join(f"- {line}" for line in a["reading"]),
-        ]
-    )
-
-
-def tables(a: dict) -> list[str]:
-    """An anchor's two tables, every system's single stream and each load level (a sequential
-    or paired run's `anchor`)."""
-    systems = {f"llama-server, OMP_WAIT_POLICY {p}": s for p, s in a["llama_server_runs"].items()}
-    systems["meshserve"] = a["meshserve"]
-    single = [
-        [
-            name,
-            s["single"]["decode_tokens_per_s"],
-            s["single"]["ttft_ms"],
-            f"{s['rss_mb'].get('start')} -> {s['rss_mb'].get('peak')}",
-        ]
-        for name, s in systems.items()
-    ]
-    levels = [
-        [
-            name,
-            lv["streams"],
-            lv["output_tokens_per_s"],
-            lv["ttft_ms"].get("p50"),
-            lv["itl_ms"].get("p50"),
-            lv["itl_ms"].get("p99"),
-        ]
-        for name, s in systems.items()
-        for lv in s["load"]
-    ]
-    return [
-        table(["system", "decode tok/s", "TTFT ms", "RSS MB start -> peak"], single),
-        table(["system", "streams", "tok/s", "TTFT p50", "ITL p50", "ITL p99"], levels),
-    ]
-
-
-def setup(r: dict) -> tuple[str, str, str]:
-    """The CPU, the worker's settings and ggml's features, as an anchor's section names them."""
-    a, m = r["anchor"], r["machine"]
-    cpu = f"{m['cpu']} ({', '.join(m['simd'])})" if "simd" in m else m["cpu"]
-    params = a.get("meshserve_parameters") or {}
-    worker = ", ".join(f"{k}={v}" for k, v in params.items()) or "its config.pbtxt as built"
-    if a.get("meshserve_model_file"):
-        worker += f", serving {a['meshserve_model_file']} on this CPU"
-    ggml = " ".join(a.get("llama_server_cpu_features") or ["features not recorded"])
-    return cpu, worker, ggml

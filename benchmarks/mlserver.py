@@ -1,6 +1,6 @@
 """meshserve side by side with MLServer 1.7.1, same ONNX model, same load tool.
 
-    python -m benchmarks.mlserver [--seconds 5]
+    python -m benchmarks.mlserver [--seconds 5] [--quick]
 
 (1) one worker process vs MLServer with parallel_workers=0 (inference in its one process);
 (2) router + 2 workers vs MLServer with 2 parallel workers. Closed loop at concurrency 1, 8
@@ -27,17 +27,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks import readings
 from benchmarks.common import (
     RESULTS,
     ROOT,
+    check,
+    figure,
     free_port,
     machine,
     standalone_worker,
     wait_ready,
     write_result,
 )
-from benchmarks.readings import table
 from client.client import Client
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
@@ -206,30 +206,32 @@ def plot(results: dict[str, list[dict]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true", help="1 s per point, no plots")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds = 1.0
     binary = ensure_venv()
     version = subprocess.run(
         [str(binary), "--version"], capture_output=True, text=True, timeout=60
     ).stdout.split()[-1]  # "mlserver, version 1.7.1"
     with tempfile.TemporaryDirectory() as tmp:
         results = run_all(Path(tmp), binary, args.seconds)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(results)
-    path = write_result(
-        "mlserver",
-        {
-            "benchmark": "mlserver",
-            "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
-            "mlserver": version,
-            "mlserver_packages": PACKAGES,
-            "seconds_per_point": args.seconds,
-            "machine": machine(),
-            "results": {k: [measured(r) for r in v] for k, v in results.items()},
-            "summary": summarize(results),
-        },
-    )
-    for key, rows in results.items():
-        for r in rows:
+    if not args.quick:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        plot(results)
+    payload = {
+        "benchmark": "mlserver",
+        "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
+        "mlserver": version,
+        "mlserver_packages": PACKAGES,
+        "seconds_per_point": args.seconds,
+        "machine": machine(),
+        "results": {k: [measured(r) for r in v] for k, v in results.items()},
+        "ratios": summarize(results),
+    }
+    path = write_result("mlserver", payload, TITLE, rows(payload), args.quick)
+    for key, points in results.items():
+        for r in points:
             print(
                 f"{key:20s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
                 f"p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  errors {r['errors']}"
@@ -237,63 +239,22 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Side by side with MLServer 1.7.1 (tiny MLP)"
 
 
-def section(r: dict) -> str:
-    names = {
-        "worker": "meshserve worker (1 process)",
-        "mlserver": "MLServer, parallel_workers=0",
-        "router_2_workers": "meshserve router + 2 workers",
-        "mlserver_2_workers": "MLServer, parallel_workers=2",
-    }
-    rows = [
-        [
-            names.get(key, key),
-            p["concurrency"],
-            p["throughput_rps"],
-            p["p50_ms"],
-            p["p99_ms"],
-            p["errors"] or "-",
-        ]
-        for key, points in r["results"].items()
-        for p in points
+def rows(r: dict) -> list[list]:
+    """Headline rows: the target at c=8 (>= 2x MLServer's throughput, p99 no worse), and the
+    two-process pair at c=32."""
+    s = r["ratios"]
+    c8, pair = s["worker_over_mlserver_c8"], s["router_2_workers_over_mlserver_2_workers_c32"]
+    return [
+        check("worker / MLServer req/s at c=8", c8["throughput_ratio"], 2.0, False, "x"),
+        check("worker / MLServer p99 at c=8", c8["p99_ratio"], 1.0, True, "x"),
+        figure(
+            "router + 2 workers / MLServer 2 workers req/s at c=32", pair["throughput_ratio"], "x"
+        ),
+        figure("router + 2 workers / MLServer 2 workers p99 at c=32", pair["p99_ratio"], "x"),
     ]
-    ratio_rows = [
-        [
-            names[key.split("_over_")[0]],
-            names[key.split("_over_")[1].rsplit("_c", 1)[0]],
-            key.rsplit("_c", 1)[1],
-            v["throughput_ratio"],
-            v["p99_ratio"],
-        ]
-        for key, v in r["summary"].items()
-        if isinstance(v, dict)
-    ]
-    c8 = r["summary"]["worker_over_mlserver_c8"]
-    verdict = "met" if r["summary"]["target_met"] else "**not met**"
-    worse = readings.mlserver_reading(r["summary"], names)
-    return "\n\n".join(
-        [
-            "## Side by side with MLServer",
-            f"`python -m benchmarks.mlserver` — {r['model']}; MLServer {r['mlserver']} in its "
-            "own venv "
-            "with a minimal onnxruntime runtime (`benchmarks/mlserver_runtime.py`), one "
-            "onnxruntime thread per process on both sides; the same load tool (`loadtest`, "
-            f"closed loop, {r['seconds_per_point']} s per point) drives both, with requests "
-            "built from each server's model metadata. Load generator and servers share the "
-            "machine.",
-            table(["server", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"], rows),
-            table(
-                ["meshserve", "MLServer", "concurrency", "throughput ratio", "p99 ratio"],
-                ratio_rows,
-            ),
-            f"Target (worker >= 2x MLServer's throughput at c=8, p99 no worse): {verdict} — "
-            f"{c8['throughput_ratio']}x the throughput at {c8['p99_ratio']}x the p99. " + worse,
-            "![latency vs throughput](results/mlserver_latency.png)",
-            "![latency CDF at c=8](results/mlserver_cdf_c8.png)",
-        ]
-    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Quantization on the real models, and dynamic batching of text through the worker.
 
-    python -m benchmarks.quantize [--seconds 5]
+    python -m benchmarks.quantize [--seconds 5] [--quick]
 
 (a) MiniLM int8 (dynamic, per-channel) vs fp32: onnxruntime CPU latency at batch 1 and 16
     (16-token sentences, measured in alternation), with the gate's cosine.
@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, standalone_worker, write_result
-from benchmarks.readings import table
+from benchmarks.common import ROOT, figure, machine, standalone_worker, write_result
 from common.bytes_codec import serialize_bytes
 from loadtest.calls import closed_loop
 from protos import grpc_service_pb2 as pb
@@ -88,86 +87,56 @@ def speedups(report: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true", help="MiniLM only, 1 s per point")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds = 1.0
     minilm = gated("minilm", "encoder-int8-dynamic")
-    smollm2 = {r: gated("smollm2", r) for r in SMOLLM2_RECIPES}
+    smollm2 = {} if args.quick else {r: gated("smollm2", r) for r in SMOLLM2_RECIPES}
     batching = batching_gain(args.seconds)
-    path = write_result(
-        "quantize",
-        {
-            "benchmark": "quantize",
-            "machine": machine(),
-            "minilm_int8": {
-                "metrics": minilm["metrics"],
-                "latency_ms": minilm["latency_ms"],
-                "speedup": speedups(minilm),
-                "size_ratio": minilm["size_ratio"],
-            },
-            "smollm2": {
-                r: {
-                    "verdict": rep["verdict"],
-                    "failures": rep["failures"],
-                    "metrics": rep["metrics"],
-                    "latency_ms": rep["latency_ms"],
-                    "speedup": speedups(rep) if rep["latency_ms"] else {},
-                    "size_ratio": rep["size_ratio"],
-                }
-                for r, rep in smollm2.items()
-            },
-            "batching": {"seconds_per_point": args.seconds, "concurrency": 32, **batching},
+    payload = {
+        "benchmark": "quantize",
+        "machine": machine(),
+        "minilm_int8": {
+            "metrics": minilm["metrics"],
+            "latency_ms": minilm["latency_ms"],
+            "speedup": speedups(minilm),
+            "size_ratio": minilm["size_ratio"],
         },
-    )
+        "smollm2": {
+            r: {
+                "verdict": rep["verdict"],
+                "failures": rep["failures"],
+                "metrics": rep["metrics"],
+                "latency_ms": rep["latency_ms"],
+                "speedup": speedups(rep) if rep["latency_ms"] else {},
+                "size_ratio": rep["size_ratio"],
+            }
+            for r, rep in smollm2.items()
+        },
+        "batching": {"seconds_per_point": args.seconds, "concurrency": 32, **batching},
+    }
+    path = write_result("quantize", payload, TITLE, rows(payload), args.quick)
     print(f"wrote {path}")
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Quantization (real MiniLM and SmolLM2) and text batching"
 
 
-def section(r: dict) -> str:
+def rows(r: dict) -> list[list]:
+    """Headline rows: MiniLM int8's speedup and cosine, each SmolLM2 recipe's gate verdict
+    and decode-step speedup, the batching gain."""
     m = r["minilm_int8"]
-    enc_rows = [
-        [batch, v["fp32"], v["encoder-int8-dynamic"], f"{m['speedup'][batch]}x"]
-        for batch, v in m["latency_ms"].items()
-    ]
-    dec_rows = []
+    out = [figure(f"MiniLM int8 / fp32 speedup at {b}", v, "x") for b, v in m["speedup"].items()]
+    out.append(figure("MiniLM int8 mean cosine to fp32", m["metrics"]["mean_cosine"]))
     for recipe, d in r["smollm2"].items():
-        x = d["metrics"]
-        step = d["speedup"].get("batch_1", {}).get("decode_step_ms", "-")
-        dec_rows.append(
-            [
-                recipe,
-                d["verdict"],
-                f"{x['top1_agreement']:.3f}",
-                f"{x['kl_divergence']:.4f}",
-                f"{x['greedy_match']:.2f}",
-                d["size_ratio"],
-                f"{step}x" if step != "-" else "-",
-            ]
-        )
-    b = r["batching"]
-    return "\n\n".join(
-        [
-            "## Quantization (real MiniLM and SmolLM2) and text batching",
-            "`python -m benchmarks.quantize` — onnxruntime CPU, latency medians measured in "
-            "alternation (fp32, quantized, fp32, ...), so other load hits both alike.",
-            f"### MiniLM int8 dynamic vs fp32 (16-token sentences); mean cosine "
-            f"{m['metrics']['mean_cosine']:.4f}, min {m['metrics']['min_cosine']:.4f}",
-            table(["batch", "fp32 ms", "int8 ms", "speedup"], enc_rows),
-            "### SmolLM2-135M recipes vs fp32 (gate: top-1 >= 0.9, KL <= 0.1, greedy >= 0.6)",
-            table(
-                ["recipe", "verdict", "top-1", "KL", "greedy", "size", "decode step b1"], dec_rows
-            ),
-            f"### Dynamic batching, MiniLM int8 from TEXT, concurrency {b['concurrency']}",
-            table(
-                ["config", "req/s", "p50 ms", "p99 ms"],
-                [
-                    [k, b[k]["throughput_rps"], b[k]["p50_ms"], b[k]["p99_ms"]]
-                    for k in ("batching", "no_batching")
-                ],
-            ),
-            f"Gain: **{b['gain']}x**.",
-        ]
+        step = d["speedup"].get("batch_1", {}).get("decode_step_ms")
+        value = f"{d['verdict']}" + (f", decode step {step}x fp32" if step else "")
+        out.append(figure(f"SmolLM2 {recipe}: the gate's verdict", value))
+    out.append(
+        figure("MiniLM int8 from TEXT: batching / none req/s at c=32", r["batching"]["gain"], "x")
     )
+    return out
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (c) balancing policies with one replica slowed on purpose. Plus (d): what forwarding the
 request bytes untouched saves over decoding and re-encoding them.
 
-    python -m benchmarks.router [--seconds 6]
+    python -m benchmarks.router [--seconds 6] [--quick]
 
 (b) and (c) use a model whose service time is mostly waiting (`meshserve.simulated_compute_us`,
 as an accelerator-bound model would be), because client, router and every worker share this
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import readings
 from benchmarks.common import (
     RESULTS,
+    check,
+    figure,
     free_port,
     infer_request,
     machine,
@@ -32,7 +33,6 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
-from benchmarks.readings import table
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from loadtest.calls import closed_loop, open_loop
@@ -202,7 +202,10 @@ def plot(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="1 s per point, no plots")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds = 1.0
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         waiting = repository(tmp, "b-wait", config(4000))
@@ -232,103 +235,46 @@ def main() -> None:
         }
     rows = result["policies"]
     by = {r["policy"]: r for r in rows}
-    result["summary"] = {
+    result["ratios"] = {
         "hop_p50_ratio_c1": result["hop"]["p50_ratio_c1"],
         "hop_throughput_ratio_c32": result["hop"]["throughput_ratio_c32"],
         "router_over_bare_proxy_c32": result["hop"]["router_over_bare_proxy_c32"],
         "p2c_p99_over_random_p99": round(by["p2c"]["p99_ms"] / by["random"]["p99_ms"], 3),
     }
-    path = write_result("router", result)
-    plot(result)
+    path = write_result("router", result, TITLE, rows(result), args.quick)
+    if not args.quick:
+        plot(result)
     print(f"wrote {path}")
-    print(result["summary"])
+    print(result["ratios"])
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Router: the hop, replicas, policies"
+HOP_P50_TARGET = 1.5  # router p50 at c=1 at most 1.5x direct
+HOP_THROUGHPUT_TARGET = 0.9  # router throughput at c=32 at least 0.9x direct
 
 
-def router_hop_text(r: dict) -> str:
-    s = r["summary"]
-    return (
-        f"p50 ratio at c=1: **{s['hop_p50_ratio_c1']}x**; throughput ratio at c=32: "
-        f"**{s['hop_throughput_ratio_c32']}x**. `bare_proxy` is the floor for any Python "
-        "router: grpc.aio passing the bytes to one upstream with no balancing, accounting, "
-        "metrics or failover. " + readings.hop_reading(r["hop"], r["machine"]["cores"])
-    )
-
-
-def section(r: dict) -> str:
-    h = r["hop"]
-    hop_rows = [
-        [label, c, h[label][c]["throughput_rps"], h[label][c]["p50_ms"], h[label][c]["p99_ms"]]
-        for label in ("direct", "bare_proxy", "router")
-        for c in ("c1", "c32")
-    ]
-    rep_rows = [
-        [
-            label,
-            p["workers"],
-            p["offered_rps"],
-            p["throughput_rps"],
-            p["p50_ms"],
-            p["p99_ms"],
-            " / ".join(str(x) for x in p["per_worker_rps"]),
-        ]
-        for label, points in r["replicas"].items()
-        for p in points
-    ]
-    pol_rows = [
-        [
-            p["policy"],
-            p["offered_rps"],
-            p["p50_ms"],
-            p["p99_ms"],
-            f"{p['slow_share']:.1%}",
-            p["errors"] or "-",
-        ]
-        for p in r["policies"]
-    ]
-    enc_rows = [[k, v["header_parse_us"], v["decode_encode_us"]] for k, v in r["reencode"].items()]
-    parts = [
-        "## Router",
-        "`python -m benchmarks.router` — client, router, Redis and workers share the machine.",
-        "### (a) The hop: client -> router -> worker vs client -> worker (tiny MLP)",
-        table(["path", "concurrency", "req/s", "p50 ms", "p99 ms"], hop_rows),
-        router_hop_text(r),
-        "### (b) More replicas at a fixed offered load (open loop, Poisson arrivals)",
-        table(
-            [
-                "model",
-                "workers",
-                "offered rps",
-                "served rps",
-                "p50 ms",
-                "p99 ms",
-                "rps per worker",
-            ],
-            rep_rows,
+def rows(r: dict) -> list[list]:
+    """Headline rows: the hop against its targets, the router against a bare proxy, p2c
+    against random with one slow replica."""
+    s = r["ratios"]
+    return [
+        check("router p50 / direct at c=1", s["hop_p50_ratio_c1"], HOP_P50_TARGET, True, "x"),
+        check(
+            "router req/s / direct at c=32",
+            s["hop_throughput_ratio_c32"],
+            HOP_THROUGHPUT_TARGET,
+            False,
+            "x",
         ),
-        " ".join(readings.replicas_reading(k, v) for k, v in r["replicas"].items()),
-        readings.client_limited_reading(
-            [
-                (f"{label}, {p['workers']} workers", p)
-                for label, points in r["replicas"].items()
-                for p in points
-            ]
-            + [(f"policy {p['policy']}", p) for p in r["policies"]]
+        figure("router req/s / bare grpc.aio proxy at c=32", s["router_over_bare_proxy_c32"], "x"),
+        check(
+            "p2c p99 / random p99, one replica 4x slower",
+            s["p2c_p99_over_random_p99"],
+            1.0,
+            True,
+            "x",
         ),
-        "![replicas](results/router_replicas.png)",
-        "### (c) Policies, one of three replicas 4x slower, ~80% of capacity",
-        table(
-            ["policy", "offered rps", "p50 ms", "p99 ms", "slow replica's share", "errors"],
-            pol_rows,
-        ),
-        readings.policies_reading(r["policies"]),
-        "![policies](results/router_policies.png)",
-        "### (d) Forwarding bytes untouched vs decoding and re-encoding the request",
-        table(["request size", "header parse (us)", "full decode + encode (us)"], enc_rows),
     ]
-    return "\n\n".join(x for x in parts if x)
 
 
 if __name__ == "__main__":

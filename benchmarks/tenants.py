@@ -1,7 +1,7 @@
 """What trust costs: the router with API keys + per-tenant rate limiting + TLS (and mutual TLS
 to the worker, Redis ACL users) against the router with all of it off, same tiny MLP.
 
-    python -m benchmarks.tenants [--calls 2500] [--slices 8] [--seconds 1.5]
+    python -m benchmarks.tenants [--calls 2500] [--slices 8] [--seconds 1.5] [--quick]
 
 Four meshes run side by side, so that whatever else the machine does falls on all of them
 alike: "off" (`--no-auth`, plaintext, as `make run`); "auth" (API keys + rate limits + Redis
@@ -39,9 +39,8 @@ import grpc
 import numpy as np
 
 from benchmarks.auth_path import components
-from benchmarks.common import infer_request, machine, write_result
+from benchmarks.common import check, figure, infer_request, machine, write_result
 from benchmarks.mesh_cost import cpu_seconds, scripts_run
-from benchmarks.readings import table
 from common import tls
 from common.rpc import message_options
 from common.tenancy import TenantPolicy
@@ -194,7 +193,7 @@ def main() -> None:
         "errors": f.errors,
         "reading": reading,
     }
-    path = write_result("tenants", payload)
+    path = write_result("tenants", payload, TITLE, rows(payload), args.quick)
     print("\n".join(reading))
     print(f"wrote {path}")
 
@@ -204,7 +203,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=2500, help="p50 rounds")
     parser.add_argument("--slices", type=int, default=8, help="throughput slices per mesh")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="--calls 500 --slices 2 --seconds 1")
+    args = parser.parse_args()
+    if args.quick:
+        args.calls, args.slices, args.seconds = 500, 2, 1.0
+    return args
 
 
 def _measure(labels: list[str], body: bytes, args: argparse.Namespace) -> tuple[dict, dict, dict]:
@@ -329,52 +332,23 @@ def _reading(
     ]
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Tenants, keys and TLS: what trust costs"
 
 
-def section(r: dict) -> str:
-    labels = ("off", "auth", "tls", "on")
-    rows = [
-        [
-            label,
-            round(r["throughput_rps_c32"][label]),
-            r["throughput_ratio"][label],
-            round(r["p50_ms_c1"][label], 3),
-            r["added_p50_ms"][label],
-            r["cpu_ms_per_call_c32_total"][label],
-            round(r["scripts_per_call_c32"][label], 3),
-            len(r["errors"][label]),
-        ]
-        for label in labels
+def rows(r: dict) -> list[list]:
+    """Headline rows: everything on against everything off (the targets), and each part."""
+    ratio, added, cpu = r["throughput_ratio"], r["added_p50_ms"], r["cpu_ms_per_call_c32_total"]
+    return [
+        check("all on / off: req/s at 32 callers", ratio["on"], THROUGHPUT_TARGET, False, "x"),
+        check("all on: added p50 at 1 caller", added["on"], P50_TARGET_MS, True, " ms"),
+        figure(
+            "auth + limits alone / TLS alone: req/s ratio", f"{ratio['auth']}x / {ratio['tls']}x"
+        ),
+        figure(
+            "auth + limits alone / TLS alone: added p50", f"{added['auth']} / {added['tls']} ms"
+        ),
+        figure("CPU ms per call at 32 callers, off / on", f"{cpu['off']} / {cpu['on']}"),
     ]
-    parts = ", ".join(f"{k} {v}" for k, v in r["components_us"].items())
-    return "\n\n".join(
-        [
-            "## Tenants, keys and TLS: what trust costs",
-            "`python -m benchmarks.tenants` — four meshes side by side on the tiny MLP: "
-            "nothing (off), API keys + rate limits from per-router leases (auth), TLS to the "
-            "router + mutual TLS to the worker (tls), all of it (on). p50 from "
-            f"{r['calls']} rounds of one call to each (order rotated); throughput at 32 callers "
-            f"from {r['slices_per_mesh']} rotated slices of {r['seconds_per_slice']} s "
-            f"(ratio: median per slice). {r['note']}; load average "
-            f"{r['load_average_before'][0]:.2f} before, {r['load_average_after'][0]:.2f} after.",
-            table(
-                [
-                    "trust",
-                    "req/s c=32",
-                    "ratio to off",
-                    "p50 c=1 (ms)",
-                    "added p50 (ms)",
-                    "CPU ms/call",
-                    "Redis scripts/call",
-                    "errors",
-                ],
-                rows,
-            ),
-            f"The auth path's parts, timed in process (us): {parts}.",
-            "\n".join(f"- {line}" for line in r["reading"]),
-        ]
-    )
 
 
 if __name__ == "__main__":

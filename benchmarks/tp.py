@@ -1,6 +1,6 @@
 """Tensor parallelism on this machine: TP1 vs TP2/TP3, split into compute and communication.
 
-    python -m benchmarks.tp [--repeat 20] [--skip-decoder]
+    python -m benchmarks.tp [--repeat 20] [--skip-decoder] [--quick]
 
 Real MiniLM (all 6 layers) at batch 1 and 8 (32 tokens), and real SmolLM2 (all 30 layers;
 TP 1 and 3: 9 heads / 3 KV heads) served by the LLM engine over a group
@@ -10,9 +10,7 @@ rank 0: total, onnxruntime compute (the segments), and communication (the collec
 including waiting for the slowest rank). SmolLM2: generated tokens per second over the
 whole run (prefill included), with rank 0's compute and communication time. TP1 runs
 twice: one process with every core (what a single-process worker does) and one process
-with one thread (the compute that TP divides). Writes benchmarks/results/tp.json; the
-reading it prints is computed from the numbers (benchmarks/readings.py; the engine's
-rows by decoder_reading here).
+with one thread (the compute that TP divides). Writes benchmarks/results/tp.json.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import readings
-from benchmarks.common import ROOT, machine, write_result
-from benchmarks.readings import table
+from benchmarks.common import ROOT, figure, machine, write_result
 from quantize import llm, llm_shard, shard, weights
 from worker.tp.local import run_group, run_llm_group
 
@@ -131,7 +127,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--skip-decoder", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="--repeat 3 --skip-decoder")
     args = parser.parse_args()
+    if args.quick:
+        args.repeat, args.skip_decoder = 3, True
     rng = np.random.default_rng(0)
     payload: dict = {"machine": machine(), "backend": "gloo", "repeat": args.repeat}
 
@@ -150,9 +149,9 @@ def main() -> None:
         ensure_llm_shards("smollm2", smol, DECODER_TPS)
         # its own key: the rows are tokens/s through the engine, not forward latencies
         payload["smollm2_engine"] = decoder_sweep("smollm2", DECODER_TPS)
-    payload["reading"] = readings.tp_reading(payload) + decoder_reading(payload)
-    print(payload["reading"])
-    print(write_result("tp", payload))
+    for row in rows(payload):
+        print(*row)
+    print(write_result("tp", payload, TITLE, rows(payload), args.quick))
 
 
 DECODE_TOKENS = 32
@@ -209,63 +208,30 @@ def decoder_sweep(name: str, tps: tuple[int, ...]) -> dict:
     }
 
 
-def decoder_reading(p: dict) -> str:
-    if "smollm2_engine" not in p:
-        return ""
-    d = p["smollm2_engine"]
-    cores = p["machine"]["cores"]
-    rows = {k: {(r["tp"], r["threads_per_rank"]): r for r in v} for k, v in d["throughput"].items()}
-    one, eight = rows["streams1"], rows["streams8"]
-    mb = {k: max(v) / 1e6 for k, v in d["weight_bytes_per_rank"].items()}
-    return (
-        f" SmolLM2 through the LLM engine ({d['new_tokens']} new tokens per stream): "
-        f"{one[(1, cores)]['tokens_per_s']} tok/s at TP1 ({cores} threads) vs "
-        f"{one[(3, 1)]['tokens_per_s']} at TP3 for one stream; {eight[(1, cores)]['tokens_per_s']}"
-        f" vs {eight[(3, 1)]['tokens_per_s']} tok/s for 8 concurrent streams (rank 0 of TP3: "
-        f"{eight[(3, 1)]['compute_s']} s compute, {eight[(3, 1)]['comm_s']} s in collectives). "
-        f"Weights per rank: {mb['tp1']:.0f} MB at TP1, {mb['tp3']:.0f} MB at TP3 (the embedding "
-        "is replicated, the LM head vocab-parallel)."
-    )
+TITLE = "Tensor parallelism: TP1 vs TP2/TP3 on this CPU (gloo)"
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
-
-
-def section(r: dict) -> str:
-    parts = [
-        "## Tensor parallelism: TP1 vs TP2/TP3 on this CPU (gloo)",
-        f"`python -m benchmarks.tp` — a fresh gloo group per point, median of {r['repeat']} "
-        "forwards timed on rank 0: compute = onnxruntime segments, comm = collectives "
-        "(including waiting for the slowest rank). TP1 runs as one process with every core "
-        "and with one thread (the compute TP divides); TP N ranks have one thread each.",
-    ]
-    for model, label in (("minilm", "MiniLM, 32 tokens"), ("smollm2", "SmolLM2, 8 new tokens")):
+def rows(r: dict) -> list[list]:
+    """Headline rows: each TP N's latency against one process with every core, its weight
+    bytes per rank against TP1's, and the engine's tokens/s at TP1 and TP3."""
+    out = []
+    for model in ("minilm", "smollm2"):
         if model not in r:
             continue
-        rows = [
-            [
-                batch.removeprefix("batch"),
-                p["tp"],
-                p["threads_per_rank"],
-                p["total_ms"],
-                p["compute_ms"],
-                p["comm_ms"],
-                f"{p['vs_tp1_all_cores']}x",
-            ]
-            for batch, points in r[model]["latency"].items()
-            for p in points
-        ]
-        header = ["batch", "TP", "threads/rank", "total ms", "compute ms", "comm ms", "vs TP1"]
-        bytes_ = ", ".join(
-            f"{k}: {max(v) / 1e6:.0f} MB" for k, v in r[model]["weight_bytes_per_rank"].items()
+        for batch, points in r[model]["latency"].items():
+            split = [p for p in points if p["tp"] > 1]
+            figures = ", ".join(f"TP{p['tp']} {p['vs_tp1_all_cores']}x" for p in split)
+            out.append(figure(f"{model} {batch}: latency / TP1 with every core", figures))
+        mb = {k: max(v) / 1e6 for k, v in r[model]["weight_bytes_per_rank"].items()}
+        ratios = ", ".join(f"{k.upper()} {v / mb['tp1']:.2f}x" for k, v in mb.items() if k != "tp1")
+        out.append(figure(f"{model}: weight bytes per rank / TP1's", ratios))
+    engine = r.get("smollm2_engine", {}).get("throughput", {})
+    for streams, points in engine.items():
+        figures = ", ".join(
+            f"TP{p['tp']} ({p['threads_per_rank']} threads) {p['tokens_per_s']}" for p in points
         )
-        err = max(r[model]["max_abs_diff_vs_tp1"].values(), default=0.0)
-        parts += [
-            f"**{label}** (max weight bytes per rank — {bytes_}; max |TP N - TP1| = {err:.1e})",
-            table(header, rows),
-        ]
-    parts.append(readings.tp_reading(r))
-    return "\n\n".join(parts)
+        out.append(figure(f"smollm2 engine, {streams}: tok/s", figures))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 and the batching delay (500 us, the toy `mlp`'s) applied only while a batch runs (now)
 against waiting it out even when idle (before: `meshserve.batch_delay_when_idle`).
 
-    python -m benchmarks.worker [--seconds 5] [--rounds 3]
+    python -m benchmarks.worker [--seconds 5] [--rounds 3] [--quick]
 
 Client, server and onnxruntime share this machine's cores; the load generator is a
 closed loop (each of C callers sends its next request when the last one returns).
@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (
+    check,
+    figure,
     free_port,
     infer_request,
     machine,
@@ -29,7 +31,6 @@ from benchmarks.common import (
     wait_ready,
     write_result,
 )
-from benchmarks.readings import table
 from devmesh import toy_models
 from loadtest.calls import closed_loop
 
@@ -65,23 +66,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0, help="per point and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 round of 1 s per point")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.rounds = 1.0, 1
     results = _measure(args.seconds, args.rounds)
-    path = write_result(
-        "worker",
-        {
-            "benchmark": "worker",
-            "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
-            "seconds_per_point": args.seconds,
-            "rounds": args.rounds,
-            "aggregate": "median over rounds; each round runs every target at each concurrency",
-            "machine": machine(),
-            "results": results,
-            "summary": _summary(results),
-        },
-    )
-    for key, rows in results.items():
-        for r in rows:
+    payload = {
+        "benchmark": "worker",
+        "model": "tiny MLP 16->64->4 fp32, batch 1 per request",
+        "seconds_per_point": args.seconds,
+        "rounds": args.rounds,
+        "aggregate": "median over rounds; each round runs every target at each concurrency",
+        "machine": machine(),
+        "results": results,
+        "ratios": _ratios(results),
+    }
+    path = write_result("worker", payload, TITLE, rows(payload), args.quick)
+    for key, points in results.items():
+        for r in points:
             print(
                 f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
                 f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
@@ -122,7 +124,7 @@ def _measure(seconds: float, rounds: int) -> dict[str, list[dict]]:
     return results
 
 
-def _summary(results: dict[str, list[dict]]) -> dict[str, dict]:
+def _ratios(results: dict[str, list[dict]]) -> dict[str, dict]:
     """Per concurrency, batching against none and against the bare server, and the delay
     while a batch runs against waiting it out when idle; and whether the target is met."""
 
@@ -164,63 +166,25 @@ def _summary(results: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-# ---- benchmarks/README.md: this benchmark's section (python -m benchmarks.summary) ----
+TITLE = "Worker: tiny MLP, batching on vs off, against a bare grpc.aio server"
 
 
-def delay_text(s: dict) -> str:
-    """The 500 us delay applied only while a batch runs against waiting it out when idle."""
-    if "target" not in s:
-        return ""
-    rows = [
-        [
-            c,
-            v["delay_p50_ms"],
-            v["delay_when_idle_p50_ms"],
-            v["bare_p50_ms"],
-            f"{v['delay_p50_over_bare']}x",
-            v["delay_rps"],
-            v["delay_when_idle_rps"],
-            f"{v['delay_rps_over_when_idle']}x",
-        ]
-        for c, v in s.items()
-        if c.startswith("c")
+def rows(r: dict) -> list[list]:
+    """Headline rows: batching against the bare server, and the 500 us delay's targets."""
+    s = r["ratios"]
+    return [
+        figure("batching req/s at c=32", s["c32"]["batching_rps"]),
+        figure("batching / bare grpc.aio req/s at c=1", s["c1"]["batching_over_bare"], "x"),
+        figure("batching / bare grpc.aio req/s at c=32", s["c32"]["batching_over_bare"], "x"),
+        check("500 us delay: p50 / bare at c=1", s["c1"]["delay_p50_over_bare"], 1.2, True, "x"),
+        check(
+            "500 us delay: req/s / waiting when idle at c=32",
+            s["c32"]["delay_rps_over_when_idle"],
+            1.0,
+            False,
+            "x",
+        ),
     ]
-    header = ["c", "p50 ms now", "p50 ms waiting when idle", "p50 ms bare", "now / bare"]
-    header += ["req/s now", "req/s waiting when idle", "now / waiting"]
-    met = "met" if s["target"]["met"] else "not met"
-    return "\n\n".join(
-        [
-            "Batching delay 500 us (the toy `mlp`'s): applied only while a batch runs (now) "
-            "against waited out even when idle (`meshserve.batch_delay_when_idle`, the rule "
-            "before).",
-            table(header, rows),
-            f"Target ({s['target']['rule']}): {met}.",
-        ]
-    )
-
-
-def section(r: dict) -> str:
-    rows = []
-    for key, points in r["results"].items():
-        for p in points:
-            rows.append([key, p["concurrency"], p["throughput_rps"], p["p50_ms"], p["p99_ms"]])
-    s = r["summary"]
-    return "\n\n".join(
-        [
-            "## Worker: tiny MLP, batching on vs off, against a bare grpc.aio server",
-            f"`python -m benchmarks.worker` — {r['model']}; closed loop, "
-            f"{r['seconds_per_point']} s per point. `bare_grpc_aio` is the floor: one "
-            "onnxruntime session behind a grpc.aio ModelInfer with no validation, batching, "
-            "statistics or health.",
-            table(["server/model", "concurrency", "req/s", "p50 ms", "p99 ms"], rows),
-            "Worker with batching over the bare server: "
-            + ", ".join(
-                f"{c}: {v['batching_over_bare']}x" for c, v in s.items() if c.startswith("c")
-            )
-            + ".",
-            delay_text(s),
-        ]
-    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ through this.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -34,6 +35,45 @@ def machine() -> dict:
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
         "platform": platform.platform(),
+    }
+
+
+def describe(m: dict) -> str:
+    """A machine() dict in a few words, for a results file's summary."""
+    simd = [f for f in m.get("simd", []) if f.startswith(("avx512f", "amx"))]
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (
+        f" ({', '.join(simd)})" if simd else ""
+    )
+
+
+def check(label: str, value: float | None, target: float, at_most: bool, unit: str = "") -> list:
+    """A summary row [label, value, target, verdict]: "met" or "missed" as the value falls
+    against the target (no value: "not measured", "missed")."""
+    bound = f"{'<=' if at_most else '>='} {target}{unit}"
+    if value is None:
+        return [label, "not measured", bound, "missed"]
+    met = value <= target if at_most else value >= target
+    return [label, f"{_round(value)}{unit}", bound, "met" if met else "missed"]
+
+
+def figure(label: str, value: object, unit: str = "") -> list:
+    """A summary row for a figure with no target."""
+    return [label, f"{_round(value)}{unit}", "", ""]
+
+
+def _round(value: object) -> object:
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def summary_block(title: str, rows: list[list], machine_: dict, command: str) -> dict:
+    """The top-level "summary" object every results file carries (benchmarks/summary.py
+    renders it by discovery): title, machine, today's date, the command, headline rows."""
+    return {
+        "title": title,
+        "machine": describe(machine_),
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "command": command,
+        "rows": rows,
     }
 
 

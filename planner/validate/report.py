@@ -1,12 +1,13 @@
-"""The validation's section of benchmarks/README.md, rendered from planner.json
-(benchmarks/summary.py joins it with the benchmarks' sections). Every verdict is computed
-from the numbers."""
+"""The validation's report, rendered from planner.json: its summary rows (what
+benchmarks/README.md shows) and its full section (`python -m planner validate report`).
+Every verdict is computed from the numbers."""
 
 from __future__ import annotations
 
-from loadtest.results import markdown_table
+from loadtest.results import check, markdown_table
 
 COMMAND = "python -m planner validate"
+TITLE = "Planner: predicted against measured"
 HEADER = [
     "configuration",
     "bound",
@@ -137,10 +138,21 @@ def section(r: dict) -> str:
             "## Planner: predicted against measured",
             _method(r),
             markdown_table(HEADER, [_row(c) for c in r["configurations"]]),
-            _verdicts(r["summary"]),
+            _verdicts(r["accuracy"]),
             "Misses of the best prediction and why:\n\n" + "\n".join(misses)
             if misses
             else "No misses.",
             "![roofline](results/planner_roofline.png)",
         ]
     )
+
+
+def rows(r: dict) -> list[list]:
+    """Summary rows: each prediction's median |error| against its target."""
+    a = r["accuracy"]
+    return [
+        check(f"{how}: median |{k} error|", a[how][f"median_abs_{k}_error"], a["targets"][k], True)
+        for how in ("roofline", "calibrated", "served")
+        if how in a
+        for k in ("throughput", "p99")
+    ]

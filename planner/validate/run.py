@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from loadtest.results import machine, write_json
+from loadtest.results import machine, summary_block, write_json
 from perfmodel import profiles
 from perfmodel.analysis import ModelAnalysis, analyse_file
 from perfmodel.profiles import Profile
@@ -20,6 +20,7 @@ from planner import probe
 from planner.calibrate import Calibration, calibrate, refit
 from planner.plot import roofline_png
 from planner.serving import ServingCalibration, calibrate_serving
+from planner.validate import report
 from planner.validate.configs import (
     CONFIGS,
     PROMPT,
@@ -32,7 +33,7 @@ from planner.validate.configs import (
 from planner.validate.measure import run_config
 from planner.validate.predict import predictions, summarize
 
-NAME = "planner"  # results/planner.json: benchmarks/summary.py renders it with report.py
+NAME = "planner"  # results/planner.json: benchmarks/summary.py renders its summary rows
 
 
 def validate(settings: ValidateSettings) -> dict:
@@ -67,7 +68,7 @@ def validate(settings: ValidateSettings) -> dict:
             )
             partial = {"profile": profile.as_dict(), "rows": rows}
             write_json(settings.results / f"{NAME}_partial.json", partial)
-    summary = summarize(rows)
+    accuracy = summarize(rows)
     result = {
         "benchmark": NAME,
         "machine": machine(),
@@ -78,12 +79,13 @@ def validate(settings: ValidateSettings) -> dict:
         "servings": {k: v.as_dict() for k, v in servings.items()},
         "seconds_per_point": settings.seconds,
         "configurations": rows,
-        "summary": summary,
+        "accuracy": accuracy,
     }
+    result["summary"] = summary_block(report.TITLE, report.rows(result), machine(), report.COMMAND)
     plots(rows, analyses, profile, settings.results)
     print(f"wrote {write_json(settings.results / f'{NAME}.json', result)}")
     (settings.results / f"{NAME}_partial.json").unlink(missing_ok=True)
-    print(summary)
+    print(accuracy)
     return result
 
 
@@ -137,7 +139,10 @@ def reanalyse(settings: ValidateSettings) -> dict:
         m, key = r["measured"], c.key
         profile = replace(base, background_cores=m["background_cores"])
         r.update(predictions(c, analyses[key], profile, m, calibrations[key], servings.get(key)))
-    result["summary"] = summarize(result["configurations"])
+    result["accuracy"] = summarize(result["configurations"])
+    result["summary"] = summary_block(
+        report.TITLE, report.rows(result), result["machine"], f"{report.COMMAND} --reanalyse"
+    )
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result["reanalysed"] = (
         "predictions recomputed on these measurements and timings after the planner changed "
@@ -145,7 +150,7 @@ def reanalyse(settings: ValidateSettings) -> dict:
     )
     plots(result["configurations"], analyses, base, settings.results)
     print(f"wrote {write_json(path, result)}")
-    print(result["summary"])
+    print(result["accuracy"])
     return result
 
 

@@ -1,5 +1,6 @@
-"""The benchmarks' sentences follow their numbers: each verdict fed two result sets, the
-committed one and one changed the other way, flips. Fast, no servers."""
+"""The benchmarks' summary rows follow their numbers: each verdict fed two result sets, the
+committed one and one changed the other way, flips; the summary renders whatever results
+files it finds. Fast, no servers."""
 
 from __future__ import annotations
 
@@ -61,134 +62,107 @@ def test_accounting_inside_noise_then_distinguishable() -> None:
         readings.paired_cost([1.0], [])
 
 
-def test_ledger_section_from_old_and_new_results() -> None:
-    old = load("ledger")  # on, off, on, off: two pairs, no "pairs" entry
-    text = ledger.section(old)
-    assert "| 1 | on, off | 2131.0 | 2418.2 | 11.9% |" in text
-    assert "not distinguishable from run-to-run noise" in text
-    assert "8,143: the two are equal" in text
+def test_ledger_rows_flip_with_the_pairs_and_the_ledger() -> None:
+    old = load("ledger")  # two pairs, on, off, on, off
+    rows = ledger.rows(old)
+    assert rows[0][:2] == ["accounting on: throughput cost, median of 2 pairs", "5.9%"]
+    assert rows[1][1] == "no (p = 1.0)"
+    assert rows[2][1:] == ["equal", "equal", "met"]
 
     new = copy.deepcopy(old)
-    new["accounting"]["pairs"] = [
-        {"order": "on, off" if i % 2 == 0 else "off, on", "on": 2000.0 - i, "off": 2200.0 - i}
-        for i in range(8)
-    ]
+    new["accounting"]["runs_rps"] = {"on": [2000.0 - i for i in range(8)], "off": [2200.0] * 8}
     new["economics"].update(durable_calls=8140, exact=False)
-    text = ledger.section(new)
-    assert "in 8 alternated pairs" in text and "| 2 | off, on |" in text
-    assert "Exact accounting costs" in text and "distinguishable from run-to-run noise" in text
-    assert "the two **differ**" in text
-    del new["economics"]  # --skip-economics
-    assert "The economics run was skipped" in ledger.section(new)
+    rows = ledger.rows(new)
+    assert rows[1][1].startswith("yes") and rows[2][1:] == ["differ", "equal", "missed"]
+    del new["economics"]  # --skip-economics: no row for it
+    assert len(ledger.rows(new)) == 2
 
 
-# -- router ----------------------------------------------------------------------------------
+def verdicts(rows: list[list]) -> dict[str, str]:
+    return {row[0]: row[3] for row in rows}
 
 
-def test_hop_targets_flip() -> None:
+def test_router_rows_flip_with_the_hop_and_the_policies() -> None:
     r = load("router")
-    text = readings.hop_reading(r["hop"], 2)
-    assert "The router misses the target p50 <= 1.5x direct at c=1 (2.61x)" in text
-    assert "misses throughput >= 0.9x direct at c=32 (0.51x)" in text
-    assert "does 0.98x the bare proxy's throughput" in text
-    assert "costs 2% of the bare proxy's throughput" in text
-
-    fast = copy.deepcopy(r["hop"])
-    fast["router"]["c1"]["p50_ms"] = fast["direct"]["c1"]["p50_ms"] * 1.2
-    fast["router"]["c32"]["throughput_rps"] = fast["direct"]["c32"]["throughput_rps"] * 0.95
-    text = readings.hop_reading(fast, 16)
-    assert "The router meets the target p50 <= 1.5x direct at c=1 (1.2x)" in text
-    assert "meets throughput >= 0.9x direct at c=32 (0.95x)" in text
-    assert "(balancing, accounting, metrics) cost no throughput in this run" in text
-    assert "the hop itself costs 48% of direct throughput" in text and "share 16 cores" in text
-
-
-def test_policies_and_replicas_flip() -> None:
-    r = load("router")
-    assert "0.014x random's" in readings.policies_reading(r["policies"])
-    assert ", lower);" in readings.policies_reading(r["policies"])
-    worse = copy.deepcopy(r["policies"])
-    next(p for p in worse if p["policy"] == "p2c")["p99_ms"] = 20000.0
-    assert ", higher);" in readings.policies_reading(worse)
-
-    rows = r["replicas"]["waiting 4 ms @180 rps"]
-    assert "p99 falls (58.591 -> 18.015 -> 13.023 ms)" in readings.replicas_reading("w", rows)
-    flat = r["replicas"]["compute-bound MLP @150 rps"]
-    assert "p99 stays about flat" in readings.replicas_reading("c", flat)
-    rising = copy.deepcopy(rows)
-    rising[-1]["p99_ms"] = 90.0
-    assert "p99 rises" in readings.replicas_reading("w", rising)
-
-
-# -- MLServer -------------------------------------------------------------------------------------
-
-
-def test_mlserver_names_every_point_where_meshserve_is_worse() -> None:
-    r = load("mlserver")
-    text = mlserver.section(r)
-    assert "**not met** — 1.86x the throughput at 0.47x the p99" in text
-    assert (
-        "Points where meshserve's p99 is worse than MLServer's: "
-        "meshserve router + 2 workers at c=32 (1.15x)."
-    ) in text
-    assert "Points where its throughput is lower: none." in text
-
-    better = copy.deepcopy(r)
-    better["summary"]["router_2_workers_over_mlserver_2_workers_c32"]["p99_ratio"] = 0.9
-    better["summary"]["worker_over_mlserver_c1"]["throughput_ratio"] = 0.8
-    better["summary"]["target_met"] = True
-    text = mlserver.section(better)
-    assert "p99 no worse): met —" in text
-    assert "p99 is worse than MLServer's: none." in text
-    assert "throughput is lower: meshserve worker (1 process) at c=1 (0.8x)." in text
-
-
-# -- tensor parallelism ---------------------------------------------------------------------------
-
-
-def test_tp_reading_flips_with_the_numbers() -> None:
-    r = load("tp")
-    text = readings.tp_reading(r)
-    assert text.startswith(
-        "On 2 CPU cores TP is slower than one process using every core at every point"
-    )
-    assert "it pays only in weight bytes per rank (MiniLM, SmolLM2)" in text
-    assert "TP2 40.707 ms (1.75x)" in text and "3 ranks on 2 cores" in text
-    assert "61 per token" in text  # 2 x 30 layers + 1, from the result's config_layers
-    assert "about 48 MB per rank is replicated" in text
-
+    v = verdicts(router.rows(r))
+    assert v["router p50 / direct at c=1"] == "missed"  # 2.61x
+    assert v["router req/s / direct at c=32"] == "missed"  # 0.51x
+    assert v["p2c p99 / random p99, one replica 4x slower"] == "met"
     fast = copy.deepcopy(r)
-    fast["machine"]["cores"] = 4
-    for batch in fast["minilm"]["latency"].values():
-        for row in batch:
-            if row["threads_per_rank"] == 2:
-                row["threads_per_rank"] = 4
-            if row["tp"] == 2:
-                row["total_ms"] = 1.0
-    text = readings.tp_reading(fast)
-    assert text.startswith("On 4 CPU cores TP beats one process using every core at: ")
-    assert "MiniLM TP2 at batch1, MiniLM TP2 at batch8." in text
-    assert "3 ranks on 2 cores" not in text and "3 ranks on 4 cores" not in text
-    assert tp.section(fast).endswith(text)
-
-    heavy = copy.deepcopy(r)
-    for model in ("minilm", "smollm2"):
-        w = heavy[model]["weight_bytes_per_rank"]
-        for k in w:
-            w[k] = list(w["tp1"])
-    assert "its weight bytes per rank do not fall either" in readings.tp_reading(heavy)
+    fast["ratios"].update(hop_p50_ratio_c1=1.2, hop_throughput_ratio_c32=0.95)
+    fast["ratios"]["p2c_p99_over_random_p99"] = 1.3
+    v = verdicts(router.rows(fast))
+    assert v["router p50 / direct at c=1"] == v["router req/s / direct at c=32"] == "met"
+    assert v["p2c p99 / random p99, one replica 4x slower"] == "missed"
 
 
-def test_router_section_names_client_limited_points() -> None:
-    r = load("router")
-    assert "Client-limited" not in router.section(r)  # results before the flag
-    flagged = copy.deepcopy(r)
-    point = flagged["policies"][0]
-    point["client_limited"] = True
-    point["client"] = {"reason": "send lag p99 80 ms (above 50 ms)"}
-    text = router.section(flagged)
-    assert "Client-limited, so measuring the load generator rather than the mesh: " in text
-    assert "policy p2c (send lag p99 80 ms (above 50 ms))." in text
+def test_mlserver_rows_flip_with_the_ratios() -> None:
+    r = load("mlserver")
+    v = verdicts(mlserver.rows(r))
+    assert v["worker / MLServer req/s at c=8"] == "missed"  # 1.86x against >= 2x
+    assert v["worker / MLServer p99 at c=8"] == "met"
+    better = copy.deepcopy(r)
+    better["ratios"]["worker_over_mlserver_c8"].update(throughput_ratio=2.1, p99_ratio=1.2)
+    v = verdicts(mlserver.rows(better))
+    assert v["worker / MLServer req/s at c=8"] == "met"
+    assert v["worker / MLServer p99 at c=8"] == "missed"
+
+
+def test_tp_rows_follow_the_numbers() -> None:
+    r = load("tp")
+    rows = {row[0]: row[1] for row in tp.rows(r)}
+    assert rows["minilm batch8: latency / TP1 with every core"] == "TP2 1.75x, TP3 2.85x"
+    assert rows["minilm: weight bytes per rank / TP1's"] == "TP2 0.76x, TP3 0.69x"
+    fast = copy.deepcopy(r)
+    for row in fast["minilm"]["latency"]["batch8"]:
+        row["vs_tp1_all_cores"] = 0.5 if row["tp"] > 1 else row["vs_tp1_all_cores"]
+    rows = {row[0]: row[1] for row in tp.rows(fast)}
+    assert rows["minilm batch8: latency / TP1 with every core"] == "TP2 0.5x, TP3 0.5x"
+
+
+# -- the summary: discovery ---------------------------------------------------------------------
+
+
+def test_the_summary_renders_a_results_file_it_has_never_seen(tmp_path: Path) -> None:
+    """A new benchmark's file is found by globbing, its rows and history rendered; a file
+    without a summary object is listed as such, and nothing else is needed."""
+    new = {
+        "summary": {
+            "title": "Structured output: the constrained sampler",
+            "machine": "a 2-core VM",
+            "date": "2026-12-06",
+            "command": "python -m benchmarks.llm_never_seen --quick",
+            "rows": [
+                ["JSON-valid answers", "1.0", ">= 0.99", "met"],
+                ["tok/s / unconstrained", "0.71x", ">= 0.8x", "missed"],
+            ],
+        },
+        "history": [
+            {
+                "date": "2026-12-01",
+                "machine": "another VM",
+                "commit": "abc1234",
+                "file": "llm_never_seen_run2.json",
+                "rows": [["tok/s / unconstrained", "0.6x", ">= 0.8x", "missed"]],
+            }
+        ],
+    }
+    (tmp_path / "llm_never_seen.json").write_text(json.dumps(new))
+    (tmp_path / "bare.json").write_text(json.dumps({"machine": {}}))
+    text = summary.render(tmp_path)
+    assert "## Structured output: the constrained sampler" in text
+    assert "(results/llm_never_seen.json) — a 2-core VM, 2026-12-06;" in text
+    assert "| tok/s / unconstrained | 0.71x | >= 0.8x | missed |" in text
+    assert "| JSON-valid answers | 1.0 | >= 0.99 | met |" in text
+    assert "| 2026-12-01 | another VM | abc1234 | 0 of 1 targets met; tok/s / unconstrained" in text
+    assert "`results/bare.json` has no `summary` object" in text
+
+
+def test_every_committed_results_file_has_a_summary_with_verdicts_from_its_rows() -> None:
+    for path in RESULTS.glob("*.json"):
+        s = json.loads(path.read_text())["summary"]
+        assert {"title", "machine", "date", "command", "rows"} <= set(s), path.name
+        assert all(len(row) == 4 and row[3] in ("met", "missed", "") for row in s["rows"])
 
 
 # -- the LLM anchor: llama-server's strongest configuration per target --------------------------

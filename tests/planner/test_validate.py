@@ -49,7 +49,8 @@ def test_a_bad_flag_is_refused_naming_it(capsys: pytest.CaptureFixture[str]) -> 
 def test_the_summary_of_the_committed_rows_is_the_committed_summary() -> None:
     r = committed()
     assert {c.label for c in CONFIGS} >= {row["config"] for row in r["configurations"]}
-    assert summarize(r["configurations"]) == r["summary"]
+    assert summarize(r["configurations"]) == r["accuracy"]
+    assert r["summary"]["rows"] == report.rows(r)
 
 
 def test_summary_verdicts_follow_the_errors() -> None:
@@ -95,6 +96,6 @@ def test_section_names_the_command_and_flips_with_the_misses() -> None:
     assert "No misses." in report.section(r)
     # a queue that never settles: an unbounded p99 is written as null (loadtest/results.py)
     r["configurations"][0]["served"].update(p99_ms=None, p99_error=None)
-    r["summary"]["served"]["median_abs_p99_error"] = None
+    r["accuracy"]["served"]["median_abs_p99_error"] = None
     text = report.section(r)
     assert "unbounded (unbounded)" in text and "p99 median |error| unbounded" in text
