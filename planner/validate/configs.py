@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common import paths
+from common import model_keys, paths
 from quantize import llm, pipeline
 
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1")
@@ -98,7 +98,7 @@ def repository(root: Path, c: Config, cache: Path) -> Path:
         llm.install(folder.parent, c.recipe, cache, c.model, 2048)
         seqs = f'value {{ string_value: "{c.max_batch}" }}'
         with (folder / "config.pbtxt").open("a") as config:
-            config.write(f'parameters {{ key: "meshserve.max_num_seqs" {seqs} }}\n')
+            config.write(f'parameters {{ key: "{model_keys.MAX_NUM_SEQS}" {seqs} }}\n')
         return folder.parent
     (folder / "1").mkdir(parents=True)
     paths.link_or_copy(src, folder / "1" / "model.onnx")

@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import structlog
 from tokenizers import Tokenizer
@@ -32,6 +31,7 @@ from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from worker.llm import scheduler
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.detokenize import Detokenizer
+from worker.llm.engine_config import EngineConfig
 from worker.llm.generation import (
     CANCELLED,
     EOS_TOKENS,
@@ -51,26 +51,6 @@ from worker.llm.step import OnExecution, StepRunner
 log = structlog.get_logger()
 
 __all__ = ["CANCELLED", "LENGTH", "STOP", "Engine", "EngineConfig", "Output", "Sequence"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    max_num_seqs: int = 32  # sequences generating at once (cache slots)
-    kv_cache_tokens: int = 16384  # the KV budget, in tokens, shared by running sequences
-    prefill_chunk: int = 512  # prompt tokens of one sequence per step, at most
-    # decode rows + prefill tokens per step while streams decode: max(max_step_tokens,
-    # step_tokens_per_row x decoding rows), so that a step with a prompt's chunk costs about
-    # 1.5 decode steps of those rows whatever their number (docs/llm.md, benchmarks/llm_step.py)
-    max_step_tokens: int = 24
-    step_tokens_per_row: int = 4
-    max_waiting: int = 256  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
-    prefix_caching: bool = True  # keep finished sequences' KV to reuse (worker/llm/prefix.py)
-    # decode runs the step thread runs back to back while no request arrives, ends or is
-    # cancelled, sampling each and starting the next at once while the event loop emits the
-    # last one's tokens (worker/llm/step.py; vLLM's num_scheduler_steps). 1: the scheduler
-    # decides every step
-    num_scheduler_steps: int = 64
 
 
 def positions_limit(model: Model, config: EngineConfig, draft: SpeculativeConfig | None) -> int:

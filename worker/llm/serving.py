@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from common import bytes_codec, llm_protocol, model_keys
 from common.errors import InvalidArgument
 from worker import token_metrics
-from worker.config import ConfigError, ModelSpec, bool_parameter
+from worker.config import ConfigError, ModelSpec
 from worker.llm import prefix, sampling
 from worker.llm.chat import ChatTemplate
 from worker.llm.device import CUDA
@@ -44,38 +44,21 @@ TEXT_INPUT, STREAM, SAMPLING, EXCLUDE_INPUT = (
 )
 TEXT_OUTPUT = llm_protocol.TEXT_OUTPUT
 
-# meshserve parameters of an LLM model's config.pbtxt
-ENGINE = model_keys.ENGINE  # "llm"
-TOKENIZER = model_keys.TOKENIZER
-MAX_MODEL_LEN = model_keys.MAX_MODEL_LEN
-MAX_NUM_SEQS = model_keys.MAX_NUM_SEQS
-KV_CACHE_BYTES = model_keys.KV_CACHE_BYTES
-PREFILL_CHUNK = model_keys.PREFILL_CHUNK
-MAX_STEP_TOKENS = model_keys.MAX_STEP_TOKENS
-STEP_TOKENS_PER_ROW = model_keys.STEP_TOKENS_PER_ROW
-MAX_TOKENS_LIMIT = model_keys.MAX_TOKENS_LIMIT
-NUM_SCHEDULER_STEPS = model_keys.NUM_SCHEDULER_STEPS
-# speculative decoding: a draft step graph (a path in the model's folder) or n-gram lookup
-SPECULATIVE_METHOD = model_keys.SPECULATIVE_METHOD
-DRAFT_MODEL = model_keys.DRAFT_MODEL
-NUM_SPECULATIVE_TOKENS = model_keys.NUM_SPECULATIVE_TOKENS
-PROMPT_LOOKUP_MIN = model_keys.PROMPT_LOOKUP_MIN
-PROMPT_LOOKUP_MAX = model_keys.PROMPT_LOOKUP_MAX
 DEFAULT_SPECULATIVE_TOKENS = 4
 METHODS = ("draft_model", "ngram")
-INT_PARAMETERS = (
-    MAX_MODEL_LEN,
-    MAX_NUM_SEQS,
-    KV_CACHE_BYTES,
-    PREFILL_CHUNK,
-    MAX_STEP_TOKENS,
-    STEP_TOKENS_PER_ROW,
-    MAX_TOKENS_LIMIT,
-    NUM_SCHEDULER_STEPS,
-    NUM_SPECULATIVE_TOKENS,
-    PROMPT_LOOKUP_MIN,
-    PROMPT_LOOKUP_MAX,
-)
+
+
+def _int(spec: ModelSpec, key: str, default: int) -> int:
+    """An integer parameter of the config that is not an engine setting (those are read by
+    EngineConfig.from_parameters): its value, or `default` when unset."""
+    raw = spec.parameters.get(key)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ConfigError(
+            f"model {spec.name!r}: parameter {key} must be a positive integer, got {raw!r}"
+        )
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -92,33 +75,34 @@ class LLMRequest:
 
 
 def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
+    """The engine settings of a model's config (worker/llm/engine_config.py declares them),
+    with this model's defaults for what the config leaves out."""
     p = spec.parameters
-    for key in INT_PARAMETERS:
-        if key in p and not p[key].isdigit():
-            raise ConfigError(
-                f"model {spec.name!r}: parameter {key} must be a positive integer, got {p[key]!r}"
-            )
-    default = EngineConfig()
-    seqs = int(p.get(MAX_NUM_SEQS, default.max_num_seqs))
     f = model.facts
     per_token = f.cache_shape(1, 1).bytes_per_token
-    budget = int(p.get(KV_CACHE_BYTES, default.kv_cache_tokens * per_token)) // per_token
+    raw_bytes = p.get(model_keys.KV_CACHE_BYTES)
+    if raw_bytes is not None and not raw_bytes.isdigit():
+        raise ConfigError(
+            f"model {spec.name!r}: parameter {model_keys.KV_CACHE_BYTES} must be a positive "
+            f"integer, got {raw_bytes!r}"
+        )
+    budget = int(raw_bytes) // per_token if raw_bytes is not None else EngineConfig.kv_cache_tokens
     if budget < 2:
-        raise ConfigError(f"model {spec.name!r}: {KV_CACHE_BYTES} holds fewer than 2 tokens")
-    # unset: the model's own context length (its graph's RoPE table), bounded by the budget
-    max_len = int(p.get(MAX_MODEL_LEN, min(f.max_positions, budget)))
-    chunk = int(p.get(PREFILL_CHUNK, default.prefill_chunk))
-    return EngineConfig(
-        max_model_len=max_len,
-        max_num_seqs=seqs,
-        kv_cache_tokens=budget,
-        prefill_chunk=chunk,
-        max_step_tokens=int(p.get(MAX_STEP_TOKENS, default_step_tokens(model.cache_device, chunk))),
-        step_tokens_per_row=int(p.get(STEP_TOKENS_PER_ROW, default.step_tokens_per_row)),
-        max_waiting=spec.max_queue_size or default.max_waiting,
-        prefix_caching=_prefix_caching(spec),
-        num_scheduler_steps=int(p.get(NUM_SCHEDULER_STEPS, default.num_scheduler_steps)),
-    )
+        raise ConfigError(
+            f"model {spec.name!r}: {model_keys.KV_CACHE_BYTES} holds fewer than 2 tokens"
+        )
+    chunk = p.get(model_keys.PREFILL_CHUNK, str(EngineConfig.prefill_chunk))
+    unset = {
+        "max_model_len": min(f.max_positions, budget),
+        "kv_cache_tokens": budget,
+        "max_waiting": spec.max_queue_size or EngineConfig.max_waiting,
+    }
+    if chunk.isdigit():
+        unset["max_step_tokens"] = default_step_tokens(model.cache_device, int(chunk))
+    try:
+        return EngineConfig.from_parameters(spec.name, p, **unset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def default_step_tokens(cache_device: str, prefill_chunk: int) -> int:
@@ -131,19 +115,14 @@ def default_step_tokens(cache_device: str, prefill_chunk: int) -> int:
     return EngineConfig.max_step_tokens
 
 
-def _prefix_caching(spec: ModelSpec) -> bool:
-    key = model_keys.PREFIX_CACHING
-    return bool_parameter(spec.name, key, spec.parameters.get(key), default=True)
-
-
 def draft_path(spec: ModelSpec, model_dir: Path) -> Path | None:
     """The draft model's step graph named by the config, checked to exist; None: no draft."""
-    name = spec.parameters.get(DRAFT_MODEL)
+    name = spec.parameters.get(model_keys.DRAFT_MODEL)
     if not name:
         return None
     path = model_dir / name
     if not path.is_file():
-        raise ConfigError(f"model {spec.name!r}: {DRAFT_MODEL} {path} does not exist")
+        raise ConfigError(f"model {spec.name!r}: {model_keys.DRAFT_MODEL} {path} does not exist")
     return path
 
 
@@ -151,27 +130,27 @@ def speculative_config(spec: ModelSpec, draft: Model | None) -> SpeculativeConfi
     """The config's speculative decoding: a draft model (the one loaded from
     meshserve.draft_model), n-gram lookup, or none."""
     p = spec.parameters
-    method = p.get(SPECULATIVE_METHOD, "draft_model" if DRAFT_MODEL in p else "")
+    method_key, draft_key = model_keys.SPECULATIVE_METHOD, model_keys.DRAFT_MODEL
+    method = p.get(method_key, "draft_model" if draft_key in p else "")
     if method and method not in METHODS:
         raise ConfigError(
-            f"model {spec.name!r}: {SPECULATIVE_METHOD} {method!r}: expected one of {METHODS}"
+            f"model {spec.name!r}: {method_key} {method!r}: expected one of {METHODS}"
         )
-    if method == "ngram" and DRAFT_MODEL in p:
-        raise ConfigError(
-            f"model {spec.name!r}: {SPECULATIVE_METHOD} 'ngram' takes no {DRAFT_MODEL}"
-        )
-    k = int(p.get(NUM_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS))
+    if method == "ngram" and draft_key in p:
+        raise ConfigError(f"model {spec.name!r}: {method_key} 'ngram' takes no {draft_key}")
+    k = _int(spec, model_keys.NUM_SPECULATIVE_TOKENS, DEFAULT_SPECULATIVE_TOKENS)
     if method and k < 1:
-        raise ConfigError(f"model {spec.name!r}: {NUM_SPECULATIVE_TOKENS} must be >= 1")
+        raise ConfigError(f"model {spec.name!r}: {model_keys.NUM_SPECULATIVE_TOKENS} must be >= 1")
     if method == "ngram":
         default = NgramConfig()
-        lo = int(p.get(PROMPT_LOOKUP_MIN, default.min_n))
-        hi = int(p.get(PROMPT_LOOKUP_MAX, max(default.max_n, lo)))
+        lo = _int(spec, model_keys.PROMPT_LOOKUP_MIN, default.min_n)
+        hi = _int(spec, model_keys.PROMPT_LOOKUP_MAX, max(default.max_n, lo))
         try:
             return NgramConfig(k, lo, hi)
         except ValueError as e:
             raise ConfigError(
-                f"model {spec.name!r}: {PROMPT_LOOKUP_MIN} / {PROMPT_LOOKUP_MAX}: {e}"
+                f"model {spec.name!r}: {model_keys.PROMPT_LOOKUP_MIN} / "
+                f"{model_keys.PROMPT_LOOKUP_MAX}: {e}"
             ) from e
     if draft is None:
         return None
@@ -182,7 +161,7 @@ class LLMServing:
     def __init__(
         self, spec: ModelSpec, model: Model, model_dir: Path, draft: Model | None = None
     ) -> None:
-        path = model_dir / spec.parameters.get(TOKENIZER, "tokenizer.json")
+        path = model_dir / spec.parameters.get(model_keys.TOKENIZER, "tokenizer.json")
         if not path.is_file():
             raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
         tokenizer = Tokenizer.from_file(str(path))
@@ -197,8 +176,8 @@ class LLMServing:
             )
         except ValueError as e:
             raise ConfigError(f"model {spec.name!r}: {e}") from e
-        self.max_tokens_limit = int(
-            spec.parameters.get(MAX_TOKENS_LIMIT, self.config.max_model_len - 1)
+        self.max_tokens_limit = _int(
+            spec, model_keys.MAX_TOKENS_LIMIT, self.config.max_model_len - 1
         )
         self.prompt_tokens = 0  # of the requests admitted
         self.completion_tokens = 0  # generated and handed out
