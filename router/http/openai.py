@@ -123,7 +123,7 @@ def chat(req: protocol.ChatRequest) -> Generation:
     if answer is not None:
         sampling[llm.GUIDED_JSON] = answer
     elif isinstance(fmt, protocol.JsonSchemaFormat):
-        sampling[llm.GUIDED_JSON] = response
+        sampling[llm.GUIDED_JSON] = tools.closed(response)
     elif isinstance(fmt, protocol.JsonObjectFormat):
         sampling[llm.GUIDED_JSON_OBJECT] = True
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -163,7 +163,7 @@ def generation(req: ResponsesRequest) -> Generation:
     if answer is not None:
         sampling[llm.GUIDED_JSON] = answer
     elif isinstance(fmt, FlatJsonSchema):
-        sampling[llm.GUIDED_JSON] = response
+        sampling[llm.GUIDED_JSON] = tools.closed(response)
     elif isinstance(fmt, JsonObjectFormat):
         sampling[llm.GUIDED_JSON_OBJECT] = True
     echo = req.model_dump(exclude_none=True, by_alias=True, exclude={"input", "stream", "user"})

@@ -30,6 +30,28 @@ INSTRUCTION = (
 WHITESPACE = " \t\r\n"
 
 
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists its properties closed to others, unless it
+    says otherwise: what the answer may hold, as xgrammar's strict mode (vLLM's default) and
+    llama.cpp's grammars read a schema. Left open, a small model invents keys until its
+    max_tokens run out, each still valid."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in NESTED else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(s) for name, s in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+NESTED = {"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties",
+          "if", "then", "else", "contains"}  # fmt: skip
+
+
 def schema(
     functions: list[dict], required: bool, parallel: bool, response: dict | None = None
 ) -> dict:
@@ -40,9 +62,10 @@ def schema(
             "type": "object",
             "properties": {
                 "name": {"type": "string", "const": f["name"]},
-                "arguments": f.get("parameters") or {"type": "object"},
+                "arguments": closed(f.get("parameters") or {"type": "object"}),
             },
             "required": ["name", "arguments"],
+            "additionalProperties": False,
         }
         calls.append(call)
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -50,13 +73,19 @@ def schema(
         key, value = "tool_calls", {"type": "array", "items": one, "minItems": 1}
     else:
         key, value = "tool_call", one
-    tool_call = {"type": "object", "properties": {key: value}, "required": [key]}
+    tool_call = {
+        "type": "object",
+        "properties": {key: value},
+        "required": [key],
+        "additionalProperties": False,
+    }
     if required:
         return tool_call
     reply = {
         "type": "object",
-        "properties": {"response": response or {"type": "string"}},
+        "properties": {"response": closed(response) if response else {"type": "string"}},
         "required": ["response"],
+        "additionalProperties": False,
     }
     return {"anyOf": [tool_call, reply]}
 

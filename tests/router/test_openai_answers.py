@@ -71,6 +71,23 @@ def test_the_schema_is_a_valid_json_schema_the_answers_meet() -> None:
                 jsonschema.validate({"response": "hi"}, schema)
 
 
+def test_closed_schemas_admit_no_keys_they_do_not_list() -> None:
+    person = {
+        "type": "object",
+        "properties": {"pets": {"type": "array", "items": {"type": "object", "properties": {}}}},
+        "$defs": {"x": {"anyOf": [{"type": "object", "properties": {"a": {}}}]}},
+    }
+    got = tools.closed(person)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["pets"]["items"]["additionalProperties"] is False
+    assert got["$defs"]["x"]["anyOf"][0]["additionalProperties"] is False
+    assert tools.closed({"type": "object"}) == {"type": "object"}  # lists nothing: free
+    assert tools.closed({"properties": {}, "additionalProperties": True})["additionalProperties"]
+    jsonschema.validate({"pets": [{}]}, got)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"pets": [], "age": 3}, got)
+
+
 def test_read_a_whole_answer() -> None:
     answer = tools.read(CALL, final=True)
     assert [(c.name, json.loads(c.arguments)) for c in answer.calls] == [

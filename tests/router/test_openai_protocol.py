@@ -151,7 +151,9 @@ def _sampling(g: openai.Generation) -> dict:
 def test_response_format_becomes_the_guided_keys() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert _sampling(chat(response_format=fmt))[llm.GUIDED_JSON] == schema
+    assert _sampling(chat(response_format=fmt))[llm.GUIDED_JSON] == {
+        **schema, "additionalProperties": False,
+    }  # fmt: skip
     assert _sampling(chat(response_format={"type": "json_object"}))[llm.GUIDED_JSON_OBJECT]
     assert not set(llm.GUIDED_KEYS) & set(_sampling(chat(response_format={"type": "text"})))
     assert _sampling(chat(guided_choice=["yes", "no"]))["guided_choice"] == ["yes", "no"]
@@ -184,7 +186,8 @@ def test_tools_send_the_tools_input_the_instruction_and_the_schema() -> None:
     schema = _sampling(g)[llm.GUIDED_JSON]
     assert schema["required"] == ["tool_call"]
     call = schema["properties"]["tool_call"]
-    assert call["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    closed = {**WEATHER["function"]["parameters"], "additionalProperties": False}
+    assert call["properties"]["arguments"] == closed
     # auto: a reply is allowed too; none: no tools at all
     assert "anyOf" in _sampling(chat(tools=[WEATHER]))[llm.GUIDED_JSON]
     none = chat(tools=[WEATHER], tool_choice="none")
