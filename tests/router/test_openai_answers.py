@@ -213,3 +213,33 @@ def test_a_response_whole_and_streamed() -> None:
     ]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds.count("response.output_text.delta") == 2 and kinds[-1] == "response.incomplete"
+
+
+def test_a_response_that_calls_a_function_whole_and_streamed() -> None:
+    doc = {"model": "m", "input": "weather?", "tool_choice": "required",
+           "tools": [{"type": "function", **WEATHER}], "parallel_tool_calls": False}  # fmt: skip
+    g = responses.generation(protocol.parse(responses.ResponsesRequest, doc))
+    body = responses.Response(g).whole(reply([CALL], finish_reason="stop"))
+    (item,) = body["output"]
+    assert (item["type"], item["name"], item["status"]) == (
+        "function_call",
+        "get_weather",
+        "completed",
+    )
+    assert (
+        item["call_id"].startswith("call_") and json.loads(item["arguments"])["city"] == "Paris é"
+    )
+    stream = responses.Events(g)
+    out = stream.start()
+    for i in range(0, len(CALL), 5):
+        out += stream.events(
+            reply([CALL[i : i + 5]], final=i + 5 >= len(CALL), finish_reason="stop")
+        )
+    got = [json.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
+    deltas = "".join(
+        e["delta"] for e in got if e["type"] == "response.function_call_arguments.delta"
+    )
+    done = next(e for e in got if e["type"] == "response.function_call_arguments.done")
+    assert deltas == done["arguments"] == item["arguments"]
+    assert got[-1]["type"] == "response.completed"
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
