@@ -2,6 +2,8 @@
     [--concurrency 1 4 16 | --rate 0.5 2]
 python -m loadtest --llm --model M --conversations N --turns K [--think-time S]
     (conversations on one system prompt, history resent: loadtest/llm/conversations.py)
+python -m loadtest --llm --chaos --streams N --kill-pid PID --model M ... --max-tokens K
+    (N streams at once, a worker killed mid-way: loadtest/llm/chaos.py)
 
 LLM load over ModelStreamInfer with Triton's vLLM-backend tensors (text_input, stream,
 sampling_parameters, exclude_input_in_output -> text_output): meshserve's engine, or
@@ -247,6 +249,10 @@ def main(argv: list[str]) -> int:
         from loadtest.llm import conversations
 
         return conversations.main(argv)
+    if "--chaos" in argv:  # streams with a worker killed mid-way (its own flags)
+        from loadtest.llm import chaos
+
+        return chaos.main(argv)
     args = parse_args(argv)
     try:
         load, described = build_load(args)

@@ -300,3 +300,14 @@ def test_with_migration_off_a_killed_workers_streams_end_unavailable(
     assert migrations(unmigrated.metrics_port) == 0
     expected = received(gots)  # each broken stream billed the tokens its client got
     assert settle(unmigrated.store, expected) == expected
+
+
+def test_a_drained_worker_hands_over_the_streams_that_outlive_its_grace(routed: Routed) -> None:
+    reference, _ = asyncio.run(run_streams(routed, 6))
+    gots, on_victim = asyncio.run(run_streams(routed, 6, kill=signal.SIGTERM))
+    assert on_victim >= 3
+    check_handed_over(reference, gots)
+    # its grace (1 s) ends before its streams do: they are cut and move to the other worker
+    assert migrations(routed.metrics_port) >= 1
+    expected = received(reference + gots)
+    assert settle(routed.store, expected) == expected
