@@ -152,6 +152,10 @@ def table(runs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--llm" in argv and "--chaos" in argv:  # a worker killed mid-run (its own flags)
+        from loadtest.llm import chaos
+
+        return chaos.main(argv)
     if "--llm" in argv:
         from loadtest.llm import cli
 

@@ -249,10 +249,6 @@ def main(argv: list[str]) -> int:
         from loadtest.llm import conversations
 
         return conversations.main(argv)
-    if "--chaos" in argv:  # streams with a worker killed mid-way (its own flags)
-        from loadtest.llm import chaos
-
-        return chaos.main(argv)
     args = parse_args(argv)
     try:
         load, described = build_load(args)
