@@ -26,7 +26,7 @@ from worker import codec
 from worker.batcher import Batcher
 from worker.config import ModelSpec
 from worker.llm.engine import Output
-from worker.llm.serving import LLMServing
+from worker.llm.serving import Completion, LLMServing
 from worker.text import TextModel
 
 
@@ -113,23 +113,22 @@ class LLMBackend:
         if not (stream and parsed.stream):
             # The whole text in one response; over ModelInfer too (Triton refuses a decoupled
             # model there; answering is what a unary client wants).
-            out = await self.serving.complete(parsed)
-            _raise_failed(out)
-            yield self._piece(request, out.text, True, out)
+            yield self._answer(request, await self.serving.complete(parsed), parsed.params.n)
             return
         empty_final = parameters.get(llm_protocol.EMPTY_FINAL_RESPONSE) is True
         ids = parameters.get(llm_protocol.RETURN_TOKEN_IDS) is True
         async for out in self.serving.generate(parsed):
             _raise_failed(out)
-            if not out.finished:
-                yield self._piece(request, out.text, False, out, ids)
+            extra = _piece_parameters(out, parsed.params.n, ids)
+            if not out.final:
+                yield self._piece(request, out.text, False, out, extra)
             elif empty_final:
                 if out.text:
-                    yield self._piece(request, out.text, False, out, ids)
-                    ids = False  # the ids went with the text
-                yield self._piece(request, None, True, out, ids)
+                    yield self._piece(request, out.text, False, out, extra)
+                    extra = {}  # the ids and logprobs went with the text
+                yield self._piece(request, None, True, out, extra)
             else:
-                yield self._piece(request, out.text, True, out, ids)
+                yield self._piece(request, out.text, True, out, extra)
 
     def _piece(
         self,
@@ -137,13 +136,30 @@ class LLMBackend:
         text: str | None,
         final: bool,
         out: Output,
-        ids: bool = False,
+        extra: dict[str, int | str] | None = None,
     ) -> pb.ModelInferResponse:
-        response = codec.encode_text_piece(request, self.spec, text, final, usage(out))
-        if ids:  # compact JSON: a few bytes a token
-            ids_json = json.dumps(out.token_ids, separators=(",", ":"))
-            response.parameters[llm_protocol.TOKEN_IDS].string_param = ids_json
-        return response
+        return codec.encode_text_piece(
+            request, self.spec, text, final, usage(out), extra, final or out.finished
+        )
+
+    def _answer(
+        self, request: pb.ModelInferRequest, done: Completion, n: int
+    ) -> pb.ModelInferResponse:
+        """A unary answer: n > 1 choices as text_output [n], finish_reason comma-separated
+        in choice order, logprobs a JSON list of n lists."""
+        if done.errors:
+            raise MeshError(
+                f"generation failed after {done.completion_tokens} tokens: {done.errors[0]}"
+            )
+        extra: dict[str, int | str] = {}
+        if done.logprobs is not None:
+            lists = done.logprobs if n > 1 else done.logprobs[0]
+            extra[llm_protocol.RESPONSE_LOGPROBS] = json.dumps(lists)
+        use = (done.prompt_tokens, done.completion_tokens, ",".join(done.reasons))
+        text = done.texts if n > 1 else done.texts[0]
+        return codec.encode_text_piece(
+            request, self.spec, text, True, (*use, done.cached_tokens), extra
+        )
 
     @property
     def depth(self) -> int:
@@ -164,6 +180,19 @@ class LLMBackend:
 
 def usage(out: Output) -> tuple[int, int, str, int]:
     return out.prompt_tokens, out.completion_tokens, out.finish_reason or "", out.cached_tokens
+
+
+def _piece_parameters(out: Output, n: int, ids: bool) -> dict[str, int | str]:
+    """A streamed piece's choice index (n > 1), its tokens' ids and logprobs (when asked
+    for)."""
+    extra: dict[str, int | str] = {}
+    if ids:  # compact JSON: a few bytes a token
+        extra[llm_protocol.TOKEN_IDS] = json.dumps(out.token_ids, separators=(",", ":"))
+    if n > 1:
+        extra[llm_protocol.INDEX] = out.index
+    if out.logprobs is not None:
+        extra[llm_protocol.RESPONSE_LOGPROBS] = json.dumps(out.logprobs)
+    return extra
 
 
 def _raise_failed(out: Output) -> None:

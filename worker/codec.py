@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -93,12 +93,19 @@ def decode_request(
             )
         if tensor.name in arrays:
             raise InvalidArgument(f"input {tensor.name!r} appears twice in the request")
+        if (
+            tensor.name == llm_protocol.INPUT_IDS
+            and tensor.datatype in llm_protocol.INPUT_IDS_TYPES
+        ):
+            expected = replace(expected, datatype=tensor.datatype)  # INT32 or INT64
         arrays[tensor.name] = _decode_tensor(
             tensor, raw[i] if raw else None, expected, spec, limits
         )
     missing = [n for n, t in spec.inputs.items() if n not in arrays and not t.optional]
     if TEXT_INPUT in missing and TOKENIZER in spec.parameters and arrays:
         missing.remove(TEXT_INPUT)  # token inputs instead of TEXT: worker/text.py checks them
+    if llm_protocol.TEXT_INPUT in missing and llm_protocol.INPUT_IDS in arrays:
+        missing.remove(llm_protocol.TEXT_INPUT)  # a token-id prompt (worker/llm/serving.py)
     if llm_protocol.TEXT_INPUT in missing and llm_protocol.MESSAGES in arrays:
         missing.remove(llm_protocol.TEXT_INPUT)  # a chat: the model's template makes the prompt
     if missing:
@@ -268,23 +275,28 @@ def request_parameters(request: pb.ModelInferRequest) -> dict[str, object]:
 def encode_text_piece(
     request: pb.ModelInferRequest,
     spec: ModelSpec,
-    text: str | None,
+    text: str | list[str] | None,
     final: bool,
     usage: tuple[int, int, str] | tuple[int, int, str, int] | None = None,
+    extra: dict[str, int | str] | None = None,
+    finished: bool | None = None,
 ) -> pb.ModelInferResponse:
     """One response of a decoupled text model: `text_output` (none for an empty final
-    response), the `triton_final_response` flag, and the usage so far: prompt_tokens and
-    the running completion_tokens (the tokens generated up to this piece: what a stream
-    cut after it has sent, the router bills that), cached_tokens (the prompt tokens the
-    prefix cache served, when the usage has a fourth count), plus finish_reason on the
-    final one."""
+    response; a list: one string per choice of a unary n > 1 answer), the
+    `triton_final_response` flag, and the usage so far: prompt_tokens and the running
+    completion_tokens (the tokens generated up to this piece, over every choice: what a
+    stream cut after it has sent, the router bills that), cached_tokens (the prompt tokens
+    the prefix cache served, when the usage has a fourth count), plus finish_reason on a
+    choice's last piece (`finished`; default: the final one). `extra`: further parameters
+    (common/llm_protocol.py's INDEX, RESPONSE_LOGPROBS)."""
     response = pb.ModelInferResponse(
         model_name=spec.name, model_version=spec.version, id=request.id
     )
     if text is not None:
-        data = text.encode()
-        response.outputs.add(name=LLM_OUTPUT, datatype="BYTES", shape=[1])
-        response.raw_output_contents.append(struct.pack("<I", len(data)) + data)
+        texts = [text] if isinstance(text, str) else text
+        data = b"".join(struct.pack("<I", len(b)) + b for b in (t.encode() for t in texts))
+        response.outputs.add(name=LLM_OUTPUT, datatype="BYTES", shape=[len(texts)])
+        response.raw_output_contents.append(data)
     response.parameters[llm_protocol.FINAL_RESPONSE].bool_param = final
     if usage is not None:
         prompt_tokens, completion_tokens, finish_reason = usage[:3]
@@ -292,6 +304,11 @@ def encode_text_piece(
         response.parameters[llm_protocol.COMPLETION_TOKENS].int64_param = completion_tokens
         if len(usage) == 4:
             response.parameters[llm_protocol.CACHED_TOKENS].int64_param = usage[3]
-        if final:
+        if final if finished is None else finished:
             response.parameters[llm_protocol.FINISH_REASON].string_param = finish_reason
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            response.parameters[key].string_param = value
+        else:
+            response.parameters[key].int64_param = value
     return response

@@ -55,6 +55,7 @@ LLM_INPUTS = (
     (llm_protocol.SAMPLING_PARAMETERS, mc.TYPE_STRING, True),
     (llm_protocol.EXCLUDE_INPUT_IN_OUTPUT, mc.TYPE_BOOL, True),
     (llm_protocol.MESSAGES, mc.TYPE_STRING, True),
+    (llm_protocol.INPUT_IDS, mc.TYPE_INT64, True),  # INT32 accepted too (worker/codec.py)
     (llm_protocol.TOOLS, mc.TYPE_STRING, True),
 )
 LLM_OUTPUT = llm_protocol.TEXT_OUTPUT
@@ -322,7 +323,8 @@ def complete_llm(config: mc.ModelConfig, default_max_queue_size: int) -> mc.Mode
     config.model_transaction_policy.decoupled = True
     if not config.input:
         for name, data_type, optional in LLM_INPUTS:
-            config.input.add(name=name, data_type=data_type, dims=[1], optional=optional)
+            dims = [-1] if name == llm_protocol.INPUT_IDS else [1]
+            config.input.add(name=name, data_type=data_type, dims=dims, optional=optional)
     if not config.output:
         config.output.add(name=LLM_OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
     declared = {t.name: t.data_type for t in config.input}

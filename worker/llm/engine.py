@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import structlog
 from tokenizers import Tokenizer
@@ -42,6 +43,7 @@ from worker.llm.generation import (
     Results,
     Sequence,
 )
+from worker.llm.guided import Vocabulary
 from worker.llm.model import Model
 from worker.llm.prefix import PrefixCache, retained_slots
 from worker.llm.sampling import Sampler, SamplingParams
@@ -115,7 +117,8 @@ class Engine:
         )
         self.cache.room = self.prefix
         self.stats = EngineStats()
-        self.results = Results(self.eos, config.max_model_len, self.stats, self._leave)
+        self.vocab = Vocabulary(tokenizer, facts.vocab_size, self.eos)
+        self.results = Results(self.eos, config.max_model_len, self.stats, self._leave, self.vocab)
         self.drafter = None
         if draft is not None:
             self.drafter = proposer(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
@@ -141,6 +144,8 @@ class Engine:
         # and genai-perf read to find the model version that served them
         self.on_admit: Callable[[int], None] = lambda ns: None
         self._ids = itertools.count(1)
+        # a request's further choices, queued once its first has prefilled the prompt
+        self._siblings: list[tuple[Sequence, list[Sequence]]] = []
         self._wake = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -171,16 +176,82 @@ class Engine:
         weight: float = 1.0,
         resume: list[int] | None = None,
     ) -> Sequence:
-        """Queue a request, or refuse it at once with the numbers that did not fit. `root`:
-        its prefix cache key root (prefix.root_key: model, version, cache_salt); `tenant`
-        and `weight`: its share in fair admission (worker/llm/fairness.py); `resume`: the ids
-        it had generated elsewhere (llm_protocol.RESUME_TOKEN_IDS), continued from."""
+        """Queue a request of one choice (`add_choices` for n), or refuse it at once with the
+        numbers that did not fit. `root`: its prefix cache key root (prefix.root_key: model,
+        version, cache_salt); `tenant` and `weight`: its share in fair admission
+        (worker/llm/fairness.py); `resume`: the ids it had generated elsewhere
+        (llm_protocol.RESUME_TOKEN_IDS), continued from."""
+        if params.n != 1:
+            raise ValueError("Engine.add queues one choice: use add_choices for n > 1")
+        return self.add_choices(prompt, params, root, tenant, weight, resume)[0]
+
+    def add_choices(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        root: bytes = b"",
+        tenant: str = "",
+        weight: float = 1.0,
+        resume: list[int] | None = None,
+    ) -> list[Sequence]:
+        """Queue a request's n choices, one sequence each, sharing one output queue. The
+        first prefills the prompt; the others are queued once it has (`_release_siblings`)
+        and take its rows, and the row its first token came from, from the prefix cache:
+        the prompt is prefilled once. Choice i of a seeded request draws with seed + i. A
+        grammar (or logprobs) builds the vocabulary on first use: call `vocab.ready` off
+        the event loop before."""
         if self._closed:
             raise Unavailable("the engine is shutting down")
+        resume = resume or []
+        if resume and params.n > 1:
+            raise InvalidArgument("parameter 'resume_token_ids' continues one choice, not n > 1")
+        reserve = self._check(prompt, params, resume)
+        waiting = len(self.scheduler.waiting) + len(self._siblings)
+        if waiting + params.n > self.config.max_waiting:
+            self.stats.rejected += 1
+            raise ResourceExhausted(
+                f"{waiting} requests are already waiting for KV cache (max "
+                f"{self.config.max_waiting}); {params.n} choices do not fit; retry later"
+            )
+        guides = None
+        if params.guide is not None:
+            guides = self.vocab.guides(params.guide, params.n)
+        if params.logprobs is not None:
+            self.vocab.ready()
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        seqs = []
+        for i in range(params.n):
+            own = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            seqs.append(
+                Sequence(
+                    id=next(self._ids),
+                    prompt=prompt,
+                    params=own,
+                    sampler=Sampler(own, prompt, self.model.facts.vocab_size),
+                    detok=Detokenizer(self.tokenizer, own.stop, own.skip_special_tokens),
+                    reserve=reserve,
+                    root=root,
+                    tenant=tenant,
+                    weight=weight,
+                    forced=resume,
+                    reported=len(resume),
+                    outputs=outputs,
+                    index=i,
+                    guide=None if guides is None else guides[i],
+                )
+            )
+        self.scheduler.add(seqs[0], queued=True)
+        if len(seqs) > 1:
+            self._siblings.append((seqs[0], seqs[1:]))
+        self._notify()
+        return seqs
+
+    def _check(self, prompt: list[int], params: SamplingParams, resume: list[int]) -> int:
+        """The request's KV reservation (prompt + max_tokens within max_model_len), or
+        INVALID_ARGUMENT naming what cannot be served."""
         limit = self.config.max_model_len
         if not prompt:
             raise InvalidArgument("the prompt is empty: text_input must hold at least one token")
-        resume = resume or []
         if len(resume) >= params.max_tokens:
             raise InvalidArgument(
                 f"parameter 'resume_token_ids' holds {len(resume)} ids, max_tokens is "
@@ -205,38 +276,35 @@ class Engine:
                 f"{len(prompt) + params.max_tokens} exceeds the KV cache budget of "
                 f"{self.cache.budget_tokens} tokens; lower max_tokens"
             )
-        seq = Sequence(
-            id=next(self._ids),
-            prompt=prompt,
-            params=params,
-            sampler=Sampler(params, prompt, self.model.facts.vocab_size),
-            detok=Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
-            reserve=reserve,
-            root=root,
-            tenant=tenant,
-            weight=weight,
-            forced=resume,
-            reported=len(resume),
-        )
-        try:
-            self.scheduler.add(seq)
-        except ResourceExhausted:
-            self.stats.rejected += 1
-            raise
-        self._notify()
-        return seq
+        return reserve
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[Output]:
-        """The sequence's outputs as they come; leaving early cancels it."""
+    def _release_siblings(self) -> None:
+        """Queue the further choices of requests whose first choice has its first token (its
+        prompt's rows and last row are in the prefix cache) or has ended."""
+        waiting = []
+        for first, rest in self._siblings:
+            if first.tokens or first.finish_reason is not None:
+                for seq in rest:
+                    self.scheduler.add(seq, queued=True)
+            else:
+                waiting.append((first, rest))
+        self._siblings = waiting
+
+    async def stream(self, seqs: Sequence | list[Sequence]) -> AsyncIterator[Output]:
+        """The outputs of a request's choices as they come (their shared queue); the one
+        after which every choice has finished is `final`. Leaving early cancels them."""
+        choices = seqs if isinstance(seqs, list) else [seqs]
+        left = len(choices)
         try:
-            while True:
-                out = await seq.outputs.get()
+            while left:
+                out = await choices[0].outputs.get()
+                left -= out.finished
+                out.final = not left
                 yield out
-                if out.finished:
-                    return
         finally:
-            if seq.finish_reason is None:
-                self.cancel(seq)
+            for seq in choices:
+                if seq.finish_reason is None:
+                    self.cancel(seq)
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
@@ -272,9 +340,11 @@ class Engine:
         self._notify()
         if self._task is not None:
             await self._task
-        for seq in [*self.waiting, *self.running]:
+        pending = [s for _, rest in self._siblings for s in rest]
+        for seq in [*self.waiting, *self.running, *pending]:
             self.results.finish(seq, CANCELLED)
         self.runner.close()
+        self.vocab.close()
         self.cache.close()
         if self.drafter is not None:
             self.drafter.close()
@@ -295,6 +365,7 @@ class Engine:
                 log.exception("llm_step_failed")
                 for seq in list(self.running):
                     self.results.fail(seq, e)
+            self._release_siblings()
         prefix = {f"prefix_{k}": v for k, v in self.prefix.stats.__dict__.items()}
         log.info("llm_engine_stopped", **self.stats.__dict__, **prefix)
 

@@ -17,14 +17,15 @@ without the text: EOS, max_tokens, max_model_len.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.llm import scheduler
+from worker.llm import logprobs, scheduler
 from worker.llm.detokenize import Detokenizer
+from worker.llm.guided import Guide, Vocabulary
 from worker.llm.sampling import Sampler, SamplingParams
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
@@ -45,6 +46,9 @@ class Output:
     # the ids generated since the previous output (llm_protocol.TOKEN_IDS): a piece's text
     # may lag its tokens (a split character, a held-back stop-string prefix)
     token_ids: list[int] = field(default_factory=list)
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[dict] | None = None  # one entry per token of this piece, when asked for
+    final: bool = False  # the request's last output (every choice finished; Engine.stream)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -55,7 +59,7 @@ class Sequence(scheduler.Sequence):
     params: SamplingParams
     sampler: Sampler
     detok: Detokenizer
-    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)  # shared by choices
     # A resumed generation (llm_protocol.RESUME_TOKEN_IDS): the ids it had produced
     # elsewhere, taken in place of its first samples. Decoded one a step as they first were,
     # not prefilled with the prompt: a one-token run rounds differently from a longer one
@@ -63,12 +67,36 @@ class Sequence(scheduler.Sequence):
     # token, bit for bit as in the uninterrupted run.
     forced: list[int] = field(default_factory=list)
     reported: int = 0  # of `tokens`, those already on an output (or sent before a resume)
+    index: int = 0  # the choice of its request
+    guide: Guide | None = None  # a grammar's matcher (worker/llm/guided.py)
+    # logprobs entries: sampled on the step thread, not yet emitted; emitted, not yet sent
+    sampled_logprobs: deque[dict] = field(default_factory=deque)
+    pending_logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def speculates(self) -> bool:
+        # a constrained row's mask exists one token ahead, not k: it never verifies drafts
+        return self.guide is None
 
     def output(self, text: str, reason: str | None = None, error: str | None = None) -> Output:
-        """The next output: its text, its end, the running counts and its new ids."""
+        """The next output: its text, its end, the running counts, its new ids and the
+        logprobs emitted since the last one."""
         ids, self.reported = self.tokens[self.reported :], len(self.tokens)
         counts = len(self.prompt), len(self.tokens)
-        return Output(text, reason is not None, reason, *counts, error, self.cached, ids)
+        taken = None
+        if self.params.logprobs is not None:
+            taken, self.pending_logprobs = self.pending_logprobs, []
+        return Output(
+            text,
+            reason is not None,
+            reason,
+            *counts,
+            error,
+            self.cached,
+            ids,
+            index=self.index,
+            logprobs=taken,
+        )
 
 
 @dataclass
@@ -115,8 +143,10 @@ class Results:
         max_model_len: int,
         stats: EngineStats,
         leave: Callable[[Sequence], None],
+        vocab: Vocabulary,
     ) -> None:
         self.eos = eos
+        self.vocab = vocab  # token bytes, for logprobs
         self.max_model_len = max_model_len
         self.stats = stats
         self._leave = leave  # a running sequence that ended gives back its slot and budget
@@ -134,8 +164,11 @@ class Results:
 
     def banned(self, seq: Sequence, generated: int | None = None) -> list[int]:
         """The ids the sequence may not sample next, with `generated` tokens generated (None:
-        its tokens so far): EOS while under min_tokens."""
+        its tokens so far): EOS while under min_tokens (a grammar decides alone where EOS
+        may come)."""
         p = seq.params
+        if seq.guide is not None:
+            return []
         n = len(seq.tokens) if generated is None else generated
         return sorted(self.eos) if n < p.min_tokens and not p.ignore_eos else []
 
@@ -166,19 +199,33 @@ class Results:
         emits the tokens before). A resumed sequence's earlier ids come first: sampled all the
         same, so that its sampler's random draws go on as they first did, then replaced."""
         banned = self.banned(seq, generated)
-        if isinstance(row, tuple):
+        raw = None
+        if isinstance(row, tuple):  # never for logprobs or a grammar (Sampler.top_needed)
             token = seq.sampler.sample_top(row[0], row[1], banned)
-        else:
-            token = seq.sampler.sample(row, banned)  # a row of this step's own logits
+        else:  # a row of this step's own logits
+            top = seq.params.logprobs
+            raw = row.copy() if top is not None else None  # before the sampler alters it
+            allowed = seq.guide.allowed() if seq.guide is not None else None
+            token = seq.sampler.sample(row, banned, allowed)
         if generated < len(seq.forced):
             token = seq.forced[generated]
+        if raw is not None and seq.params.logprobs is not None:
+            seq.sampled_logprobs.append(logprobs.entry(raw, token, seq.params.logprobs, self.vocab))
+        if seq.guide is not None:
+            seq.guide.advance(token)
         seq.sampler.observe(token)
         return token
 
     def ends(self, seq: Sequence, token: int, generated: int) -> bool:
         """Whether `token`, the sequence's `generated`-th, ends it whatever its text says:
-        EOS, max_tokens or max_model_len (a stop string only the detokenizer sees)."""
-        return self._eos(seq, token) or self._at_length(seq, generated)
+        EOS, the grammar's end, max_tokens or max_model_len (a stop string only the
+        detokenizer sees)."""
+        guide = seq.guide
+        return (
+            self._eos(seq, token)
+            or (guide is not None and guide.ends(generated))
+            or self._at_length(seq, generated)
+        )
 
     def _eos(self, seq: Sequence, token: int) -> bool:
         return token in self.eos and not seq.params.ignore_eos
@@ -191,16 +238,19 @@ class Results:
     def emit(self, seq: Sequence, token: int) -> None:
         """The sampled token joins the sequence: its new text goes out, or its end."""
         seq.tokens.append(token)
+        entry = seq.sampled_logprobs.popleft() if seq.sampled_logprobs else None
         reason = None
         if len(seq.tokens) <= len(seq.forced):  # its text was sent before the resume
             seq.detok.add(token)
             return
+        if entry is not None:
+            seq.pending_logprobs.append(entry)
         if self._eos(seq, token):
             reason = STOP
             piece = ""
         else:
             piece = seq.detok.add(token)
-            if seq.detok.stopped:
+            if seq.detok.stopped or (seq.guide is not None and seq.guide.ends(len(seq.tokens))):
                 reason = STOP
         if reason is None and self._at_length(seq, len(seq.tokens)):
             reason = LENGTH

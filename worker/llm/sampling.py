@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from common import llm_protocol as P
 from common.errors import InvalidArgument
+from worker.llm import guided
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # choices of the request (worker/llm/engine.py: one sequence each)
+    logprobs: int | None = None  # top alternatives per token (0: the token's own); None: off
+    guide: guided.GuideSpec | None = field(default=None, compare=False)  # structured output
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -109,9 +114,10 @@ _RANGES = {
     "stop": "a string or a list of strings",
     "ignore_eos": "true or false",
     "skip_special_tokens": "true or false",
-    "n": "1",
+    "n": f">= 1 and <= {P.MAX_N}",
+    "logprobs": f">= 0 and <= {P.MAX_LOGPROBS}",
 }
-INT_KEYS = {"max_tokens", "min_tokens", "top_k", "seed", "n"}
+INT_KEYS = {"max_tokens", "min_tokens", "top_k", "seed", "n", "logprobs"}
 FLOAT_KEYS = {
     "temperature",
     "top_p",
@@ -120,7 +126,7 @@ FLOAT_KEYS = {
     "frequency_penalty",
 }
 BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
-KEYS = frozenset(_RANGES)
+KEYS = frozenset(_RANGES) | frozenset(P.GUIDED_KEYS)
 HEAD = 256  # tokens sorted for top-p before falling back to the whole vocabulary
 
 
@@ -157,11 +163,9 @@ def build(values: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
             kwargs[key] = _bool(key, value)
         elif key == "stop":
             kwargs[key] = _stop(value)
-    if kwargs.pop("n", 1) != 1:
-        raise InvalidArgument("sampling parameter 'n': only n = 1 is served")
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0
-    p = SamplingParams(**kwargs)
+    p = SamplingParams(**kwargs, guide=guided.parse(values))
     checks = [
         ("max_tokens", 1 <= p.max_tokens <= max_tokens_limit, p.max_tokens),
         ("min_tokens", 0 <= p.min_tokens <= p.max_tokens, p.min_tokens),
@@ -171,6 +175,8 @@ def build(values: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
         ("repetition_penalty", p.repetition_penalty > 0.0, p.repetition_penalty),
         ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, p.presence_penalty),
         ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, p.frequency_penalty),
+        ("n", 1 <= p.n <= P.MAX_N, p.n),
+        ("logprobs", p.logprobs is None or 0 <= p.logprobs <= P.MAX_LOGPROBS, p.logprobs),
     ]
     for key, ok, value in checks:
         if not ok:
@@ -213,8 +219,8 @@ class Sampler:
         """How many of a row's largest logits this sampler needs, with `banned` ids to skip;
         None: the whole row (penalties change any logit; top_p alone spans the vocabulary)."""
         p = self.params
-        if p.penalized:
-            return None
+        if p.penalized or p.guide is not None or p.logprobs is not None:
+            return None  # a mask or a log-softmax needs the whole row
         if p.greedy:
             return 1 + banned
         if p.top_k and p.top_k < self.vocab_size:
@@ -226,8 +232,14 @@ class Sampler:
             self._seen[token] = True
             self._counts[token] += 1
 
-    def sample(self, logits: np.ndarray, banned: list[int] | None = None) -> int:
-        """One token from logits [vocab] (float32, modified in place)."""
+    def sample(
+        self,
+        logits: np.ndarray,
+        banned: list[int] | None = None,
+        allowed: np.ndarray | None = None,
+    ) -> int:
+        """One token from logits [vocab] (float32, modified in place); `allowed`: a grammar's
+        mask [vocab] (worker/llm/guided.py), applied before temperature, top-k and top-p."""
         p = self.params
         if self._seen is not None and self._counts is not None:
             if p.repetition_penalty != 1.0:
@@ -240,6 +252,8 @@ class Sampler:
                 logits -= p.frequency_penalty * self._counts
         if banned:
             logits[banned] = -np.inf
+        if allowed is not None:
+            logits[~allowed] = -np.inf
         if p.greedy:
             return int(logits.argmax())
         if p.top_k and p.top_k < logits.shape[0]:

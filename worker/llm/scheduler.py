@@ -66,6 +66,11 @@ class Sequence:
     admitted_ns: int = 0  # when it got its slot (perf_counter_ns): its service time starts
 
     @property
+    def speculates(self) -> bool:
+        """Whether the sequence may verify drafts when it decodes alone."""
+        return True
+
+    @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
 
@@ -221,8 +226,10 @@ class Scheduler(Generic[S]):
         self.waiting: FairQueue[S] = FairQueue()
         self.running: list[S] = []
 
-    def add(self, seq: S) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+    def add(self, seq: S, queued: bool = False) -> None:
+        """Queue `seq`; `queued`: its room in the queue was counted already (a request's
+        further choices, Engine.add_choices)."""
+        if not queued and len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(
                 f"{len(self.waiting)} requests are already waiting for KV cache "
                 f"(max {self.config.max_waiting}); retry later"
@@ -366,7 +373,7 @@ class Scheduler(Generic[S]):
         """k for a lone decoding sequence: a verify run writes k + 1 tokens from its last one
         on, within the cache and the RoPE tables."""
         k = self.config.num_speculative_tokens
-        if k < 1 or len(decode) != 1:
+        if k < 1 or len(decode) != 1 or not decode[0].speculates:
             return 0
         return max(0, min(k, self.config.position_limit - decode[0].length))
 

@@ -3,14 +3,17 @@
 Inputs: `text_input` (BYTES [1]), `stream` (BOOL [1], optional), `sampling_parameters`
 (BYTES [1], a JSON object, optional), `exclude_input_in_output` (BOOL [1], optional),
 `messages` (BYTES [1], optional: a JSON chat instead of text_input, made a prompt by the
-model's own chat template, worker/llm/chat.py, and never echoed); the
+model's own chat template, worker/llm/chat.py, with `tools` if sent, and never echoed),
+`input_ids` (INT64 / INT32 [k], optional: a token-id prompt instead); the
 sampling keys are also read from the request's `parameters` map, where the JSON wins.
 Output: `text_output` (BYTES). Streaming sends each new piece of text; otherwise one
-response holds the prompt (unless excluded) and the whole completion.
+response holds the prompt (unless excluded) and the whole completion; with n > 1 choices,
+one string per choice (common/llm_protocol.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -72,6 +75,20 @@ class LLMRequest:
     tenant: str = ""  # whose request, and its weight: fair admission (worker/llm/fairness.py)
     weight: float = 1.0
     resume: list[int] = field(default_factory=list)  # llm_protocol.RESUME_TOKEN_IDS
+
+
+@dataclass
+class Completion:
+    """A unary answer: each choice's text, finish reason and logprobs (when asked for), and
+    the usage over all choices."""
+
+    texts: list[str]
+    reasons: list[str]
+    logprobs: list[list[dict]] | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # over all choices
+    cached_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 def engine_config(spec: ModelSpec, model: Model) -> EngineConfig:
@@ -184,12 +201,18 @@ class LLMServing:
         self.service = ServiceTime()  # published for the routers' queue-wait prediction
 
     def parse(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any]) -> LLMRequest:
-        text = self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
         values = {k: v for k, v in parameters.items() if k in sampling.KEYS}
         if SAMPLING in inputs:
             values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
         params = sampling.build(values, self.max_tokens_limit)
-        prompt = self.engine.encode(text)
+        if llm_protocol.INPUT_IDS in inputs:
+            prompt = self._input_ids(inputs)
+            text = self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+        else:
+            text = (
+                self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
+            )
+            prompt = self.engine.encode(text)
         return LLMRequest(
             prompt_text=text,
             prompt=prompt,
@@ -202,6 +225,35 @@ class LLMServing:
             resume=_resume(parameters),
         )
 
+    def _input_ids(self, inputs: dict[str, np.ndarray]) -> list[int]:
+        """A token-id prompt, checked: alone, [k] (or [1, k]), non-empty, ids in the
+        vocabulary, shorter than max_model_len."""
+        name = llm_protocol.INPUT_IDS
+        others = [n for n in (TEXT_INPUT, llm_protocol.MESSAGES) if n in inputs]
+        if others:
+            raise InvalidArgument(f"send {name!r} or {others[0]!r} as the prompt, not both")
+        ids = inputs[name]
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidArgument(
+                f"input {name!r}: a non-empty list of token ids [k] expected, got shape "
+                f"{list(inputs[name].shape)}"
+            )
+        vocab, limit = self.engine.model.facts.vocab_size, self.config.max_model_len
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise InvalidArgument(
+                f"input {name!r}: token id {int(ids[bad[0]])} at position {int(bad[0])} is "
+                f"outside the vocabulary 0..{vocab - 1}"
+            )
+        if ids.size >= limit:
+            raise InvalidArgument(
+                f"input {name!r}: {ids.size} tokens; max_model_len is {limit} (prompt + "
+                f"generated tokens), so at most {limit - 1}"
+            )
+        return [int(t) for t in ids]
+
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
         """The prompt of a chat: its messages through the model's own template."""
         if TEXT_INPUT in inputs:
@@ -211,23 +263,20 @@ class LLMServing:
                 f"model {self.spec.name!r} has no chat template (no chat_template in its "
                 "tokenizer_config.json): send text_input instead of messages"
             )
-        try:
-            messages = json.loads(_text(inputs[llm_protocol.MESSAGES], llm_protocol.MESSAGES))
-        except ValueError as e:
-            raise InvalidArgument(f"input {llm_protocol.MESSAGES!r} is not JSON: {e}") from None
-        tools = None
-        if llm_protocol.TOOLS in inputs:
-            try:
-                tools = json.loads(_text(inputs[llm_protocol.TOOLS], llm_protocol.TOOLS))
-            except ValueError as e:
-                raise InvalidArgument(f"input {llm_protocol.TOOLS!r} is not JSON: {e}") from None
+        messages = _json(inputs, llm_protocol.MESSAGES)
+        tools = _json(inputs, llm_protocol.TOOLS) if llm_protocol.TOOLS in inputs else None
         return self.chat.render(messages, tools)
 
     async def generate(self, request: LLMRequest) -> AsyncIterator[Output]:
+        """The request's outputs, every choice's, in the order they come; each carries the
+        completion tokens over all choices so far (what is billed), and the last is `final`."""
+        params = request.params
+        if params.guide is not None or params.logprobs is not None:
+            await asyncio.to_thread(self.engine.vocab.ready)  # built once, ~1 s
         root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
-        seq = self.engine.add(
+        seqs = self.engine.add_choices(
             request.prompt,
-            request.params,
+            params,
             root,
             tenant=request.tenant,
             weight=request.weight,
@@ -235,10 +284,14 @@ class LLMServing:
         )
         self.prompt_tokens += len(request.prompt)
         clock = token_metrics.TokenClock(self.spec.name)
-        async for out in self.engine.stream(seq):
+        counts = [0] * len(seqs)
+        async for out in self.engine.stream(seqs):
+            counts[out.index] = out.completion_tokens
+            out.completion_tokens = sum(counts)
             self.completion_tokens += clock.observe(out.completion_tokens)
-            if out.finished and seq.admitted_ns and out.error is None:
-                self.service.observe((time.perf_counter_ns() - seq.admitted_ns) / 1e9)
+            first = seqs[0]
+            if out.final and first.admitted_ns and out.error is None:
+                self.service.observe((time.perf_counter_ns() - first.admitted_ns) / 1e9)
             yield out
 
     def service_rate(self) -> tuple[int, float]:
@@ -250,17 +303,37 @@ class LLMServing:
         busy = max(1, len(engine.running)) if engine.waiting else slots
         return slots, self.service.rate(busy)
 
-    async def complete(self, request: LLMRequest) -> Output:
-        """The whole completion as one Output: the prompt first, as Triton's vLLM backend
+    async def complete(self, request: LLMRequest) -> Completion:
+        """The whole answer: each choice's text, the prompt first, as Triton's vLLM backend
         answers, unless excluded or the client asked for a stream (a streamed text never
         repeats the prompt, also when it arrives as one piece through a unary hop)."""
-        pieces = [] if request.exclude_input or request.stream else [request.prompt_text]
-        last = Output("")
+        n = request.params.n
+        echo = "" if request.exclude_input or request.stream else request.prompt_text
+        pieces: list[list[str]] = [[echo] for _ in range(n)]
+        reasons = [""] * n
+        logprobs: list[list[dict]] | None = None
+        if request.params.logprobs is not None:
+            logprobs = [[] for _ in range(n)]
+        done = Completion([], reasons, logprobs)
         async for out in self.generate(request):
-            pieces.append(out.text)
-            last = out
-        last.text = "".join(pieces)
-        return last
+            pieces[out.index].append(out.text)
+            if logprobs is not None and out.logprobs:
+                logprobs[out.index].extend(out.logprobs)
+            if out.finished:
+                reasons[out.index] = out.finish_reason or ""
+            if out.error is not None:
+                done.errors.append(out.error)
+            done.prompt_tokens, done.cached_tokens = out.prompt_tokens, out.cached_tokens
+            done.completion_tokens = out.completion_tokens
+        done.texts = ["".join(p) for p in pieces]
+        return done
+
+
+def _json(inputs: dict[str, np.ndarray], name: str) -> Any:
+    try:
+        return json.loads(_text(inputs[name], name))
+    except ValueError as e:
+        raise InvalidArgument(f"input {name!r} is not JSON: {e}") from None
 
 
 def _text(array: np.ndarray, name: str = TEXT_INPUT) -> str:

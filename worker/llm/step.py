@@ -184,7 +184,7 @@ class StepRunner:
             self.chain < 2
             or bool(self.scheduler.waiting)
             or len(self.scheduler.running) != len(decoding)
-            or (self.drafter is not None and len(decoding) == 1)
+            or (self.drafter is not None and len(decoding) == 1 and decoding[0].speculates)
         )
         self.results.hold_leaves()  # an ended row's slot is the runs' until they stop
         try:
