@@ -2,7 +2,7 @@
 
 A request names its conversation with a request parameter (`session_id`, or
 `conversation_id`); the replica that served the conversation before holds its prefix, so the
-next turn goes there while it has room (see policy.choose `preferred`). The map is a bounded
+next turn goes there while it has room (see Policy.choose, Ask.preferred). The map is a bounded
 LRU per router: a client-chosen string costs at most `max_sessions` entries of at most
 `MAX_SESSION` characters, and a session the router forgot is balanced like any request.
 """

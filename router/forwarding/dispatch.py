@@ -70,9 +70,9 @@ from common.errors import (
 )
 from common.mesh_state import ModelEntry
 from protos.routing_pb2 import InferHeader
+from router.forwarding import policies
 from router.forwarding.affinity import Affinity, session_of
 from router.forwarding.migration import DEFAULT_LIMIT, Migration
-from router.forwarding.policy import PREFIX_WEIGHT
 from router.forwarding.prefix_index import PrefixIndex
 from router.forwarding.registry import Registry
 from router.forwarding.replica import Replica
@@ -117,7 +117,7 @@ class Dispatcher:
         answer_margin_s: float = 0.002,
         max_sessions: int = 100_000,
         auth: Auth | None = None,
-        prefix_weight: float = PREFIX_WEIGHT,
+        prefix_weight: float = policies.PREFIX_WEIGHT,
         prefix_index_blocks: int = 200_000,
         shedder: Shedder | None = None,
         migration_limit: int = DEFAULT_LIMIT,
@@ -125,13 +125,10 @@ class Dispatcher:
         self.registry = registry
         self.accounting = accounting
         self.affinity = Affinity(max_sessions)
+        index = PrefixIndex(prefix_index_blocks)
+        setup = policies.Setup(rng or random.Random(), index, prefix_weight)
         self.picker = Picker(
-            policy_name,
-            sample_max_age_ms,
-            rng,
-            self.affinity,
-            PrefixIndex(prefix_index_blocks),
-            prefix_weight,
+            policies.build(policy_name, setup), sample_max_age_ms, self.affinity, index
         )
         self.default_timeout_s = default_timeout_s
         self.admission = Admission(max_inflight, max_inflight_per_model)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from google.protobuf.message import DecodeError
 
@@ -73,6 +73,7 @@ class PrefixIndex:
         self.max_prompt_blocks = max_prompt_blocks
         self._blocks: OrderedDict[bytes, dict[str, None]] = OrderedDict()
         self._held: dict[str, int] = {}  # replica key -> blocks it holds here
+        self._started: dict[str, int] = {}  # replica id -> the start time its entries are of
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -130,6 +131,27 @@ class PrefixIndex:
                     del self._blocks[key]
         self._held.pop(replica, None)
         return n
+
+    def notice(self, live: Mapping[str, int]) -> list[str]:
+        """The replicas now registered (id -> start time): forget the entries of those that
+        restarted (a new start time) or left; which ids were forgotten."""
+        gone = []
+        for worker, started in list(self._started.items()):
+            if live.get(worker) != started:
+                self.forget(replica_key(worker, started))
+                del self._started[worker]
+                gone.append(worker)
+        for worker, started in live.items():
+            self._started.setdefault(worker, started)
+        return gone
+
+    def held_by_worker(self) -> dict[str, int]:
+        """Replica id -> blocks held, 0 for a replica noticed that holds none."""
+        out = dict.fromkeys(self._started, 0)
+        for key, n in self._held.items():  # any instance of the id: a check
+            worker = key.rsplit("@", 1)[0]
+            out[worker] = out.get(worker, 0) + n
+        return out
 
     def holders(self) -> set[str]:
         return set(self._held)

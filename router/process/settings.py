@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.rpc import MAX_MESSAGE_BYTES
+from router.forwarding.policies import PolicyName
 
 
 class RouterSettings(BaseSettings):
@@ -32,7 +33,7 @@ class RouterSettings(BaseSettings):
         False, description="bind with SO_REUSEPORT (set by --processes for its processes)"
     )
     router_id: str | None = None  # default: router-<host>-<port>-<pid>
-    policy: Literal["prefix", "p2c", "p2c_depth", "least_loaded", "round_robin", "random"] = Field(
+    policy: PolicyName = Field(
         "prefix",
         description="prefix (the default): cache-aware for LLM replicas (the prompt blocks a "
         "replica holds against its load, one cost), p2c for other models and where loads are "

@@ -10,9 +10,9 @@ from typing import Any
 
 from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
 from protos import grpc_service_pb2 as pb
-from router.forwarding import policy
 from router.forwarding.dispatch import Dispatcher
-from router.forwarding.policy import Candidate
+from router.forwarding.policies import PREFIX_WEIGHT, Ask, Candidate, Setup
+from router.forwarding.policies.prefix import Prefix
 from router.forwarding.prefix_index import PrefixIndex, prompt_of
 from router.forwarding.replica import Replica
 
@@ -52,6 +52,17 @@ def replica(worker: str, kv_used: int = 0, started_ms: int = 1, fresh: bool = Tr
     return r
 
 
+def choose(
+    candidates: list[Candidate],
+    rng: random.Random,
+    need: int = 1,
+    preferred: str | None = None,
+    blocks: int = 0,
+) -> Candidate:
+    """One pick of the prefix policy on `rng`."""
+    return Prefix(Setup(rng)).choose(candidates, Ask(need, preferred, blocks))
+
+
 def dispatcher(policy_name: str = "prefix", seed: int = 0) -> Dispatcher:
     return Dispatcher(None, None, policy_name, rng=random.Random(seed))  # type: ignore[arg-type]
 
@@ -81,34 +92,27 @@ def test_the_replica_holding_the_prefix_wins_until_load_outweighs_it() -> None:
     blocks = 50
     holder = Candidate("a", 1, 64, 10_000, overlap=48, decode_blocks=0)
     idle = Candidate("b", 0, 64, 10_000, overlap=0, decode_blocks=0)
-    assert policy.choose("prefix", [holder, idle], rng, 0, blocks=blocks).id == "a"
+    assert choose([holder, idle], rng, blocks=blocks).id == "a"
     # a busy holder: its decode blocks outweigh weight x the 48 cached blocks
-    busy = dataclasses.replace(holder, decode_blocks=int(policy.PREFIX_WEIGHT * 48) + 1)
-    assert policy.choose("prefix", [busy, idle], rng, 0, blocks=blocks).id == "b"
+    busy = dataclasses.replace(holder, decode_blocks=int(PREFIX_WEIGHT * 48) + 1)
+    assert choose([busy, idle], rng, blocks=blocks).id == "b"
     # a deep queue of waiting sequences (they hold no KV yet): far busier, not picked
     queued = dataclasses.replace(holder, load=8)
-    assert policy.choose("prefix", [queued, idle], rng, 0, blocks=blocks).id == "b"
+    assert choose([queued, idle], rng, blocks=blocks).id == "b"
     # a few more requests than the other: the cache still wins
-    assert (
-        policy.choose(
-            "prefix", [dataclasses.replace(holder, load=3), idle], rng, 0, blocks=blocks
-        ).id
-        == "a"
-    )
+    assert choose([dataclasses.replace(holder, load=3), idle], rng, blocks=blocks).id == "a"
     # full, or no KV room: out, whatever it holds
     full = dataclasses.replace(holder, kv_free=10)
-    assert policy.choose("prefix", [full, idle], rng, 0, need=100, blocks=blocks).id == "b"
+    assert choose([full, idle], rng, need=100, blocks=blocks).id == "b"
     # a session's replica counts as holding the whole prompt
-    assert policy.choose("prefix", [idle, holder], rng, 0, preferred="b", blocks=blocks).id == "b"
+    assert choose([idle, holder], rng, preferred="b", blocks=blocks).id == "b"
 
 
 def test_an_unknown_load_falls_back_to_p2c() -> None:
     rng = random.Random(2)
     holder = Candidate("a", 3, 64, None, overlap=50, decode_blocks=None)
     idle = Candidate("b", 0, 64, None, overlap=0, decode_blocks=None)
-    assert {policy.choose("prefix", [holder, idle], rng, 0, blocks=50).id for _ in range(20)} == {
-        "b"
-    }
+    assert {choose([holder, idle], rng, blocks=50).id for _ in range(20)} == {"b"}
 
 
 def test_a_conversation_sticks_a_new_prefix_balances_and_none_dominates() -> None:

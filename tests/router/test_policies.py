@@ -1,13 +1,38 @@
-"""The balancing policies as pure functions, with fake replicas and a seeded rng."""
+"""The balancing policies as pure objects, with fake replicas and a seeded rng."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
+from prometheus_client import REGISTRY
 
-from router.forwarding.policy import Candidate, choose, kv_free, kv_need, load
+from router.forwarding.policies import (
+    POLICIES,
+    Ask,
+    Candidate,
+    Policy,
+    Setup,
+    build,
+    kv_free,
+    kv_need,
+    load,
+)
+from router.forwarding.policies.p2c import P2C
+
+
+def choose(
+    name: str,
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    tick: int,
+    need: int = 1,
+    preferred: str | None = None,
+) -> Candidate:
+    """One pick of the policy named `name`, built on `rng`."""
+    return build(name, Setup(rng)).choose(candidates, Ask(need, preferred, tick=tick))
 
 
 def cands(*loads: int, max_queue: int = 100) -> list[Candidate]:
@@ -154,3 +179,34 @@ def test_load_is_never_below_the_routers_own_calls_in_flight() -> None:
     # A sample taken after three of our calls started that shows only one of them (the
     # others are still on their way to the worker): our three count.
     assert load(1, 1000, [900, 950, 990], now_ms=1001, max_age_ms=500) == 3
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def test_every_policy_is_registered_by_its_own_name_and_only_prefix_reads_the_prompt() -> None:
+    assert all(cls.name == name for name, cls in POLICIES.items())
+    assert {n for n, cls in POLICIES.items() if cls.needs_prompt} == {"prefix"}
+
+
+def test_a_new_policy_is_one_class_and_the_picker_asks_nothing_else() -> None:
+    class Last(Policy):
+        name = "last"
+
+        def select(self, candidates: Sequence[Candidate], ask: Ask) -> Candidate:
+            return candidates[-1]
+
+    last = Last(Setup(random.Random(0)))
+    assert last.choose(cands(0, 1, 2), Ask()).id == "w2"
+    assert last.choose(kv((0, 900), (0, 900)), Ask(need=50, preferred="w0")).id == "w0"
+
+
+def test_p2c_records_a_pick_without_room() -> None:
+    before = REGISTRY.get_sample_value("meshserve_router_kv_no_room_total") or 0
+    p2c = P2C(Setup(random.Random(12)))
+    full = kv((0, 10), (1, 20))
+    ask = Ask(need=50)
+    p2c.picked(p2c.choose(full, ask), full, ask)
+    roomy = kv((0, 900), (1, 20))
+    p2c.picked(p2c.choose(roomy, ask), roomy, ask)
+    assert REGISTRY.get_sample_value("meshserve_router_kv_no_room_total") == before + 1
