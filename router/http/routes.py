@@ -1,5 +1,6 @@
 """The endpoints: OpenAI's /v1 and KServe v2's (Triton's) /v2, each a thin handler over
-router/http/calls.py (the dispatch path) and a codec (openai.py, tensors.py, pbjson.py)."""
+the mesh API (router/mesh.py, through calls.py for a call) and a codec (openai.py,
+tensors.py, pbjson.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from router.http.app import Handler, Out, Request
 from router.http.calls import MeshCalls
 from router.http.errors import HttpError
 from router.http.pbjson import to_json
+from router.mesh import MeshApi
+from router.tenancy.auth import Tenant
 
 log = structlog.get_logger()
 
@@ -41,9 +44,9 @@ def _naming(param: str | None) -> Iterator[None]:
 
 
 class Routes:
-    def __init__(self, calls: MeshCalls) -> None:
-        self.calls = calls
-        self.servicer = calls.servicer
+    def __init__(self, mesh: MeshApi) -> None:
+        self.mesh = mesh
+        self.calls = MeshCalls(mesh)
 
     def __call__(self, request: Request) -> Handler | None:
         method, parts = request.method, [p for p in request.path.split("/") if p]
@@ -178,13 +181,8 @@ class Routes:
             await self.calls.infer_answered(raw, tenant, answer)
 
     async def models(self, request: Request, out: Out) -> None:
-        tenant = await self.calls.tenant(request.header("authorization"))
-        index = await self.calls.grpc(
-            self.servicer.RepositoryIndex,
-            pb.RepositoryIndexRequest(),
-            request.header("authorization"),
-        )
-        names = sorted({m.name for m in index.models if self.calls.allowed(tenant, m.name)})
+        index = self.mesh.repository_index(await self._caller(request))
+        names = sorted({m.name for m in index.models})
         cards = [{"id": n, "object": "model", "created": 0, "owned_by": "meshserve"} for n in names]
         wanted = request.path.rstrip("/").split("/")[3:]
         if wanted:
@@ -203,64 +201,43 @@ class Routes:
         version = parts[4] if len(parts) > 4 and parts[3] == "versions" else ""
         return parts[2], version
 
+    async def _caller(self, request: Request) -> Tenant | None:
+        return await self.calls.tenant(request.header("authorization"))
+
     async def server(self, request: Request, out: Out) -> None:
-        authz = request.header("authorization")
         if request.path.rstrip("/") == "/v2":
-            meta = await self.calls.grpc(
-                self.servicer.ServerMetadata, pb.ServerMetadataRequest(), authz
-            )
-            await out.respond(200, _json(to_json(meta)))
+            await self._caller(request)
+            await out.respond(200, _json(to_json(self.mesh.server_metadata())))
             return
         if request.path.endswith("live"):
             await out.respond(200, b"")
             return
-        ready = await self.calls.grpc(self.servicer.ServerReady, pb.ServerReadyRequest(), authz)
-        await out.respond(200 if ready.ready else 503, b"")
+        await out.respond(200 if self.mesh.ready() else 503, b"")
 
     async def metadata(self, request: Request, out: Out) -> None:
         name, version = self._model(request)
-        reply = await self.calls.grpc(
-            self.servicer.ModelMetadata,
-            pb.ModelMetadataRequest(name=name, version=version),
-            request.header("authorization"),
-        )
+        reply = await self.mesh.model_metadata(await self._caller(request), name, version)
         await out.respond(200, _json(to_json(reply)))
 
     async def ready(self, request: Request, out: Out) -> None:
         name, version = self._model(request)
-        reply = await self.calls.grpc(
-            self.servicer.ModelReady,
-            pb.ModelReadyRequest(name=name, version=version),
-            request.header("authorization"),
-        )
-        await out.respond(200 if reply.ready else 503, b"")
+        ready = await self.mesh.model_ready(await self._caller(request), name, version)
+        await out.respond(200 if ready else 503, b"")
 
     async def config(self, request: Request, out: Out) -> None:
         name, version = self._model(request)
-        reply = await self.calls.grpc(
-            self.servicer.ModelConfig,
-            pb.ModelConfigRequest(name=name, version=version),
-            request.header("authorization"),
-        )
+        reply = await self.mesh.model_config(await self._caller(request), name, version)
         await out.respond(200, _json(to_json(reply.config)))
 
     async def stats(self, request: Request, out: Out) -> None:
         name, version = (
             ("", "") if request.path.rstrip("/") == "/v2/models/stats" else self._model(request)
         )
-        reply = await self.calls.grpc(
-            self.servicer.ModelStatistics,
-            pb.ModelStatisticsRequest(name=name, version=version),
-            request.header("authorization"),
-        )
+        reply = await self.mesh.statistics(await self._caller(request), name, version)
         await out.respond(200, _json(to_json(reply)))
 
     async def repository_index(self, request: Request, out: Out) -> None:
-        reply = await self.calls.grpc(
-            self.servicer.RepositoryIndex,
-            pb.RepositoryIndexRequest(),
-            request.header("authorization"),
-        )
+        reply = self.mesh.repository_index(await self._caller(request))
         models = [to_json(m) for m in reply.models]
         await out.respond(200, _json(models))
 

@@ -19,6 +19,7 @@ from router.forwarding.dispatch import Dispatcher
 from router.forwarding.registry import Registry
 from router.forwarding.shedding import Shedder
 from router.http import HttpServer, front_door
+from router.mesh import MeshApi
 from router.money.accounting import Accounting
 from router.process.settings import RouterSettings
 from router.servicer import RouterServicer, handler
@@ -128,17 +129,9 @@ def server_credentials(settings: RouterSettings) -> grpc.ServerCredentials | Non
     return None
 
 
-def http_server(
-    settings: RouterSettings, http_host: str, servicer: RouterServicer, parts: Parts
-) -> HttpServer:
+def http_server(settings: RouterSettings, http_host: str, mesh: MeshApi) -> HttpServer:
     return HttpServer(
-        front_door(
-            servicer,
-            parts.dispatcher,
-            parts.auth,
-            settings.http_max_body_bytes,
-            settings.http_body_timeout_seconds,
-        ),
+        front_door(mesh, settings.http_max_body_bytes, settings.http_body_timeout_seconds),
         http_host,
         settings.http_port,
         reuse_port=settings.shared_port,
@@ -165,12 +158,12 @@ async def serve(settings: RouterSettings, on_ready: Callable[[], None] | None = 
     server, health = rpc.new_server(
         settings.max_message_bytes, reflection, reuse_port=settings.shared_port
     )
-    servicer = RouterServicer(registry, parts.dispatcher, auth)
-    server.add_generic_rpc_handlers((handler(servicer),))
+    mesh = MeshApi(registry, parts.dispatcher, auth)  # what both front doors call
+    server.add_generic_rpc_handlers((handler(RouterServicer(mesh)),))
     credentials = server_credentials(settings)
     port = tls.add_port(server, f"{settings.host}:{settings.port}", credentials)
     await server.start()
-    http = http_server(settings, http_host, servicer, parts) if settings.http_port else None
+    http = http_server(settings, http_host, mesh) if settings.http_port else None
     if http is not None:
         await http.start()
     if settings.metrics_port:
