@@ -17,6 +17,7 @@ benchmark keeps it when it rewrites the file: `write_result`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -24,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -80,6 +81,44 @@ async def wait_http(host: str, port: int, path: str, timeout_s: float, alive: Ca
     raise TimeoutError(f"http://{host}:{port}{path} not ready after {timeout_s}s")
 
 
+async def http_exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> float:
+    """Seconds one HTTP/1.1 request takes on a keep-alive connection: written, its head read,
+    then its Content-Length bytes (a status other than 200 raises)."""
+    t0 = time.perf_counter()
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"HTTP answer {head[:200]!r}")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    return time.perf_counter() - t0
+
+
+@contextlib.asynccontextmanager
+async def http_server(
+    args: list[str], log: Path, port: int, ready_path: str, timeout_s: float, env: dict | None
+) -> AsyncIterator[int]:
+    """A server process on 127.0.0.1:`port`, its output in `log`: its pid once GET
+    `ready_path` answers 200; terminated on leaving (killed after 20 s)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            await wait_http("127.0.0.1", port, ready_path, timeout_s, lambda: proc.poll() is None)
+            yield proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def spawn(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args],
@@ -118,7 +157,11 @@ def write_result(
 ) -> Path:
     """results/<name>.json (loadtest/results.py: non-finite numbers as null) with its summary
     object and history (the earlier file's, its headline rows added); a --quick run's file
-    goes to QUICK_RESULTS instead, so that it never replaces a full run's."""
+    goes to QUICK_RESULTS instead, so that it never replaces a full run's (nor does a run
+    that measured nothing: no rows)."""
+    if not rows and not quick:
+        print(f"{name}: nothing measured: results/{name}.json kept, this run in {QUICK_RESULTS}")
+        quick = True
     path = (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
     command = " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]])
     summary = results.summary_block(title, rows, payload["machine"], command)
@@ -134,6 +177,27 @@ def history(path: Path, keep: int = 8) -> list[dict]:
     s = old.get("summary") or {}
     entry = {k: s.get(k) for k in ("date", "machine", "command", "rows")} | {"file": path.name}
     return ([entry] if s.get("rows") else []) + list(old.get("history", []))[: keep - 1]
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None, **quick: object):  # type: ignore[no-untyped-def]
+    """The parser's arguments with --quick added: the benchmark's smallest meaningful run,
+    the `quick` values over the flags (its file goes to QUICK_RESULTS: `write_result`)."""
+    settings = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
+    parser.add_argument("--quick", action="store_true", help=f"the smallest run: {settings}")
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(quick)
+    return args
+
+
+def print_points(results: dict[str, list[dict]]) -> None:
+    """One line per measured point of a closed-loop sweep."""
+    for key, points in results.items():
+        for r in points:
+            print(
+                f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
+                f"p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  errors {r['errors']}"
+            )
 
 
 def model_successes(address: str, model: str) -> int:

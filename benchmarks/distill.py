@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.common import RESULTS, ROOT, check, figure, machine, write_result
+from benchmarks.common import RESULTS, ROOT, check, figure, machine, parse, write_result
 from quantize import distill, evaluate, pipeline
 from quantize.recipes import DECODER, ENCODER, distill_recipe
 
@@ -119,10 +119,7 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, help="the student's layers, for one --model (default: its plan's)"
     )
-    parser.add_argument("--quick", action="store_true", help="--repeats 3")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats = 3
+    args = parse(parser, repeats=3)
     if args.layers is not None and len(args.model) != 1:
         parser.error("--layers needs exactly one --model")
     previous = RESULTS / "distill.json"

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import ROOT, check, figure, machine, write_result
+from benchmarks.common import ROOT, check, figure, http_exchange, machine, parse, write_result
 from common import llm_protocol as llm
 from common.net import free_port
 from devmesh import toy_models
@@ -87,17 +87,7 @@ async def _http_caller(port: int, raw: bytes, stop_at: float, out: list[float]) 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.monotonic() < stop_at:
-            t0 = time.perf_counter()
-            writer.write(raw)
-            head = await reader.readuntil(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200"), head[:200]
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            await reader.readexactly(length)
-            out.append(time.perf_counter() - t0)
+            out.append(await http_exchange(reader, writer, raw))
     finally:
         writer.close()
 
@@ -217,10 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--llm-repo", type=Path, default=ROOT / "build" / "models")
-    p.add_argument("--quick", action="store_true", help="--rounds 1 --seconds 1")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.seconds = 1, 1.0
+    args = parse(p, argv, rounds=1, seconds=1.0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         mesh = Mesh(root / "logs")

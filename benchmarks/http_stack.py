@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import figure, machine, write_result
+from benchmarks.common import figure, http_exchange, machine, parse, write_result
 from common.net import free_port
 
 BODY = json.dumps({"inputs": [{"name": "x", "data": list(range(200))}]}).encode()
@@ -106,16 +106,7 @@ async def _connection(port: int, count: int, latencies: list[float], stop_at: fl
         for _ in range(count):
             if time.monotonic() > stop_at:
                 break
-            t0 = time.perf_counter()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            await reader.readexactly(length)
-            latencies.append(time.perf_counter() - t0)
+            latencies.append(await http_exchange(reader, writer, request))
     finally:
         writer.close()
 
@@ -215,10 +206,7 @@ def verdict(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.http_stack")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="--rounds 1")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds = 1
+    args = parse(parser, argv, rounds=1)
     results = measure(args.rounds)
     payload = {
         "machine": machine(),

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import readings
-from benchmarks.common import RESULTS, figure, infer_request, machine, write_result
+from benchmarks.common import RESULTS, figure, infer_request, machine, parse, write_result
 from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from ledger import config as ledger_config
@@ -121,10 +121,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds a run")
     parser.add_argument("--pairs", type=int, default=8, help="accounting on/off pairs")
     parser.add_argument("--skip-economics", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="--pairs 3 --seconds 2, no economics")
-    args = parser.parse_args()
-    if args.quick:
-        args.pairs, args.seconds, args.skip_economics = 3, 2.0, True
+    args = parse(parser, pairs=3, seconds=2.0, skip_economics=True)
     if args.pairs < 1 or args.seconds <= 0:
         parser.error("--pairs must be >= 1 and --seconds > 0")
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks import llm_genai_perf, llm_run, llm_summary
-from benchmarks.common import RESULTS, ROOT, figure, free_port, machine, write_result
+from benchmarks.common import RESULTS, ROOT, figure, free_port, machine, parse, write_result
 from common.model_keys import MODEL_FILE
 from common.paths import link_or_copy
 
@@ -153,11 +153,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
     p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
     p.add_argument("--quiet-wait-s", type=float, default=180.0)
-    p.add_argument("--quick", action="store_true", help="the smallest meaningful run")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.anchor_rounds, args.anchor_single_rounds, args.anchor_seconds = 1, 3, 20.0
-        args.repeats, args.concurrency, args.lengths = 1, [1, 4], [32, 500]
+    quick: dict[str, object] = {
+        "anchor_rounds": 1,
+        "anchor_single_rounds": 3,
+        "anchor_seconds": 20.0,
+    }
+    quick |= {"repeats": 1, "concurrency": [1, 4], "lengths": [32, 500]}
+    args = parse(p, argv, **quick)
     args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
     if args.speculative == "ngram":
         from benchmarks import llm_serve

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, check, machine, write_result
+from benchmarks.common import RESULTS, check, machine, parse, write_result
 from common.net import free_port
 from devmesh import processes
 from loadtest.llm.conversations import ConversationLoad, run
@@ -69,7 +69,6 @@ NOISE = 1.10  # "no worse" allows this ratio: rounds on a shared 2-core machine
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.llm_prefix", description=__doc__)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="--rounds 1")
     p.add_argument("--parts", nargs="+", default=["single", "routing"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -78,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=ROOT / "build" / "llama-server" / "bin" / "llama-server",
     )
     p.add_argument("--repository", type=Path, default=ROOT / "build" / "bench-llm-prefix" / "repo")
-    return p.parse_args(argv)
+    return parse(p, argv, rounds=1)
 
 
 def repository(path: Path) -> tuple[Path, Path]:
@@ -333,8 +332,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        args.rounds = 1
     logs = ROOT / "build" / "bench-llm-prefix"
     logs.mkdir(parents=True, exist_ok=True)
     result: dict = {

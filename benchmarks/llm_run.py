@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
+from benchmarks.common import RssSampler, free_port, http_server, rss_tree_mb
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.runner import LLMLoad, closed_loop
@@ -300,19 +300,9 @@ async def llamacpp_server_process(ctx: Context, logs: Path) -> AsyncIterator[tup
         "--interrupt_requests",
         "False",
     ]
-    log = (logs / "llamacpp-server.log").open("w")
     env = omp_env(ctx.args.omp_wait_policy)
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        await wait_http("127.0.0.1", port, "/v1/models", 120, lambda: proc.poll() is None)
-        yield port, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    async with http_server(args, logs / "llamacpp-server.log", port, "/v1/models", 120, env) as pid:
+        yield port, pid
 
 
 async def llamacpp_server(ctx: Context, logs: Path) -> dict:

@@ -39,7 +39,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from benchmarks.common import RssSampler, free_port, rss_tree_mb, wait_http
+from benchmarks.common import RssSampler, free_port, http_server, rss_tree_mb
 from loadtest.llm import prompts as prompt_source
 from loadtest.llm.runner import LLMLoad, closed_loop
 
@@ -201,17 +201,8 @@ async def llama_server(
         "--cont-batching",
         *extra,
     ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            await wait_http("127.0.0.1", port, "/health", 180, lambda: proc.poll() is None)
-            yield f"http://127.0.0.1:{port}", proc.pid, args
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    async with http_server(args, log, port, "/health", 180, env) as pid:
+        yield f"http://127.0.0.1:{port}", pid, args
 
 
 def cpu_features(binary: Path, gguf: Path, timeout_s: float = 60.0) -> list[str]:

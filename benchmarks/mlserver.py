@@ -34,6 +34,8 @@ from benchmarks.common import (
     figure,
     free_port,
     machine,
+    parse,
+    print_points,
     standalone_worker,
     wait_ready,
     write_result,
@@ -206,10 +208,7 @@ def plot(results: dict[str, list[dict]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--quick", action="store_true", help="1 s per point, no plots")
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds = 1.0
+    args = parse(parser, seconds=1.0)  # and no plots
     binary = ensure_venv()
     version = subprocess.run(
         [str(binary), "--version"], capture_output=True, text=True, timeout=60
@@ -230,12 +229,7 @@ def main() -> None:
         "ratios": summarize(results),
     }
     path = write_result("mlserver", payload, TITLE, rows(payload), args.quick)
-    for key, points in results.items():
-        for r in points:
-            print(
-                f"{key:20s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
-                f"p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  errors {r['errors']}"
-            )
+    print_points(results)
     print(f"wrote {path}")
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, figure, machine, standalone_worker, write_result
+from benchmarks.common import ROOT, figure, machine, parse, standalone_worker, write_result
 from common.bytes_codec import serialize_bytes
 from loadtest.calls import closed_loop
 from protos import grpc_service_pb2 as pb
@@ -87,10 +87,7 @@ def speedups(report: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--quick", action="store_true", help="MiniLM only, 1 s per point")
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds = 1.0
+    args = parse(parser, seconds=1.0)  # and MiniLM only
     minilm = gated("minilm", "encoder-int8-dynamic")
     smollm2 = {} if args.quick else {r: gated("smollm2", r) for r in SMOLLM2_RECIPES}
     batching = batching_gain(args.seconds)

@@ -29,6 +29,7 @@ from benchmarks.common import (
     infer_request,
     machine,
     model_successes,
+    parse,
     spawn,
     wait_ready,
     write_result,
@@ -202,10 +203,7 @@ def plot(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=6.0)
-    parser.add_argument("--quick", action="store_true", help="1 s per point, no plots")
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds = 1.0
+    args = parse(parser, seconds=1.0)  # and no plots
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         waiting = repository(tmp, "b-wait", config(4000))

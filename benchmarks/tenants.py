@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 
 from benchmarks.auth_path import components
-from benchmarks.common import check, figure, infer_request, machine, write_result
+from benchmarks.common import check, figure, infer_request, machine, parse, write_result
 from benchmarks.mesh_cost import cpu_seconds, scripts_run
 from common import tls
 from common.rpc import message_options
@@ -203,11 +203,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=2500, help="p50 rounds")
     parser.add_argument("--slices", type=int, default=8, help="throughput slices per mesh")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
-    parser.add_argument("--quick", action="store_true", help="--calls 500 --slices 2 --seconds 1")
-    args = parser.parse_args()
-    if args.quick:
-        args.calls, args.slices, args.seconds = 500, 2, 1.0
-    return args
+    return parse(parser, calls=500, slices=2, seconds=1.0)
 
 
 def _measure(labels: list[str], body: bytes, args: argparse.Namespace) -> tuple[dict, dict, dict]:

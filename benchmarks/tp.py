@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, figure, machine, write_result
+from benchmarks.common import ROOT, figure, machine, parse, write_result
 from quantize import llm, llm_shard, shard, weights
 from worker.tp.local import run_group, run_llm_group
 
@@ -127,10 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--skip-decoder", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="--repeat 3 --skip-decoder")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeat, args.skip_decoder = 3, True
+    args = parse(parser, repeat=3, skip_decoder=True)
     rng = np.random.default_rng(0)
     payload: dict = {"machine": machine(), "backend": "gloo", "repeat": args.repeat}
 

@@ -26,6 +26,8 @@ from benchmarks.common import (
     free_port,
     infer_request,
     machine,
+    parse,
+    print_points,
     spawn,
     standalone_worker,
     wait_ready,
@@ -66,10 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0, help="per point and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1 round of 1 s per point")
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds, args.rounds = 1.0, 1
+    args = parse(parser, seconds=1.0, rounds=1)
     results = _measure(args.seconds, args.rounds)
     payload = {
         "benchmark": "worker",
@@ -82,12 +81,7 @@ def main() -> None:
         "ratios": _ratios(results),
     }
     path = write_result("worker", payload, TITLE, rows(payload), args.quick)
-    for key, points in results.items():
-        for r in points:
-            print(
-                f"{key:28s} c={r['concurrency']:<3d} {r['throughput_rps']:8.1f} req/s  "
-                f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
-            )
+    print_points(results)
     print(f"wrote {path}")
 
 
