@@ -245,6 +245,8 @@ class Dispatcher:
             except UpstreamError as e:
                 status = e.code
                 tried.add(replica.id)
+                # the replicas now: a long stream may outlive every one it started with
+                replicas = self.registry.replicas_for(guard.model, guard.asked_version)
                 # One retry, and only where another replica can take it: with none left the
                 # caller gets this worker's own status (RESOURCE_EXHAUSTED stays that).
                 another = any(
@@ -255,6 +257,7 @@ class Dispatcher:
                     metrics.MIGRATIONS.labels(guard.label).inc()
                     log.info(
                         "migrating_stream",
+                        id=clip(guard.id),
                         worker=replica.id,
                         model=guard.model,
                         tokens=len(migration.ids),

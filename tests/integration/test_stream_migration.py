@@ -13,7 +13,7 @@ import json
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,16 +141,16 @@ class Got:
         self.final = self.final or params.get("triton_final_response", False)
 
 
-def sampling() -> str:
-    return json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+def sampling(max_tokens: int) -> str:
+    return json.dumps({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
 
 
-def llm_request(text: str) -> pb.ModelInferRequest:
-    r = pb.ModelInferRequest(model_name=MODEL, id="r")
+def llm_request(text: str, max_tokens: int, rid: str) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name=MODEL, id=rid)
     for name, dtype, value in (
         ("text_input", "BYTES", text.encode()),
         ("stream", "BOOL", None),
-        ("sampling_parameters", "BYTES", sampling().encode()),
+        ("sampling_parameters", "BYTES", sampling(max_tokens).encode()),
         ("exclude_input_in_output", "BOOL", None),
     ):
         r.inputs.add(name=name, datatype=dtype, shape=[1])
@@ -164,10 +164,10 @@ def _params(response: pb.ModelInferResponse) -> dict:
     return {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in response.parameters.items()}
 
 
-async def grpc_stream(address: str, text: str, got: Got) -> None:
+async def grpc_stream(address: str, text: str, got: Got, max_tokens: int, rid: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=WAIT_S)
-        await call.write(llm_request(text))
+        await call.write(llm_request(text, max_tokens, rid))
         try:
             async for r in call:
                 if r.error_message:
@@ -182,10 +182,10 @@ async def grpc_stream(address: str, text: str, got: Got) -> None:
             got.error = e.code().name
 
 
-def http_stream(port: int, text: str, got: Got) -> None:
+def http_stream(port: int, text: str, got: Got, max_tokens: int) -> None:
     """One request on the router's generate_stream (server-sent events), read event by event."""
     body = json.dumps(
-        {"text_input": text, "stream": True, "sampling_parameters": sampling(),
+        {"text_input": text, "stream": True, "sampling_parameters": sampling(max_tokens),
          "exclude_input_in_output": True}
     )  # fmt: skip
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
@@ -207,20 +207,28 @@ def http_stream(port: int, text: str, got: Got) -> None:
 
 
 async def run_streams(
-    routed: Routed, n: int, http: bool = False, kill: int | None = None, after: int = 3
+    routed: Routed,
+    n: int,
+    http: bool = False,
+    kill: int | None = None,
+    after: int = 3,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[list[Got], int]:
     """n concurrent streams; with `kill` (a signal), once each has `after` pieces, the worker
     with the most of them gets it. The clients' outcomes and the victim's calls then."""
     gots = [Got() for _ in range(n)]
     if http:
         tasks = [
-            asyncio.ensure_future(asyncio.to_thread(http_stream, routed.http_port, prompt(i), g))
+            asyncio.ensure_future(
+                asyncio.to_thread(http_stream, routed.http_port, prompt(i), g, max_tokens)
+            )
             for i, g in enumerate(gots)
         ]
     else:
         address = routed.mesh.router_address
         tasks = [
-            asyncio.ensure_future(grpc_stream(address, prompt(i), g)) for i, g in enumerate(gots)
+            asyncio.ensure_future(grpc_stream(address, prompt(i), g, max_tokens, f"r{i}"))
+            for i, g in enumerate(gots)
         ]
     on_victim = 0
     if kill is not None:
@@ -311,3 +319,62 @@ def test_a_drained_worker_hands_over_the_streams_that_outlive_its_grace(routed: 
     assert migrations(routed.metrics_port) >= 1
     expected = received(reference + gots)
     assert settle(routed.store, expected) == expected
+
+
+def test_a_stream_moves_at_most_migration_limit_times(llm_repository: Path, tmp_path: Path) -> None:
+    """Limit 1: worker A killed, its streams move to B; a fresh worker C joins; B killed:
+    B's own streams move to C, A's (moved once already) end UNAVAILABLE."""
+    # round robin: A and B take 3 streams each (the prefix policy sends these prompts,
+    # which share their first words, all to one replica)
+    routed = start(llm_repository, tmp_path, "--migration-limit", "1", "--policy", "round_robin")
+    n, tokens = 6, 160
+    try:
+        reference, _ = asyncio.run(run_streams(routed, n, max_tokens=tokens))
+        gots, on_a, on_b = asyncio.run(_two_kills(routed, n, tokens, llm_repository))
+        moved_twice = [g for g in gots if g.error]
+        assert 0 < on_a < n and on_b == n, (on_a, on_b)
+        assert len(moved_twice) == on_a, gots
+        assert all(g.error.startswith("UNAVAILABLE") for g in moved_twice)
+        done = [(r, g) for r, g in zip(reference, gots, strict=True) if not g.error]
+        assert len(done) == n - on_a
+        for ref, got in done:
+            assert got.final and got.ids == ref.ids and got.text == ref.text
+        assert migrations(routed.metrics_port) == n  # each stream once: no second move
+        expected = received(reference + gots)
+        assert settle(routed.store, expected) == expected
+    finally:
+        routed.mesh.stop(kill=True)
+        routed.store.close()
+
+
+async def _two_kills(routed: Routed, n: int, tokens: int, repo: Path) -> tuple[list[Got], int, int]:
+    """n streams; A (the busiest) killed after 3 pieces each, C added, B killed once C is
+    known to the router and every stream made 3 more pieces. The streams, and the streams
+    on A, then on B, at their kills."""
+    gots = [Got() for _ in range(n)]
+    address = routed.mesh.router_address
+    tasks = [
+        asyncio.ensure_future(grpc_stream(address, prompt(i), g, tokens, f"r{i}"))
+        for i, g in enumerate(gots)
+    ]
+    await _until(lambda: all(g.pieces >= 3 for g in gots))
+    a, on_a = routed.victim()
+    routed.mesh.workers[a].signal(signal.SIGKILL)
+    c = await asyncio.to_thread(routed.mesh.add_worker, repo, "--grace-seconds", "1")
+    depth = f'meshserve_router_replica_depth{{worker="{worker_id(c)}"}}'
+    await _until(lambda: depth in scrape(routed.metrics_port))
+    marks = [g.pieces for g in gots]
+    await _until(lambda: all(g.pieces >= m + 3 for g, m in zip(gots, marks, strict=True)))
+    assert not any(g.final or g.error for g in gots), "a stream ended early: raise its tokens"
+    b, on_b = routed.victim()
+    assert b != c
+    routed.mesh.workers[b].signal(signal.SIGKILL)
+    await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+    return gots, on_a, on_b
+
+
+async def _until(done: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
