@@ -102,16 +102,6 @@ class _Run:
         if started >= self.measure_from:
             self.recorder.ok(self.loop.time() - t0)
 
-    async def ticker(self) -> None:
-        last_completed, last_time = 0, self.loop.time()
-        while True:
-            await asyncio.sleep(self.load.progress_seconds)
-            now = self.loop.time()
-            rate = (self.completed - last_completed) / max(1e-9, now - last_time)
-            last_completed, last_time = self.completed, now
-            assert self.progress is not None
-            self.progress(self.line(now, rate), False)
-
     def line(self, now: float, rate: float) -> str:
         phase = "warm-up" if now < self.measure_from else "measure"
         r = self.recorder
@@ -123,7 +113,13 @@ class _Run:
         )
 
     async def finish(self, workers: list[asyncio.Task]) -> dict:
-        ticker = asyncio.ensure_future(self.ticker()) if self.progress else None
+        ticker = (
+            asyncio.ensure_future(
+                tick(self.progress, self.load.progress_seconds, lambda: self.completed, self.line)
+            )
+            if self.progress
+            else None
+        )
         try:
             await asyncio.gather(*workers)
         finally:
@@ -264,6 +260,24 @@ def client_report(lag: Recorder, unsent: int, load: Limits) -> dict:
         "send_lag_p99_ms": lag_p99,
         "send_lag_max_ms": lag.summary(1)["max_ms"] or 0.0,
     }
+
+
+async def tick(
+    progress: Progress,
+    every_s: float,
+    count: Callable[[], int],
+    line: Callable[[float, float], str],
+) -> None:
+    """A run's live progress (both modes): every `every_s`, `line(now, rate)` with the
+    rate per second `count` grew at since the last line, until cancelled."""
+    loop = asyncio.get_running_loop()
+    last, last_time = count(), loop.time()
+    while True:
+        await asyncio.sleep(every_s)
+        now, seen = loop.time(), count()
+        rate = (seen - last) / max(1e-9, now - last_time)
+        last, last_time = seen, now
+        progress(line(now, rate), False)
 
 
 def progress_printer(stream=sys.stderr):  # type: ignore[no-untyped-def]

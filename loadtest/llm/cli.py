@@ -32,6 +32,7 @@ from client.__main__ import API_KEY_VARIABLE
 from common import tls
 from loadtest import plots
 from loadtest.llm import prompts as prompt_source
+from loadtest.llm import tenants
 from loadtest.llm.runner import LLMLoad, closed_loop, open_loop
 from loadtest.llm.stats import COUNTS
 from loadtest.runner import measured, progress_printer
@@ -110,6 +111,14 @@ def _add_load(group: argparse._ArgumentGroup) -> None:
     shape = group.add_mutually_exclusive_group()
     shape.add_argument("--concurrency", type=int, nargs="+", help="closed loop; default 1")
     shape.add_argument("--rate", type=float, nargs="+", help="open loop, Poisson, req/s")
+    group.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME,KEY_VARIABLE,concurrency=C|rate=R",
+        help="several tenants at once, each its API key (from the environment variable) and "
+        "load; per-tenant TTFT and served tokens, and Jain's index (loadtest/llm/tenants.py)",
+    )
     group.add_argument("--duration", type=float, default=30.0, help="seconds starting requests")
     group.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds first")
     group.add_argument("--timeout", type=float, default=120.0, help="deadline of a request")
@@ -156,6 +165,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--sampling is not JSON: {e}")
     if not isinstance(args.sampling, dict):
         parser.error("--sampling must be a JSON object")
+    try:
+        args.tenant = [tenants.TenantLoad.parse(t) for t in args.tenant]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.tenant and (args.rate or args.concurrency):
+        parser.error("--tenant sets each tenant's load: no --rate or --concurrency with it")
 
 
 def build_load(args: argparse.Namespace) -> tuple[LLMLoad, dict]:
@@ -231,6 +246,12 @@ def table(runs: list[dict]) -> str:
             + ("  CLIENT-LIMITED" if r.get("client_limited") else "")
         )
     for r in runs:
+        shed = r["shed"]
+        if shed["count"]:
+            lines.append(
+                f"{plots.label(r)}: shed {shed['count']} (overload), {shed['with_retry_after']} "
+                f"with Retry-After; accepted TTFT p99 {r['ttft_ms']['p99'] or 0:.1f} ms"
+            )
         if r["itl_unit"] != "token":
             lines.append(
                 f"{plots.label(r)}: no token counts (no usage, no --tokenizer): "
@@ -255,6 +276,8 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"python -m loadtest --llm: {e}", file=sys.stderr)
         return 2
+    if args.tenant:
+        return _tenants(args, load, described)
     runs = asyncio.run(run_all(args, load))
     print(table(runs))
     name = args.label or f"{args.model}@{args.address}"
@@ -291,6 +314,35 @@ def main(argv: list[str]) -> int:
             )
         print("wrote " + " ".join(str(p) for p in paths))
     return 1 if any(r["requests"] == 0 for r in runs) else 0
+
+
+def _tenants(args: argparse.Namespace, load: LLMLoad, described: dict) -> int:
+    progress = None if args.quiet else progress_printer()
+    try:
+        result = asyncio.run(
+            tenants.run_tenants(load, args.tenant, args.seed, args.max_in_flight, progress)
+        )
+    except ValueError as e:  # a key variable unset
+        print(f"python -m loadtest --llm: {e}", file=sys.stderr)
+        return 2
+    print(tenants.table(result))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "label": args.label or f"{args.model}@{args.address}",
+            "address": args.address,
+            "model": args.model,
+            "llm": True,
+            "mode": "tenants",
+            "prompts": described,
+            "warmup_s": args.warmup,
+            "duration_s": args.duration,
+            "tenant_loads": [vars(t) for t in args.tenant],
+            **result,
+        }
+        args.output.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 1 if any(r["requests"] == 0 for r in result["tenants"].values()) else 0
 
 
 if __name__ == "__main__":

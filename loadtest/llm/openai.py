@@ -64,6 +64,7 @@ class OpenAIStreams:
             out.error = f"stream: {type(e).__name__}"
         except HTTPError as e:
             out.error = f"HTTP {e.status}"
+            out.shed, out.retry_after = e.status == 429, e.retry_after
         finally:
             out.end = clock()
         return out
@@ -92,9 +93,10 @@ class OpenAIStreams:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, retry_after: str | None = None) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
+        self.retry_after = retry_after  # its Retry-After header
 
 
 def _record(out: Outcome, chunk: dict, now: float, on_piece: Callable[[], None]) -> None:
@@ -124,7 +126,8 @@ async def events(reader: asyncio.StreamReader) -> AsyncIterator[str]:
         headers[key.strip().lower()] = value.strip().lower()
     parts = status.split()
     if len(parts) < 2 or parts[1] != "200":
-        raise HTTPError(int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0)
+        code = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        raise HTTPError(code, headers.get("retry-after"))
     chunked = headers.get("transfer-encoding") == "chunked"
     buffer = b""
     while True:

@@ -25,7 +25,7 @@ from loadtest.llm import openai
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.stats import LLMRecorder
 from loadtest.llm.stream import Streams, build_request
-from loadtest.runner import Arrivals, Progress, client_report
+from loadtest.runner import Arrivals, Progress, client_report, tick
 from protos import grpc_service_pb2 as pb
 
 
@@ -109,16 +109,6 @@ class _Run:
         if due >= self.measure_from:
             self.recorder.add(out, prompt)
 
-    async def ticker(self) -> None:
-        last, last_time = 0, self.loop.time()
-        while True:
-            await asyncio.sleep(self.load.progress_seconds)
-            now = self.loop.time()
-            rate = (self.pieces_seen - last) / max(1e-9, now - last_time)
-            last, last_time = self.pieces_seen, now
-            assert self.progress is not None
-            self.progress(self.line(now, rate), False)
-
     def line(self, now: float, pieces_per_s: float) -> str:
         phase = "warm-up" if now < self.measure_from else "measure"
         r = self.recorder
@@ -131,7 +121,13 @@ class _Run:
     async def finish(self, tasks: list[asyncio.Task], scheduled: bool = False) -> dict:
         """Wait for `tasks`; an open loop (`scheduled`) spans its whole window unless
         --max-requests ended its schedule first."""
-        ticker = asyncio.ensure_future(self.ticker()) if self.progress else None
+        ticker = (
+            asyncio.ensure_future(
+                tick(self.progress, self.load.progress_seconds, lambda: self.pieces_seen, self.line)
+            )
+            if self.progress
+            else None
+        )
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -28,6 +28,10 @@ window. What each means:
 - `errors`: by gRPC status code, or "stream: <message>" for an error sent on the stream
   (numbers folded to N so one failure mode is one key). Failed requests are in no
   latency and no token count.
+- `shed`: the errors that were refusals for overload (RESOURCE_EXHAUSTED, HTTP 429): how
+  many, how many said when to come back (gRPC `retry-after` metadata or the stream's error
+  parameters, HTTP Retry-After), and those waits in seconds. `ttft_ms` is then the
+  accepted requests' alone.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class LLMRecorder:
         self.last_end: float | None = None
         self.itl_unit = "token"
         self.rows: list[dict] = []  # one per request, for the JSON
+        self.shed = self.shed_with_retry = 0
+        self.retry_after = Counts(scale=1000)
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
@@ -109,6 +115,7 @@ class LLMRecorder:
         self.rows.append(row)
         if out.error is not None:
             self.error(out.error)
+            self._shed(out)
             return
         tokens, source = self._completion_tokens(out)
         self.sources[source] += 1
@@ -138,6 +145,18 @@ class LLMRecorder:
             pieces=len(out.pieces),
             finish_reason=out.finish_reason,
         )
+
+    def _shed(self, out: Outcome) -> None:
+        if not out.shed:
+            return
+        self.shed += 1
+        try:
+            wait = float(out.retry_after) if out.retry_after is not None else None
+        except ValueError:
+            wait = None
+        if wait is not None and wait >= 0:
+            self.shed_with_retry += 1
+            self.retry_after.add(wait)
 
     def _completion_tokens(self, out: Outcome) -> tuple[int, str]:
         if out.completion_tokens is not None and self.trust_server:
@@ -189,6 +208,11 @@ class LLMRecorder:
             "completion_tokens": self.completion_tokens.summary((50, 90, 99)),
             "tokens_per_piece": round(self.output_tokens / self.pieces, 3) if self.pieces else None,
             "token_source": dict(self.sources),
+            "shed": {
+                "count": self.shed,
+                "with_retry_after": self.shed_with_retry,
+                "retry_after_s": self.retry_after.summary((50, 99)),
+            },
             "cdf": self.ttft.cdf(),  # TTFT, [percentile, ms]
             "per_request": [  # start_s from the first measured start, in start order
                 {**row, "start_s": round(row["start_s"] - (self.first_start or 0.0), 6)}

@@ -48,6 +48,8 @@ class Outcome:
     completion_tokens: int | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served
+    shed: bool = False  # refused for overload (RESOURCE_EXHAUSTED, HTTP 429)
+    retry_after: str | None = None  # what the refusal said to wait (seconds), if it did
 
 
 def build_request(
@@ -116,6 +118,9 @@ class Streams:
                     break
                 if reply.error_message:
                     out.error = "stream: " + _bounded(reply.error_message)
+                    out.shed = reply.error_message.startswith("RESOURCE_EXHAUSTED")
+                    retry = reply.infer_response.parameters.get("retry-after")
+                    out.retry_after = retry.string_param if retry is not None else None
                     break
                 pieces = len(out.pieces)
                 final = _record(out, reply.infer_response, now)
@@ -126,6 +131,8 @@ class Streams:
             await call.done_writing()
         except grpc.aio.AioRpcError as e:
             out.error = e.code().name
+            out.shed = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            out.retry_after = dict(e.trailing_metadata() or ()).get("retry-after")
         finally:
             out.end = clock()
             call.cancel()  # a no-op once the server has closed it
