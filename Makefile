@@ -56,7 +56,7 @@ lint: $(STUBS)
 # benchmark's --quick setting (about 20 min) into build/bench-quick/, never the committed
 # results, and prints their summary.
 BENCHES := worker router ledger mlserver quantize distill tp llm llm_prefix tenants http_stack \
-	http_edge
+	http_edge migration
 BENCH_TIMEOUT ?= 5400
 LLM_BENCH_ARGS ?= --model-repository $(MODELS)
 QUICK_RESULTS := build/bench-quick

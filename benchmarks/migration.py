@@ -2,6 +2,7 @@
 concurrent greedy streams through the router.
 
     python -m benchmarks.migration [--streams 12] [--max-tokens 64] [--kill-after-pieces 3]
+        [--quick: 4 streams of 24 tokens, into build/bench-quick/]
 
 Redis, two SmolLM2 int8 workers (one onnxruntime thread each), the router (migration limit
 2) and a ledger on SQLite. The load tool's chaos mode (loadtest/llm/chaos.py) runs one
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import signal
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import machine, parse, write_result
 from devmesh.processes import ROOT, LocalMesh, free_port
 from ledger.store import Store
 from loadtest.llm.chaos import Kill, chaos_round, same_text
@@ -36,7 +36,6 @@ from quantize import llm
 
 MODEL = "smollm2"
 WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "1", "--heartbeat-seconds", "0.2")
-COMMAND = "python -m benchmarks.migration"
 
 
 def _args() -> argparse.Namespace:
@@ -45,7 +44,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kill-after-pieces", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="bounds each stream")
-    return p.parse_args()
+    return parse(p, streams=4, max_tokens=24)
 
 
 def busiest(mesh: LocalMesh, metrics_port: int) -> int:
@@ -131,7 +130,8 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
-def summary(result: dict) -> dict:
+def rows(result: dict) -> list[list]:
+    """The headline rows, each verdict from the figures."""
     c, ledger = result["chaos"], result["ledger"]
     n = c["streams"]
 
@@ -139,34 +139,28 @@ def summary(result: dict) -> dict:
         return [label, f"{value}/{n}", f"{n}/{n}", "met" if met else "missed"]
 
     billed, received = ledger["billed"], ledger["received"]
-    return {
-        "title": f"kill -9 of one of two workers under {n} streams",
-        "machine": "2-core VM, shared, no GPU",
-        "date": datetime.date.today().isoformat(),
-        "command": COMMAND,
-        "rows": [
-            row("streams complete", c["completed"], c["completed"] == n),
-            row("with the full token count", c["full_token_count"], c["full_token_count"] == n),
-            row(
-                "greedy text equal to an uninterrupted run",
-                c["same_text_as_reference"],
-                c["same_text_as_reference"] == n,
-            ),
-            ["streams migrated", c["migrated"], "", ""],
-            [
-                "ledger tokens (prompt, completion) = received",
-                f"{billed} / {received}",
-                "equal",
-                "met" if billed == received else "missed",
-            ],
-            [
-                "round seconds, uninterrupted / with the kill",
-                f"{result['reference']['seconds']} / {c['seconds']}",
-                "",
-                "",
-            ],
+    return [
+        row("streams complete", c["completed"], c["completed"] == n),
+        row("with the full token count", c["full_token_count"], c["full_token_count"] == n),
+        row(
+            "greedy text equal to an uninterrupted run",
+            c["same_text_as_reference"],
+            c["same_text_as_reference"] == n,
+        ),
+        ["streams migrated", c["migrated"], "", ""],
+        [
+            "ledger tokens (prompt, completion) = received",
+            f"{billed} / {received}",
+            "equal",
+            "met" if billed == received else "missed",
         ],
-    }
+        [
+            "round seconds, uninterrupted / with the kill",
+            f"{result['reference']['seconds']} / {c['seconds']}",
+            "",
+            "",
+        ],
+    ]
 
 
 def main() -> int:
@@ -177,13 +171,14 @@ def main() -> int:
         "machine": {**machine(), "note": "shared 2-core VM, other jobs running: noisy"},
         "setup": {**vars(args), "workers": 2, "migration_limit": 2, "model": MODEL},
         **result,
-        "summary": summary(result),
     }
-    path = write_result("migration", payload)
-    for label, value, target, verdict in payload["summary"]["rows"]:
+    headline = rows(result)
+    title = f"kill -9 of one of two workers under {args.streams} streams"
+    path = write_result("migration", payload, title, headline, args.quick)
+    for label, value, target, verdict in headline:
         print(f"{label:48s} {value!s:>24s}  {target!s:>8s}  {verdict}")
     print(f"wrote {path}")
-    return 0 if all(r[3] != "missed" for r in payload["summary"]["rows"]) else 1
+    return 0 if all(r[3] != "missed" for r in headline) else 1
 
 
 if __name__ == "__main__":
