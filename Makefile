@@ -55,8 +55,8 @@ lint: $(STUBS)
 # build/quantize (~45 to train it), the others 2-5 min each). `make bench-quick` runs each
 # benchmark's --quick setting (about 20 min) into build/bench-quick/, never the committed
 # results, and prints their summary.
-BENCHES := worker router ledger mlserver quantize distill tp llm llm_prefix tenants http_stack \
-	http_edge migration
+BENCHES := worker router ledger mlserver quantize distill tp llm llm_prefix llm_structured \
+	migration tenants http_stack http_edge
 BENCH_TIMEOUT ?= 5400
 LLM_BENCH_ARGS ?= --model-repository $(MODELS)
 QUICK_RESULTS := build/bench-quick

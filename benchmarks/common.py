@@ -153,20 +153,27 @@ QUICK_RESULTS = paths.build_dir() / "bench-quick"  # --quick runs: not the commi
 
 
 def write_result(
-    name: str, payload: dict, title: str, rows: list[list], quick: bool = False
+    name: str,
+    payload: dict,
+    title: str | None = None,
+    rows: list[list] | None = None,
+    quick: bool = False,
 ) -> Path:
     """results/<name>.json (loadtest/results.py: non-finite numbers as null) with its summary
-    object and history (the earlier file's, its headline rows added); a --quick run's file
-    goes to QUICK_RESULTS instead, so that it never replaces a full run's (nor does a run
-    that measured nothing: no rows)."""
-    if not rows and not quick:
+    object (built from `title` and `rows`, or the payload's own) and history (the earlier
+    file's, its headline rows added); a --quick run's file goes to QUICK_RESULTS instead, so
+    that it never replaces a full run's (nor does a run that measured nothing: no rows)."""
+    if rows is not None:
+        command = " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]])
+        payload = {
+            **payload,
+            "summary": results.summary_block(title or name, rows, payload["machine"], command),
+        }
+    if not payload.get("summary", {}).get("rows") and not quick:
         print(f"{name}: nothing measured: results/{name}.json kept, this run in {QUICK_RESULTS}")
         quick = True
     path = (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
-    command = " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]])
-    summary = results.summary_block(title, rows, payload["machine"], command)
-    kept = [] if quick else history(path)
-    return results.write_json(path, {**payload, "summary": summary, "history": kept})
+    return results.write_json(path, {**payload, "history": [] if quick else history(path)})
 
 
 def history(path: Path, keep: int = 8) -> list[dict]:

