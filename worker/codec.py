@@ -113,8 +113,10 @@ def decode_request(
         raise InvalidArgument(
             f"model {spec.name!r} needs input(s) {want}; the request does not have them"
         )
+    # Token inputs beside TEXT are not read (worker/text.py): a generic client fills them too.
+    text_served = TEXT_INPUT in arrays and TOKENIZER in spec.parameters
     for name, size in vocab_sizes(spec).items():
-        if name in arrays:
+        if name in arrays and not text_served:
             _check_ids(name, arrays[name], size, spec)
     if spec.max_batch_size > 0:
         sizes = {name: a.shape[0] for name, a in arrays.items()}

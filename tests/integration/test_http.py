@@ -338,14 +338,12 @@ def test_perf_analyzer_on_mlp_and_minilm(served, genai_perf_venv, protocol, tmp_
               "--measurement-request-count", "40", "-s", "999", "--max-trials", "3"]  # fmt: skip
     out = _tool(genai_perf_venv, "perf_analyzer", "-m", "mlp", *common, cwd=tmp_path)
     assert "Concurrency: 2, throughput:" in out
-    # MiniLM takes TEXT, its token inputs are the optional alternative: perf_analyzer finds
-    # all three in the metadata and sends what --input-data holds (synthetic data would fill
-    # every input it is given, optional ones too, so text needs its own data either way).
-    data = tmp_path / "text.json"
-    data.write_text(json.dumps({"data": [{"TEXT": ["a robot"]}, {"TEXT": ["the sea"]}]}))
+    # MiniLM takes TEXT, its token inputs are the optional alternative: perf_analyzer fills
+    # all three with synthetic data (the token inputs' sequence length given, as any model
+    # with a variable dimension needs), and TEXT is served.
     out = _tool(
-        genai_perf_venv, "perf_analyzer", "-m", "minilm", "--input-data", str(data), *common,
-        cwd=tmp_path,
+        genai_perf_venv, "perf_analyzer", "-m", "minilm", "--shape", "input_ids:16",
+        "--shape", "attention_mask:16", *common, cwd=tmp_path,
     )  # fmt: skip
     assert "Concurrency: 2, throughput:" in out
 

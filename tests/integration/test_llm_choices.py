@@ -107,3 +107,21 @@ def test_a_token_id_prompt_answers_as_its_text_and_bad_ids_are_named(served) -> 
             client.infer(MODEL, [ids_input(np.array(bad, np.int64)), *rest])
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "'input_ids'" in e.value.message() and names in e.value.message()
+
+
+def test_a_client_filling_every_input_is_served_its_text_input(served) -> None:  # type: ignore[no-untyped-def]
+    """perf_analyzer fills every input the metadata lists: text_input, the required prompt,
+    is served, and the optional alternatives beside it (messages, input_ids, tools) are not
+    read, however filled."""
+    address, _ = served
+    client = triton.InferenceServerClient(address)
+    sampling = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    text = "The capital of France is"
+    expected = text_of(client.infer(MODEL, inputs(text, False, sampling)))
+    extra = []
+    for name in ("messages", "tools"):
+        x = triton.InferInput(name, [1], "BYTES")
+        x.set_data_from_numpy(np.array([b"random bytes, not JSON"], dtype=object))
+        extra.append(x)
+    every = [*inputs(text, False, sampling), *extra, ids_input(np.array([99999], np.int64))]
+    assert text_of(client.infer(MODEL, every)) == expected

@@ -486,7 +486,7 @@ def test_token_ids_outside_the_vocabulary(worker) -> None:  # type: ignore[no-un
         )
 
 
-def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_text_model_serves_text_alone_or_beside_its_token_inputs(worker_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from devmesh import toy_models
 
     toy_models.write_text_embedder(tmp_path / "repo" / "words")
@@ -500,8 +500,8 @@ def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) ->
         "TEXT": False,
     }
     # ModelMetadata lists every input, optional ones too, as Triton does (perf_analyzer and
-    # genai-perf look each ModelConfig input up there); a generic client fills the inputs
-    # ModelConfig does not mark optional: TEXT alone, not TEXT and the token inputs ("not both").
+    # genai-perf look each ModelConfig input up there); a client that fills the inputs
+    # ModelConfig does not mark optional sends TEXT alone.
     meta = c.get_model_metadata("words")
     assert sorted(t.name for t in meta.inputs) == ["TEXT", "attention_mask", "input_ids"]
     optional = {t.name for t in config.input if t.optional}
@@ -514,6 +514,11 @@ def test_text_model_takes_its_required_inputs_alone(worker_factory, tmp_path) ->
         inputs.append(infer_input(t.name, data, t.datatype))
     assert [i.name() for i in inputs] == ["TEXT"]
     by_text = c.infer("words", inputs).as_numpy("sentence_embedding")
+    # A generic client fills every input: TEXT is served, the token inputs of its batch
+    # beside it are not read.
+    noise = [_ids("input_ids", [[7, 7], [7, 7]]), _ids("attention_mask", [[1, 1], [1, 1]])]
+    every = c.infer("words", [*inputs, *noise]).as_numpy("sentence_embedding")
+    np.testing.assert_array_equal(every, by_text)
     # The alternative, token ids alone, gives the same answer; out of vocabulary it is refused.
     ids = [[2, 3], [6, 0]]
     mask = [[1, 1], [1, 0]]

@@ -82,10 +82,15 @@ def test_token_ids_still_pass_straight_through(tmp_path: Path) -> None:
     assert out["sentence_embedding"].shape == (1, 4)
     with pytest.raises(InvalidArgument, match="missing \\['attention_mask'\\]"):
         asyncio.run(text.infer({"input_ids": ids}, ["sentence_embedding"]))
-    with pytest.raises(InvalidArgument, match="not both"):
-        asyncio.run(
-            text.infer({cfg.TEXT_INPUT: texts("a"), "input_ids": ids}, ["sentence_embedding"])
-        )
+    # A generic client fills every input: TEXT is served, token inputs beside it are not read.
+    both = {cfg.TEXT_INPUT: texts("a"), "input_ids": ids * 7, "attention_mask": ids}
+    out = asyncio.run(text.infer(both, ["sentence_embedding"]))
+    np.testing.assert_array_equal(
+        out["sentence_embedding"],
+        asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a")}, ["sentence_embedding"]))[
+            "sentence_embedding"
+        ],
+    )
 
 
 def test_text_generate_is_refused_with_a_pointer_to_the_llm_engine() -> None:

@@ -205,33 +205,36 @@ class LLMServing:
         if SAMPLING in inputs:
             values.update(sampling.parse_json(_text(inputs[SAMPLING], SAMPLING)))
         params = sampling.build(values, self.max_tokens_limit)
-        if llm_protocol.INPUT_IDS in inputs:
-            prompt = self._input_ids(inputs)
-            text = self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
-        else:
-            text = (
-                self._chat(inputs) if llm_protocol.MESSAGES in inputs else _text(inputs[TEXT_INPUT])
-            )
-            prompt = self.engine.encode(text)
+        text, prompt, chat = self._prompt(inputs)
         return LLMRequest(
             prompt_text=text,
             prompt=prompt,
             params=params,
             stream=_flag(inputs, STREAM),
-            exclude_input=_flag(inputs, EXCLUDE_INPUT) or llm_protocol.MESSAGES in inputs,
+            exclude_input=_flag(inputs, EXCLUDE_INPUT) or chat,
             cache_salt=_salt(parameters),
             tenant=_tenant(parameters),
             weight=_weight(parameters),
             resume=_resume(parameters),
         )
 
+    def _prompt(self, inputs: dict[str, np.ndarray]) -> tuple[str, list[int], bool]:
+        """The prompt's text and tokens, and whether it is a chat. text_input is the required
+        input (a generic client such as perf_analyzer fills every input): when sent it is
+        served, and its optional alternatives are read only in its absence, messages first."""
+        if TEXT_INPUT not in inputs and llm_protocol.MESSAGES in inputs:
+            text = self._chat(inputs)
+            return text, self.engine.encode(text), True
+        if TEXT_INPUT not in inputs and llm_protocol.INPUT_IDS in inputs:
+            prompt = self._input_ids(inputs)
+            return self.engine.tokenizer.decode(prompt, skip_special_tokens=False), prompt, False
+        text = _text(inputs[TEXT_INPUT])
+        return text, self.engine.encode(text), False
+
     def _input_ids(self, inputs: dict[str, np.ndarray]) -> list[int]:
         """A token-id prompt, checked: alone, [k] (or [1, k]), non-empty, ids in the
         vocabulary, shorter than max_model_len."""
         name = llm_protocol.INPUT_IDS
-        others = [n for n in (TEXT_INPUT, llm_protocol.MESSAGES) if n in inputs]
-        if others:
-            raise InvalidArgument(f"send {name!r} or {others[0]!r} as the prompt, not both")
         ids = inputs[name]
         if ids.ndim == 2 and ids.shape[0] == 1:
             ids = ids[0]
@@ -256,8 +259,6 @@ class LLMServing:
 
     def _chat(self, inputs: dict[str, np.ndarray]) -> str:
         """The prompt of a chat: its messages through the model's own template."""
-        if TEXT_INPUT in inputs:
-            raise InvalidArgument(f"send {TEXT_INPUT!r} or {llm_protocol.MESSAGES!r}, not both")
         if self.chat is None:
             raise InvalidArgument(
                 f"model {self.spec.name!r} has no chat template (no chat_template in its "
