@@ -13,7 +13,6 @@ one string per choice (common/llm_protocol.py).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -193,6 +192,10 @@ class LLMServing:
             )
         except ValueError as e:
             raise ConfigError(f"model {spec.name!r}: {e}") from e
+        # Built here, before the worker serves: llguidance holds the GIL while it builds
+        # (2.6 s for SmolLM2's vocabulary on a 2-core VM), which froze a serving worker's
+        # loop past the router's stall probe when the first guided request built it.
+        self.engine.vocab.ready()
         self.max_tokens_limit = _int(
             spec, model_keys.MAX_TOKENS_LIMIT, self.config.max_model_len - 1
         )
@@ -272,8 +275,6 @@ class LLMServing:
         """The request's outputs, every choice's, in the order they come; each carries the
         completion tokens over all choices so far (what is billed), and the last is `final`."""
         params = request.params
-        if params.guide is not None or params.logprobs is not None:
-            await asyncio.to_thread(self.engine.vocab.ready)  # built once, ~1 s
         root = prefix.root_key(self.spec.name, self.spec.version, "", request.cache_salt)
         seqs = self.engine.add_choices(
             request.prompt,
