@@ -100,7 +100,10 @@ TOKEN_IDS = "token_ids"
 # follows: no text of theirs, and each piece's counts as the uninterrupted run's
 # (completion_tokens includes them), so the router bills only what grows: each token once.
 RESUME_TOKEN_IDS = "resume_token_ids"
-MAX_RESUME_TOKEN_IDS = 1 << 17  # characters of the JSON list, at most
+# ids of one resume, at most (its JSON: RESUME_ID_CHARS characters an id, at most); a longer
+# stream is not migrated: it ends with its worker's error
+MAX_RESUME_TOKEN_IDS = 1 << 15
+RESUME_ID_CHARS = 12
 
 # Buckets (seconds) of the time-to-first-token and inter-token histograms, one set for the
 # worker's and the router's, so the two compare bucket for bucket.

@@ -26,7 +26,8 @@ the request is never decoded here.
 
 A request migrates at most `limit` times, only on UNAVAILABLE, only when another replica is
 left, and only while its pieces carry ids that add up to their running completion_tokens
-(an LLM with a single choice: a model that sends no ids, or n > 1, ends with the error).
+(an LLM with a single choice: a model that sends no ids, or n > 1, ends with the error) and
+number at most MAX_RESUME_TOKEN_IDS (what a stream holds here: 4 bytes a token).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Migration:
 
     asked: bytes  # the client's request, asking for each piece's token ids
     limit: int
-    ids: array = field(default_factory=lambda: array("l"))
+    ids: array = field(default_factory=lambda: array("i"))  # 4 bytes a token
     done: int = 0  # migrations so far
     resumable: bool = False  # a piece carried ids: an LLM stream that can resume
     broken: bool = False  # ids that do not add up, or several choices: cannot resume exactly
@@ -92,6 +93,7 @@ class Migration:
             and self.resumable
             and not self.broken
             and self.done < self.limit
+            and len(self.ids) <= llm_protocol.MAX_RESUME_TOKEN_IDS
         )
 
     def next_request(self) -> bytes:

@@ -74,3 +74,13 @@ def test_a_piece_without_ids_leaves_the_stream_unmovable() -> None:
     m.observe(Piece(final=False, completion_tokens=4))  # a model that sends no ids
     m.observe(None)
     assert not m.allows(UNAVAILABLE)
+
+
+def test_a_stream_longer_than_a_resume_holds_is_not_moved() -> None:
+    m = Migration.of(b"", limit=2)
+    assert m is not None
+    top = llm_protocol.MAX_RESUME_TOKEN_IDS
+    m.observe(piece(list(range(top)), top))
+    assert m.allows(UNAVAILABLE)
+    m.observe(piece([1], top + 1))
+    assert not m.allows(UNAVAILABLE)

@@ -363,16 +363,15 @@ def _resume(parameters: Mapping[str, Any]) -> list[int]:
     value = parameters.get(name)
     if value is None:
         return []
-    expected = f"parameter {name!r}: a JSON list of token ids expected"
-    if not isinstance(value, str) or len(value) > llm_protocol.MAX_RESUME_TOKEN_IDS:
-        raise InvalidArgument(
-            f"{expected} (a string of at most {llm_protocol.MAX_RESUME_TOKEN_IDS} characters)"
-        )
+    top = llm_protocol.MAX_RESUME_TOKEN_IDS
+    expected = f"parameter {name!r}: a JSON list of at most {top} token ids expected"
+    if not isinstance(value, str) or len(value) > top * llm_protocol.RESUME_ID_CHARS:
+        raise InvalidArgument(expected)
     try:
         ids = json.loads(value)
     except ValueError:
         raise InvalidArgument(f"{expected}, got {value[:64]!r}") from None
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+    if not isinstance(ids, list) or len(ids) > top or not all(type(i) is int for i in ids):
         raise InvalidArgument(f"{expected}, got {value[:64]!r}")
     return ids
 

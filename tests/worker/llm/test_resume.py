@@ -5,6 +5,7 @@ uninterrupted run, token for token and text for text, with counts that go on fro
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from tokenizers import Tokenizer
@@ -110,3 +111,15 @@ def test_detokenizing_resumes_mid_character_and_mid_stop_string(
         if d.stopped:
             break
         assert sent + stream(ids[cut:], ids[:cut]) == whole, cut
+
+
+def test_the_resume_parameter_is_a_bounded_json_list_of_ids() -> None:
+    from common import llm_protocol
+    from worker.llm.serving import _resume
+
+    name = llm_protocol.RESUME_TOKEN_IDS
+    assert _resume({}) == [] and _resume({name: "[3, 1, 4]"}) == [3, 1, 4]
+    too_many = json.dumps([1] * (llm_protocol.MAX_RESUME_TOKEN_IDS + 1))
+    for bad in ("[1, 2", '{"a": 1}', "[1.5]", '["7"]', 5, too_many):
+        with pytest.raises(InvalidArgument, match="resume_token_ids.*JSON list"):
+            _resume({name: bad})
