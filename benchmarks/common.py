@@ -176,7 +176,7 @@ def write_result(
     return results.write_json(path, {**payload, "history": [] if quick else history(path)})
 
 
-def history(path: Path, keep: int = 8) -> list[dict]:
+def history(path: Path, keep: int = 24) -> list[dict]:
     """The history a rewrite of `path` keeps: the file's own, its summary's rows first."""
     if not path.exists():
         return []

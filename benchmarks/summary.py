@@ -35,6 +35,9 @@ top-level `summary` object (`title`, `machine`, `date`, `command`, `rows` of
 `[label, value, target, verdict]`) is what is shown; a verdict is computed from the numbers
 by the benchmark, and a missed target is written as missed. `history` rows are earlier runs'
 headline figures (their full files are in git: `git show COMMIT:benchmarks/results/FILE`).
+A new benchmark gets its section by writing that object (`benchmarks.common.write_result(name,
+payload, title, rows)`); nothing here names a file. `make bench` runs them all and says how
+long each took; `make bench-quick` runs each one's `--quick` setting into build/bench-quick/.
 Figures from a shared 2-core VM are noisy: compare ratios measured in one run."""
 
 
