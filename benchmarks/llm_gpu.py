@@ -110,7 +110,7 @@ def new_cache(model: StepModel, slots: int, tokens: int, device: str | None = No
     the model keeps its cache unless `device` says otherwise."""
     f = model.facts
     max_len = page_aligned(tokens, f.kv_heads * f.head_dim, itemsize=f.cache_shape(1, 1).itemsize)
-    return KVCache(f.cache_shape(slots, max_len), slots * max_len, device or model.cache_device)
+    return KVCache(f.cache_shape(slots, max_len), device or model.cache_device)
 
 
 def filled_caches(

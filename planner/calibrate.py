@@ -161,8 +161,7 @@ def decoder_runs(
     slots, max_len = max(batches), max(prompt, context) + 1
     itemsize = f.cache_shape(1, 1).itemsize
     cache = KVCache(
-        f.cache_shape(slots, page_aligned(max_len, f.kv_heads * f.head_dim, itemsize=itemsize)),
-        slots * max_len,
+        f.cache_shape(slots, page_aligned(max_len, f.kv_heads * f.head_dim, itemsize=itemsize))
     )
     try:
         ids = np.ones((1, prompt), np.int64)

@@ -129,7 +129,7 @@ def teacher_forced(model, sequences: list[list[int]]) -> list[np.ndarray]:  # ty
     f = model.facts
     out = []
     for tokens in sequences:
-        cache = KVCache(f.cache_shape(1, 256), 256)
+        cache = KVCache(f.cache_shape(1, 256))
         try:
             out.append(
                 np.stack(
@@ -168,7 +168,7 @@ def activation_amax(
         step = StepModel.load(path, RuntimeOptions(), ["CPUExecutionProvider"])
     amax: dict[str, np.ndarray] = {}
     for ids in sequences:
-        cache = KVCache(step.facts.cache_shape(1, len(ids)), len(ids))
+        cache = KVCache(step.facts.cache_shape(1, len(ids)))
         try:
             values = step.run_probes(cache, np.array([ids]), np.array([len(ids)]), 0, 1, names)
         finally:
@@ -306,7 +306,7 @@ def decoder_latency(
 
     rng = np.random.default_rng(0)
     models = {k: step_model(p) for k, p in paths.items()}
-    caches = {k: KVCache(m.facts.cache_shape(batch, 64), 64 * batch) for k, m in models.items()}
+    caches = {k: KVCache(m.facts.cache_shape(batch, 64)) for k, m in models.items()}
     prompt = rng.integers(1, vocab, (batch, 32), dtype=np.int64)
     token = rng.integers(1, vocab, (batch, 1), dtype=np.int64)
     for k, m in models.items():

@@ -171,8 +171,8 @@ class LLMBackend:
 
     @property
     def kv_tokens(self) -> tuple[int, int]:
-        cache = self.serving.engine.cache
-        return cache.reserved_tokens, cache.budget_tokens
+        kv = self.serving.engine.kv
+        return kv.reserved_tokens, kv.budget_tokens
 
     async def close(self) -> None:
         await self.serving.engine.close()

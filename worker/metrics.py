@@ -193,10 +193,10 @@ def _prefix_cache(models: list[LoadedModel]) -> tuple[Metric, ...]:
         if model.llm is None:
             continue
         key = _key(model)
-        p = model.llm.engine.prefix.stats
+        p = model.llm.engine.kv.stats
         for kind in ("hits", "misses", "cached_tokens", "evicted_blocks"):
             prefix.add_metric([*key, kind], getattr(p, kind))
-        prefix_held.add_metric(key, model.llm.engine.prefix.retained_tokens)
+        prefix_held.add_metric(key, model.llm.engine.kv.retained_tokens)
     return (prefix, prefix_held)
 
 

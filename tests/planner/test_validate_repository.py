@@ -25,7 +25,7 @@ def test_an_llm_configuration_is_served_from_the_graph_and_its_weights(tmp_path:
     graph = version / "model.onnx"
     assert graph.stat().st_size < 2**20  # the nodes only: the weights are in the .data file
     model = StepModel.load(graph, RuntimeOptions(intra_op_threads=1, allow_spinning=False), [])
-    cache = KVCache(model.facts.cache_shape(slots=1, max_len=64), budget_tokens=64)
+    cache = KVCache(model.facts.cache_shape(slots=1, max_len=64))
     try:
         values, ids = model.run_top(cache, np.array([[1, 2, 3]]), np.array([3]), 0, 1)
         assert np.isfinite(values).all() and 0 <= ids[0, 0] < model.facts.vocab_size

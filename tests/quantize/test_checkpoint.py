@@ -89,7 +89,7 @@ def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> N
     model = evaluate.step_model(folder / "1" / "model.onnx")
     assert model.position_logits and model.top_k == 64
     f = model.facts
-    cache = KVCache(f.cache_shape(1, 64), 64)
+    cache = KVCache(f.cache_shape(1, 64))
     ids, lengths = np.asarray([PROMPT]), np.asarray([len(PROMPT)])
     positions = model.run_positions(cache, ids, lengths, 0, 1)
     assert positions.shape == (1, len(PROMPT), ck.config.vocab_size)

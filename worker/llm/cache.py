@@ -9,12 +9,12 @@ sequence's own length, so nothing is ever copied or concatenated between steps. 
 are contiguous per layer, so the rows of a decode batch (slots lo..hi) bind to onnxruntime
 as views of this memory, without a copy.
 
-Capacity is a token budget, not slots x max_len: pages of the mapping become resident only
-when written, and pages are returned to the OS (madvise DONTNEED) as the room says, so the
-memory held is at most the budget, rounded up to pages (on a CUDA device the cache is one
-allocation of slots x max_len instead: worker/llm/device.py): the tokens reserved by running
-sequences (each reserves its prompt plus max_tokens when admitted), the retained prefixes,
-and the pages free slots keep for their next rows (worker/llm/prefix.py).
+This is the memory only. Its room (which slot a sequence gets, what stays cached, which
+pages go back) is worker/llm/kv_manager.py's, which tells it what to copy and discard:
+pages of the mapping become resident only when written and go back to the OS (madvise
+DONTNEED) when discarded, so the memory held is at most the manager's token budget, rounded
+up to pages (on a CUDA device the cache is one allocation of slots x max_len instead:
+worker/llm/device.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.llm.device import CUDA, CudaCacheMemory, DeviceView, Layout
-from worker.llm.kv_budget import KVBudget
-from worker.llm.prefix import PrefixCache
 
 KV_DTYPES = ("float32", "float16")  # what the step graph's attention op reads and writes
 HOST = "cpu"
 DEVICES = (HOST, CUDA)  # where the memory lives: the step graph's provider (worker/llm/device.py)
-DISCARD, COPY = 0, 1  # the prefix cache's moves, as a shard group's ranks replay them
+DISCARD, COPY = 0, 1  # the cache's moves, as a shard group's ranks replay them
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 lacks it
 
 
@@ -125,16 +123,13 @@ class HostCacheMemory:
 
 
 class KVCache:
-    """The memory, and the room in it (a KVBudget: slots and reserved tokens). The memory is
-    on the host (device "cpu": HostCacheMemory), or on a CUDA device ("cuda":
+    """The memory: on the host (device "cpu": HostCacheMemory), or on a CUDA device ("cuda":
     worker/llm/device.py) for a step graph that runs there."""
 
-    def __init__(self, shape: CacheShape, budget_tokens: int, device: str = HOST) -> None:
+    def __init__(self, shape: CacheShape, device: str = HOST) -> None:
         if device not in DEVICES:
             raise ValueError(f"KV cache device {device!r}: expected one of {DEVICES}")
         self.shape = shape
-        # slots and reservations; the engine's is a PrefixCache (worker/llm/prefix.py)
-        self.room: KVBudget | PrefixCache = KVBudget(shape.slots, budget_tokens)
         s = shape
         self.layout = Layout((2, s.layers, s.slots, s.kv_heads, s.max_len, s.head_dim), s.itemsize)
         self.memory: HostCacheMemory | CudaCacheMemory = (
@@ -143,10 +138,8 @@ class KVCache:
             else HostCacheMemory(self.layout, s.dtype)
         )
         self._views: dict[tuple[int, int], list[tuple[CacheView, CacheView]]] = {}
-        # told of every freed slot (a shard group's other ranks free their copies too)
-        self.on_release: Callable[[int], None] | None = None
         self.bindings: dict[tuple, object] = {}  # the step model's IO bindings over this memory
-        # told of every prefix-cache move (discard_from, copy_rows) as (op, a, b, start, stop)
+        # told of every move (discard_from, copy_rows) as (op, a, b, start, stop)
         self.on_change: Callable[[tuple[int, int, int, int, int]], None] | None = None
 
     @property
@@ -155,36 +148,6 @@ class KVCache:
         if not isinstance(self.memory, HostCacheMemory):
             raise TypeError("the KV cache is on a CUDA device: no host array")
         return self.memory.data
-
-    @property
-    def budget_tokens(self) -> int:
-        return self.room.budget_tokens
-
-    @property
-    def reserved_tokens(self) -> int:
-        return self.room.reserved_tokens
-
-    @property
-    def free_slots(self) -> int:
-        return self.room.free_slots
-
-    @property
-    def free_tokens(self) -> int:
-        return self.room.free_tokens
-
-    def fits(self, tokens: int) -> bool:
-        return self.room.fits(tokens)
-
-    def allocate(self, tokens: int) -> int:
-        """A slot for a sequence that may grow to `tokens`; the caller checked `fits`."""
-        return self.room.allocate(tokens)
-
-    def release(self, slot: int, tokens: int) -> None:
-        """Give the slot back and its written pages to the OS."""
-        self.room.release(slot, tokens)
-        self.discard(slot)
-        if self.on_release is not None:
-            self.on_release(slot)
 
     def discard(self, slot: int) -> None:
         """Return the slot's written pages to the OS (on a device: bookkeeping only)."""

@@ -44,8 +44,8 @@ from worker.llm.generation import (
     Sequence,
 )
 from worker.llm.guided import Vocabulary
+from worker.llm.kv_manager import KVCacheManager, retained_slots
 from worker.llm.model import Model
-from worker.llm.prefix import PrefixCache, retained_slots
 from worker.llm.sampling import Sampler, SamplingParams
 from worker.llm.speculative import DraftConfig, SpeculativeConfig, proposer
 from worker.llm.step import OnExecution, StepRunner
@@ -104,26 +104,22 @@ class Engine:
         row = facts.kv_heads * facts.head_dim
         itemsize = facts.cache_shape(1, 1).itemsize  # the graph's KV dtype
         max_len = page_aligned(config.max_model_len, row, itemsize=itemsize)
-        # running slots, then the retained region's (worker/llm/prefix.py)
+        # running slots, then the retained region's (worker/llm/kv_manager.py)
         slots = config.max_num_seqs + retained_slots(config.max_num_seqs, config.prefix_caching)
-        self.cache = KVCache(facts.cache_shape(slots, max_len), budget, model.cache_device)
-        # the cache's room: slots and reservations, and the prefixes its slots keep
-        self.prefix = PrefixCache(
-            config.max_num_seqs,
-            budget,
-            discard=self.cache.discard_from,
-            enabled=config.prefix_caching,
-            move=lambda src, dst, n: self.cache.copy_rows(src, dst, 0, n),
+        self.cache = KVCache(facts.cache_shape(slots, max_len), model.cache_device)
+        # the cache's room: slots, reservations, the prefixes its slots keep; it tells the
+        # memory what to copy and discard
+        self.kv = KVCacheManager(
+            config.max_num_seqs, budget, enabled=config.prefix_caching, memory=self.cache
         )
-        self.cache.room = self.prefix
         self.stats = EngineStats()
         self.vocab = Vocabulary(tokenizer, facts.vocab_size, self.eos)
         self.results = Results(self.eos, config.max_model_len, self.stats, self._leave, self.vocab)
         self.drafter = None
         if draft is not None:
-            self.drafter = proposer(draft, config.max_num_seqs, self.cache.shape.max_len, budget)
+            self.drafter = proposer(draft, config.max_num_seqs, self.cache.shape.max_len)
         self.scheduler: scheduler.Scheduler[Sequence] = scheduler.Scheduler(
-            self.cache.room,
+            self.kv,
             scheduler.SchedulerConfig(
                 max_step_tokens=config.max_step_tokens,
                 step_tokens_per_row=config.step_tokens_per_row,
@@ -136,7 +132,7 @@ class Engine:
             whole=self.results.can_sample,
         )
         self.runner = StepRunner(
-            model, self.cache, self.prefix, self.scheduler, self.drafter, self.results, self.stats
+            model, self.cache, self.scheduler, self.drafter, self.results, self.stats
         )
         self.runner.on_execution = on_execution
         self.runner.chain = config.num_scheduler_steps
@@ -270,11 +266,11 @@ class Engine:
                 f"token id {bad} is outside the vocabulary [0, {self.model.facts.vocab_size})"
             )
         reserve = min(len(prompt) + params.max_tokens, limit)
-        if reserve > self.cache.budget_tokens:
+        if reserve > self.kv.budget_tokens:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(prompt) + params.max_tokens} exceeds the KV cache budget of "
-                f"{self.cache.budget_tokens} tokens; lower max_tokens"
+                f"{self.kv.budget_tokens} tokens; lower max_tokens"
             )
         return reserve
 
@@ -329,7 +325,7 @@ class Engine:
 
     @property
     def kv_used_tokens(self) -> int:
-        return self.cache.reserved_tokens
+        return self.kv.reserved_tokens
 
     def schedule(self) -> scheduler.StepPlan[Sequence]:
         """The next step, decided (worker/llm/scheduler.py); nothing has run yet."""
@@ -366,7 +362,7 @@ class Engine:
                 for seq in list(self.running):
                     self.results.fail(seq, e)
             self._release_siblings()
-        prefix = {f"prefix_{k}": v for k, v in self.prefix.stats.__dict__.items()}
+        prefix = {f"prefix_{k}": v for k, v in self.kv.stats.__dict__.items()}
         log.info("llm_engine_stopped", **self.stats.__dict__, **prefix)
 
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:

@@ -35,7 +35,7 @@ class EngineConfig:
     step_tokens_per_row: int = _setting(4, model_keys.STEP_TOKENS_PER_ROW)
     # requests queued for admission; beyond: RESOURCE_EXHAUSTED (config: max_queue_size)
     max_waiting: int = _setting(256)
-    # keep finished sequences' KV to reuse (worker/llm/prefix.py)
+    # keep finished sequences' KV to reuse (worker/llm/kv_manager.py)
     prefix_caching: bool = _setting(True, model_keys.PREFIX_CACHING)
     # decode runs the step thread chains while no request arrives, ends or is cancelled
     # (vLLM's num_scheduler_steps); 1: the scheduler decides every step

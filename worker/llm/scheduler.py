@@ -14,7 +14,7 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
    between tenants (worker/llm/fairness.py). A sequence gets a slot and `prompt +
    max_tokens` tokens of the budget, so it never runs out of cache and is never preempted.
-   With a prefix cache (worker/llm/prefix.py) the slot comes with the longest cached prefix
+   With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
    of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
    prefills nothing (`StepPlan.first`). Retained prefixes are evicted, least recently used
    first, to make room; running sequences never are. The head waits rather than be
@@ -38,11 +38,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from common.errors import ResourceExhausted
 from worker.llm.fairness import FairQueue
-from worker.llm.prefix import Match, PrefixCache
+from worker.llm.kv_manager import KVCacheManager
+from worker.llm.prefix import NO_MATCH
 
 
 @dataclass(eq=False, kw_only=True)
@@ -126,20 +127,6 @@ def chunk_tokens(remaining: int, limit: int) -> int:
     return n
 
 
-class Room(Protocol):
-    """What admission asks of the KV cache (worker/llm/kv_budget.py's KVBudget)."""
-
-    def fits(self, tokens: int) -> bool: ...
-
-    def allocate(self, tokens: int) -> int: ...
-
-    def release(self, slot: int, tokens: int) -> None: ...
-
-    def lowest_free(self) -> int: ...
-
-    def move(self, src: int, dst: int) -> None: ...
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_step_tokens: int  # with step_tokens_per_row: a step's budget (`step_budget`)
@@ -167,7 +154,7 @@ class Chunk(Generic[S]):
 @dataclass(frozen=True)
 class Copy:
     """Rows start..stop-1 of slot `src` into slot `dst`, done before the step's runs: a reused
-    prefix (worker/llm/prefix.py), or `move`: a decoding sequence moved down into a free
+    prefix (worker/llm/kv_manager.py), or `move`: a decoding sequence moved down into a free
     slot (`Scheduler._compact`), whose old slot keeps its pages for its next sequence."""
 
     src: int
@@ -207,7 +194,7 @@ class StepPlan(Generic[S]):
 class Scheduler(Generic[S]):
     def __init__(
         self,
-        room: Room,
+        kv: KVCacheManager,
         config: SchedulerConfig,
         whole: Callable[[S, object], bool] | None = None,
     ) -> None:
@@ -216,9 +203,7 @@ class Scheduler(Generic[S]):
                 f"max_step_tokens {config.max_step_tokens} must be >= 1 and prefill_chunk "
                 f"{config.prefill_chunk} >= {MIN_CHUNK} (a prompt token never runs alone)"
             )
-        self.room = room
-        # a room that also holds retained prefixes: admission reuses them (worker/llm/prefix.py)
-        self.prefix = room if isinstance(room, PrefixCache) else None
+        self.kv = kv  # the KV cache's room: slots, reservations, retained prefixes
         self.config = config
         # whether a sequence can sample its first token from a kept row (the logits, or the
         # graph's top-k of them); None: a whole prompt still runs its last two tokens
@@ -273,6 +258,7 @@ class Scheduler(Generic[S]):
             prefill.append(Chunk(seq, seq.computed, n))
             budget -= n + overhead
         self._charge(prefill, decode, drafts)
+        self._planned(copies)
         return StepPlan(
             tuple(cancelled),
             tuple(admitted),
@@ -306,10 +292,10 @@ class Scheduler(Generic[S]):
         decoding = [s for s in self.running if not s.prefilling]
         if not decoding:
             return
-        hole, top = self.room.lowest_free(), max(decoding, key=lambda s: s.slot)
-        if hole < 0 or hole > top.slot:
+        top = max(decoding, key=lambda s: s.slot)
+        hole = self.kv.compact(top.slot)
+        if hole < 0:
             return
-        self.room.move(top.slot, hole)
         copies.append(Copy(top.slot, hole, 0, top.computed, move=True))
         top.slot, top.drafted = hole, 0  # the draft model relearns it (speculative.py)
 
@@ -327,25 +313,23 @@ class Scheduler(Generic[S]):
         `copy_budget` (tokens; a step that already admitted while streams decode), a prefix
         whose copy would cost more waits for the next step; the step's first admission
         always goes, so the head of the queue progresses."""
-        if not self.room.fits(seq.reserve):
+        kv = self.kv
+        if not kv.fits(seq.reserve):
             return False
-        if self.prefix is None:
-            seq.slot = self.room.allocate(seq.reserve)
-        else:
-            whole = self.whole
-            usable = None if whole is None else (lambda row: whole(seq, row))
-            match = self.prefix.lookup(seq.root, seq.prompt, usable)
-            if not self.prefix.fits(seq.reserve, match):  # no room to keep the source too
-                match = Match(-1, 0)
-            if copy_budget is not None and copy_tokens(match.tokens) > copy_budget:
-                return False
-            plan = self.prefix.admit(seq.reserve, seq.root, seq.prompt, match)
-            seq.slot = plan.slot
-            seq.computed = seq.cached = plan.cached
-            if plan.copy_from >= 0:
-                copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
-            if match.last is not None:
-                first.append((seq, match.last))
+        whole = self.whole
+        usable = None if whole is None else (lambda row: whole(seq, row))
+        match = kv.get_computed(seq.root, seq.prompt, usable)
+        if not kv.fits(seq.reserve, match):  # no room to keep the source too
+            match = NO_MATCH
+        if copy_budget is not None and copy_tokens(match.tokens) > copy_budget:
+            return False
+        plan = kv.allocate_slots(seq.reserve, seq.root, seq.prompt, match)
+        seq.slot = plan.slot
+        seq.computed = seq.cached = plan.cached
+        if plan.copy_from >= 0:
+            copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
+        if match.last is not None:
+            first.append((seq, match.last))
         seq.admitted_ns = time.perf_counter_ns()
         self.running.append(seq)
         return True
@@ -353,21 +337,28 @@ class Scheduler(Generic[S]):
     def _catch_up(self, seq: S, copies: list[Copy]) -> bool:
         """Whether `seq` prefills this step: not while another sequence computes the block
         it needs next (it copies that block once computed, extending its prefix)."""
-        p = self.prefix
-        if p is None:
-            return True
-        match = p.catch_up(seq.slot, seq.root, seq.prompt, seq.computed)
+        kv = self.kv
+        match = kv.catch_up(seq.slot, seq.root, seq.prompt, seq.computed)  # its source pinned
         if match.tokens > seq.computed:
-            p.pin(match.slot)
             copies.append(Copy(match.slot, seq.slot, seq.computed, match.tokens))
             seq.cached += match.tokens - seq.computed
             seq.computed = match.tokens
-        return not p.waits(seq.slot, seq.root, seq.prompt, seq.computed)
+        return not kv.waits(seq.slot, seq.root, seq.prompt, seq.computed)
 
-    def computed(self, seq: S) -> None:
-        """The engine ran a prefill chunk of `seq`: its computed rows may be shared now."""
-        if self.prefix is not None and seq.slot >= 0:
-            self.prefix.computed(seq.slot, seq.prompt[: seq.computed])
+    def computed(self, seq: S, last: object | None = None) -> None:
+        """The engine ran a prefill chunk of `seq` (or copied its whole prompt in): its
+        computed rows may be shared now. `last`: the prompt is whole, and this is the row its
+        run gave for its last position (the engine's own copy), kept with it."""
+        if seq.slot >= 0:
+            self.kv.computed(seq.slot, seq.prompt[: seq.computed], last)
+
+    def _planned(self, copies: list[Copy]) -> None:
+        """The step's copies are planned: their sources, pinned while later admissions made
+        room, may be evicted again. The engine runs a plan's copies first, before any sequence
+        leaves, so nothing changes the room before they are done."""
+        for c in copies:
+            if not c.move:
+                self.kv.unpin(c.src)
 
     def _drafts(self, decode: tuple[S, ...]) -> int:
         """k for a lone decoding sequence: a verify run writes k + 1 tokens from its last one
@@ -396,14 +387,11 @@ class Scheduler(Generic[S]):
             return -1
         self.running.remove(seq)
         slot, seq.slot = seq.slot, -1
-        if self.prefix is None:
-            self.room.release(slot, seq.reserve)
-            return slot
         # a sequence that ended normally leaves its prompt's rows cached (its generated rows
         # were computed one token per run, which a cold prefill of them would not match:
         # MIN_CHUNK); one cancelled or failed (mid-prefill, maybe) leaves nothing to serve
         keep = not seq.cancelled and seq.finish_reason in ("stop", "length")
         if keep:
-            self.prefix.computed(slot, seq.prompt[: seq.computed])
-        self.prefix.release(slot, seq.reserve, keep)
+            self.kv.computed(slot, seq.prompt[: seq.computed])
+        self.kv.free(slot, seq.reserve, keep)
         return slot

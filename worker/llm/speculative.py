@@ -74,20 +74,20 @@ class Proposer(Protocol):
     def close(self) -> None: ...
 
 
-def proposer(config: SpeculativeConfig, slots: int, max_len: int, budget: int) -> Proposer:
+def proposer(config: SpeculativeConfig, slots: int, max_len: int) -> Proposer:
     if isinstance(config, NgramConfig):
         return NgramProposer(config)
-    return Drafter(config, slots, max_len, budget)
+    return Drafter(config, slots, max_len)
 
 
 class Drafter:
     runs_model = True
 
-    def __init__(self, config: DraftConfig, slots: int, max_len: int, budget: int) -> None:
+    def __init__(self, config: DraftConfig, slots: int, max_len: int) -> None:
         f = config.model.facts
         self.model = config.model
         self.num_tokens = config.num_tokens
-        self.cache = KVCache(f.cache_shape(slots, max_len), budget, self.model.cache_device)
+        self.cache = KVCache(f.cache_shape(slots, max_len), self.model.cache_device)
         self.ns = 0  # time in the draft's runs
 
     def propose(self, seq: Sequence, k: int) -> list[int]:

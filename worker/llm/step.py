@@ -49,7 +49,6 @@ from worker.llm import scheduler
 from worker.llm.cache import KVCache
 from worker.llm.generation import EngineStats, Results, Row, Sequence
 from worker.llm.model import Model, TopModel, VerifyingModel
-from worker.llm.prefix import PrefixCache
 from worker.llm.speculative import Proposer
 
 # (kind, rows, tokens, ns) of every model run, for Triton's statistics
@@ -61,7 +60,6 @@ class StepRunner:
         self,
         model: Model,
         cache: KVCache,
-        prefix: PrefixCache,
         sched: scheduler.Scheduler[Sequence],
         drafter: Proposer | None,
         results: Results,
@@ -69,7 +67,6 @@ class StepRunner:
     ) -> None:
         self.model = model
         self.cache = cache
-        self.prefix = prefix
         self.scheduler = sched
         self.drafter = drafter
         self.results = results
@@ -134,23 +131,20 @@ class StepRunner:
         rows = await self._run(loop, sampling, ids, lengths, seq.slot, seq.slot + 1)
         self._executed("prefill", 1, n, time.perf_counter_ns() - start)
         seq.computed = chunk.start + n
-        self.scheduler.computed(seq)
+        # the prompt's last row is kept with its rows: the same prompt again samples from it
+        row = rows(0) if chunk.completes else None
+        self.scheduler.computed(seq, copied(row) if row is not None else None)
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
-        if chunk.completes:
-            row = rows(0)
-            if self.prefix.enabled:  # the same prompt again samples from it (prefix.py)
-                self.prefix.keep_last(seq.slot, seq.prompt, copied(row))
-            if not seq.cancelled:
-                if joining:
-                    self.stats.joined_running += 1
-                self.results.accept(seq, row)
+        if row is not None and not seq.cancelled:
+            if joining:
+                self.stats.joined_running += 1
+            self.results.accept(seq, row)
 
     def _first(self, seq: Sequence, row: object) -> None:
         """A whole prompt the prefix cache held, its rows copied into the sequence's slot:
         its first token is sampled from the row the prompt's own run gave, with no run."""
-        self.scheduler.computed(seq)  # its slot holds the prompt: others may share it now
-        self.prefix.keep_last(seq.slot, seq.prompt, row)
+        self.scheduler.computed(seq, row)  # its slot holds the prompt: others may share it
         self.stats.first_from_cache += 1
         if not seq.cancelled:
             self.results.accept(seq, copied(cast(Row, row)))  # sampling may alter its row
@@ -170,7 +164,7 @@ class StepRunner:
             loop.create_future(),
         )
         # Rows between the decoding ones (free slots, prompts mid-prefill; retained prefixes
-        # live in their own region, worker/llm/prefix.py) run a dummy token written just
+        # live in their own region, worker/llm/kv_manager.py) run a dummy token written just
         # past their own data, where their next real token will overwrite it.
         for seq in self.scheduler.running:
             if lo <= seq.slot < hi:
@@ -374,11 +368,8 @@ class StepRunner:
         (a memcpy)."""
         for c in copies:
             self.cache.copy_rows(c.src, c.dst, c.start, c.stop)
-            if c.move:  # the old slot's pages are kept for its next sequence (prefix.py)
-                if self.drafter is not None:
-                    self.drafter.release(c.src)
-            else:
-                self.prefix.unpin(c.src)
+            if c.move and self.drafter is not None:  # the draft model relearns it
+                self.drafter.release(c.src)
 
     def _executed(self, kind: str, rows: int, tokens: int, ns: int) -> None:
         if kind == "prefill":

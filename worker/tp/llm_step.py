@@ -152,7 +152,7 @@ class RankSteps:
                 c.close()
             f = self.facts
             dims = CacheShape(f.layers, f.kv_heads, f.head_dim, step.slots, step.max_len)
-            self.cache = c = KVCache(dims, step.slots * step.max_len)
+            self.cache = c = KVCache(dims)
             log.info("tp_cache_allocated", rank=self.rank, slots=step.slots, max_len=step.max_len)
         assert c is not None
         if self.owns_cache:

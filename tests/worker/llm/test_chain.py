@@ -104,9 +104,9 @@ def test_a_stop_string_stops_the_chain_and_gives_the_slot_back(  # type: ignore[
             assert outs[-1].finish_reason == STOP
             assert "".join(o.text for o in outs) == " "  # " river river" cut before "river"
             assert len(seq.tokens) == outs[-1].completion_tokens == 2
-            while engine.cache.reserved_tokens:  # given back when the runs stop
+            while engine.kv.reserved_tokens:  # given back when the runs stop
                 await asyncio.sleep(0.001)
-            assert engine.cache.free_slots == 4
+            assert engine.kv.free_slots == 4
             assert not engine.running
             assert engine.stats.decode_runs < 30  # not on to max_tokens
 
@@ -131,7 +131,7 @@ def test_an_arrival_and_a_cancel_stop_the_chain_within_a_run(make_engine) -> Non
                 await asyncio.sleep(0.001)
             assert b.finish_reason == CANCELLED
             before = len(a.tokens)
-            while engine.cache.free_slots != 3:
+            while engine.kv.free_slots != 3:
                 await asyncio.sleep(0.001)
             assert len(a.tokens) <= before + 3  # given back within a run or two
             outs = await reader
@@ -168,7 +168,7 @@ def test_a_run_that_fails_mid_chain_fails_its_rows_and_the_engine_serves_on(  # 
                 assert "injected failure" in (out[-1].error or "")
                 assert out[-1].completion_tokens < 50
             assert len(a.tokens) == outs[0][-1].completion_tokens  # none joined after
-            assert engine.cache.reserved_tokens == 0 and not engine.running
+            assert engine.kv.reserved_tokens == 0 and not engine.running
             c = engine.add([77, 88], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
             last = (await collect(engine, c))[-1]
             assert last.finish_reason == LENGTH and last.completion_tokens == 5

@@ -37,7 +37,7 @@ def test_greedy_choices_are_identical_and_the_prompt_is_prefilled_once(make_engi
     assert [o.final for o in outs] == [False] * (len(outs) - 1) + [True]  # after every choice
     assert engine.stats.prefill_tokens == len(PROMPT)  # once, by the first choice
     assert engine.stats.first_from_cache == 2  # the others sampled from its kept row
-    assert engine.prefix.stats.cached_tokens == 2 * len(PROMPT)
+    assert engine.kv.stats.cached_tokens == 2 * len(PROMPT)
 
 
 def test_seeded_choice_i_draws_as_seed_plus_i(make_engine, speculative_graphs) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ SHAPE = CacheShape(layers=3, kv_heads=2, head_dim=8, slots=4, max_len=16, dtype=
 
 @pytest.fixture
 def cache():
-    c = KVCache(SHAPE, SHAPE.slots * SHAPE.max_len)
+    c = KVCache(SHAPE)
     c.data[:] = np.arange(c.data.size, dtype=np.float16).reshape(c.data.shape) % 2048
     yield c
     c.close()
@@ -54,7 +54,7 @@ def test_row_copies_do_what_the_host_copy_does(cache: KVCache) -> None:
 
 def test_an_unknown_device_is_refused() -> None:
     with pytest.raises(ValueError, match="device 'tpu'.*expected one of"):
-        KVCache(SHAPE, 8, device="tpu")
+        KVCache(SHAPE, device="tpu")
 
 
 def test_the_cache_lives_where_the_attention_runs() -> None:
@@ -85,7 +85,7 @@ def test_a_decode_step_bound_for_a_cuda_graph_gives_the_ordinary_tokens(  # type
     runs = {}
     for graphs in (False, True):
         model.graphs = graphs
-        cache = KVCache(f.cache_shape(3, 64), 3 * 64)
+        cache = KVCache(f.cache_shape(3, 64))
         rng = np.random.default_rng(0)
         for slot in range(3):
             n = 10 + slot

@@ -74,14 +74,14 @@ def test_cancel_frees_the_slot_and_the_budget_within_a_step(make_engine) -> None
             reader = asyncio.create_task(collect(engine, seq))
             while len(seq.tokens) < 3:
                 await asyncio.sleep(0.001)
-            assert engine.cache.reserved_tokens == 503 and engine.cache.free_slots == 1
+            assert engine.kv.reserved_tokens == 503 and engine.kv.free_slots == 1
             steps = engine.stats.steps
             reader.cancel()  # the client went away
             while seq.finish_reason is None:
                 await asyncio.sleep(0.001)
             assert seq.finish_reason == CANCELLED
             assert engine.stats.steps <= steps + 2
-            assert engine.cache.reserved_tokens == 0 and engine.cache.free_slots == 2
+            assert engine.kv.reserved_tokens == 0 and engine.kv.free_slots == 2
             assert engine.stats.finished[CANCELLED] == 1
 
     asyncio.run(main())
@@ -190,7 +190,7 @@ def test_step_logits_survive_the_next_step(tiny_step_graph) -> None:  # type: ig
 
     model = StepModel.load(tiny_step_graph, RuntimeOptions(), ["CPUExecutionProvider"])
     f = model.facts
-    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 64), 64)
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 1, 64))
     first = model.run(cache, np.array([[5, 6, 7]]), np.array([3]), 0, 1)
     kept = first.copy()
     model.run(cache, np.array([[8]]), np.array([4]), 0, 1)

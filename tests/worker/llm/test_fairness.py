@@ -8,7 +8,7 @@ import itertools
 from collections import Counter
 
 from worker.llm.fairness import INPUT_COST, OUTPUT_COST, FairQueue
-from worker.llm.kv_budget import KVBudget
+from worker.llm.kv_manager import KVCacheManager
 from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 
 _ids = itertools.count(1)
@@ -28,7 +28,7 @@ def seq(tenant: str, weight: float = 1.0, prompt: int = PROMPT, max_tokens: int 
 
 
 def make(slots: int = 4) -> Scheduler[Sequence]:
-    return Scheduler(KVBudget(slots, 4096), SchedulerConfig(STEP, 64, 10_000))
+    return Scheduler(KVCacheManager(slots, 4096, enabled=False), SchedulerConfig(STEP, 64, 10_000))
 
 
 def step(sched: Scheduler[Sequence], served: Counter[str]) -> StepPlan[Sequence]:

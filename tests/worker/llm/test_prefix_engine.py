@@ -67,7 +67,7 @@ def test_a_hit_changes_no_token_mid_block_wholly_cached_and_next_turn(make_engin
     # the next turn: the previous prompt's rows (its answer's, computed one token per run,
     # are computed again, as a cold prefill would)
     assert cached[3] == len(longer)
-    assert engine.prefix.stats.moved_tokens >= len(longer)  # finished prompts were kept
+    assert engine.kv.stats.moved_tokens >= len(longer)  # finished prompts were kept
     # each hit's rows were copied into its own slot, and the copies' time is counted
     assert engine.stats.copied_rows >= sum(cached) and engine.stats.copy_ns > 0
     assert tokens == uncached(make_engine, [first, longer, longer, turn])
@@ -112,7 +112,7 @@ def test_a_sequence_cancelled_mid_prefill_leaves_nothing_to_serve(make_engine) -
             engine.cancel(seq)
             async for _ in engine.stream(seq):
                 pass
-            assert engine.prefix.lookup(ROOT, prompt).tokens == 0
+            assert engine.kv.get_computed(ROOT, prompt).tokens == 0
             tokens, out = await run(engine, prompt)
             return tokens, out.cached_tokens, engine
 
@@ -130,12 +130,12 @@ def test_eviction_under_a_small_budget_keeps_every_answer_exact(make_engine) -> 
             for i in range(0, len(prompts), 2):
                 pair = await asyncio.gather(*(run(engine, p) for p in prompts[i : i + 2]))
                 out += [t for t, _ in pair]
-                p = engine.prefix
+                p = engine.kv
                 assert p.reserved_tokens + p.retained_tokens <= p.budget_tokens
             return out, engine
 
     tokens, engine = asyncio.run(main())
-    assert engine.prefix.stats.evicted_blocks > 0 and engine.prefix.stats.hits > 0
+    assert engine.kv.stats.evicted_blocks > 0 and engine.kv.stats.hits > 0
     assert tokens == uncached(make_engine, prompts)
 
 
@@ -155,7 +155,7 @@ def test_a_whole_prompt_samples_from_the_kept_row_seed_for_seed(make_engine) -> 
         return seq
 
     def kept(engine: Engine) -> np.ndarray:
-        last = engine.prefix.lookup(ROOT, prompt, lambda row: True).last
+        last = engine.kv.get_computed(ROOT, prompt, lambda row: True).last
         assert isinstance(last, np.ndarray)  # the logits: this sampler needs them all
         return last.copy()
 

@@ -9,8 +9,7 @@ import itertools
 import pytest
 
 from common.errors import ResourceExhausted
-from worker.llm.kv_budget import KVBudget
-from worker.llm.prefix import PrefixCache
+from worker.llm.kv_manager import KVCacheManager
 from worker.llm.scheduler import (
     ATTEND_ROWS_PER_TOKEN,
     RUN_TOKENS,
@@ -39,8 +38,8 @@ def make(
     k: int = 0,
     positions: int = 2048,
     per_row: int = 0,
-) -> tuple[Scheduler[Sequence], KVBudget]:
-    room = KVBudget(slots, budget)
+) -> tuple[Scheduler[Sequence], KVCacheManager]:
+    room = KVCacheManager(slots, budget, enabled=False)  # the room, no prefix cache
     config = SchedulerConfig(
         step,
         chunk,
@@ -279,14 +278,14 @@ def test_finish_is_idempotent_and_gives_the_slot_back_once() -> None:
     assert sched.finish(a) == -1
     assert room.free_slots == 1 and room.reserved_tokens == 0
     with pytest.raises(ValueError, match="not allocated"):
-        room.release(0, 1)
+        room.free(0, 1)
 
 
 def test_prefix_copies_come_out_of_the_step_budget_while_streams_decode() -> None:
     """A prefix-cache hit is a copy of its cached rows (page faults, ~35 us a row): while
     streams decode, a step takes the first hit waiting and further ones only as far as the
     budget holds; the others wait for the next step. With nothing decoding, all go at once."""
-    room = PrefixCache(8, 8000, block_tokens=4)
+    room = KVCacheManager(8, 8000, block_tokens=4)
     sched = Scheduler(room, SchedulerConfig(24, 512, 8, step_tokens_per_row=4))
     long_prompt = [[2000 * (i + 1) + t for t in range(1000)] for i in range(2)]
     first = [Sequence(id=next(_ids), prompt=p, reserve=1020) for p in long_prompt]

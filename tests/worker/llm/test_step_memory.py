@@ -30,7 +30,7 @@ def growth_after_chunk(path: Path, shrink_tokens: int, monkeypatch: pytest.Monke
     """MB the process keeps after one CHUNK-token prefill run, beyond the KV rows it wrote."""
     monkeypatch.setattr(step, "SHRINK_TOKENS", shrink_tokens)
     model = StepModel.load(path, RuntimeOptions(intra_op_threads=2, allow_spinning=False), [])
-    cache = KVCache(model.facts.cache_shape(slots=2, max_len=2048), budget_tokens=4096)
+    cache = KVCache(model.facts.cache_shape(slots=2, max_len=2048))
     rng = np.random.default_rng(0)
     model.run_top(cache, rng.integers(0, 49152, (1, 8)), np.array([8]), 0, 1)  # warm: a short run
     before = anon_mb()

@@ -107,7 +107,7 @@ def test_bad_token_id_is_refused_before_the_broadcast(group_repo) -> None:  # ty
     model = TPStepModel(rank, leader, 0)
     f = model.facts
     assert (f.heads, f.kv_heads, f.head_dim) == (3, 1, 16)  # one rank's share
-    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, 256), 512)
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, 256))
     try:
         for bad in (49152, -1):
             with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
@@ -124,7 +124,7 @@ def test_single_rank_group_equals_the_step_model(group_repo) -> None:  # type: i
     rank = RankSteps(shards, 0, RuntimeOptions(intra_op_threads=1), CPU)
     ref = StepModel.load(graph, RuntimeOptions(intra_op_threads=1), CPU)
     f = ref.facts
-    caches = [KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, 256), 512) for _ in "ab"]
+    caches = [KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, 256)) for _ in "ab"]
     group = init_tp_group(0, 1)
     try:
         rank.attach(caches[1])
@@ -223,7 +223,7 @@ def _kept_after_chunk(repo: Path, shrink_tokens: int, monkeypatch: pytest.Monkey
     (shards,) = [s for s in find_shard_sets(repo, 1) if s.model == "tiny"]
     rank = RankSteps(shards, 0, RuntimeOptions(intra_op_threads=1), CPU)
     f = rank.facts
-    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, MAX_POSITIONS), 1024)
+    cache = KVCache(CacheShape(f.layers, f.kv_heads, f.head_dim, 2, MAX_POSITIONS))
     group = init_tp_group(0, 1)  # one process: collectives are the identity
     rng = np.random.default_rng(0)
     try:
