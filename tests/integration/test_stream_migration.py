@@ -287,6 +287,22 @@ def test_a_worker_killed_under_12_streams_hands_every_stream_over(routed: Routed
     assert settle(routed.store, expected) == expected
 
 
+def test_the_streams_of_a_stalled_worker_move_on_too(routed: Routed) -> None:
+    """SIGSTOP: no answer to the stall probe (--stall-seconds 0.5), the registry abandons
+    the replica's calls, and they move as a dead worker's do."""
+    reference, _ = asyncio.run(run_streams(routed, 4))
+    try:
+        gots, on_victim = asyncio.run(run_streams(routed, 4, kill=signal.SIGSTOP))
+    finally:
+        for process in routed.mesh.workers.values():
+            process.signal(signal.SIGCONT)
+    assert on_victim >= 2
+    check_handed_over(reference, gots)
+    assert migrations(routed.metrics_port) >= 1
+    expected = received(reference + gots)
+    assert settle(routed.store, expected) == expected
+
+
 def test_http_streams_of_a_killed_worker_go_on_too(routed: Routed) -> None:
     reference, _ = asyncio.run(run_streams(routed, 4, http=True))
     gots, on_victim = asyncio.run(run_streams(routed, 4, http=True, kill=signal.SIGKILL))
