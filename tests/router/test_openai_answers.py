@@ -243,3 +243,18 @@ def test_a_response_that_calls_a_function_whole_and_streamed() -> None:
     assert deltas == done["arguments"] == item["arguments"]
     assert got[-1]["type"] == "response.completed"
     assert [e["sequence_number"] for e in got] == list(range(len(got)))
+
+
+def test_a_response_input_with_calls_and_their_outputs_becomes_a_chat() -> None:
+    doc = {"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "-3C"},
+    ]}  # fmt: skip
+    g = responses.generation(protocol.parse(responses.ResponsesRequest, doc))
+    assert g.messages is not None
+    user, called, answer = g.messages
+    assert user == {"role": "user", "content": "weather?"}
+    assert [c["id"] for c in called["tool_calls"]] == ["call_1", "call_2"]
+    assert answer == {"role": "tool", "tool_call_id": "call_1", "content": "-3C"}
