@@ -56,6 +56,10 @@ class Routes:
             return self._kserve(method, parts[1:])
         return None
 
+    async def _caller(self, request: Request) -> Tenant | None:
+        """The caller's tenant from its Authorization header (None: auth off)."""
+        return await self.calls.tenant(request.header("authorization"))
+
     # -- routing -------------------------------------------------------------------------------
 
     def _openai(self, method: str, parts: list[str]) -> Handler | None:
@@ -102,7 +106,7 @@ class Routes:
         await self._openai_call(request, out, protocol.CompletionRequest, openai.completion)
 
     async def _openai_call(self, request: Request, out: Out, model: Any, build: Any) -> None:
-        tenant = await self.calls.tenant(request.header("authorization"))
+        tenant = await self._caller(request)
         g = build(protocol.parse(model, tensors.parse_json(request.body)))
         rid = answers.new_id(g.chat)
         if not g.stream:
@@ -117,7 +121,7 @@ class Routes:
         await self._events(out, openai.worker_request(g, rid), tenant, chunks.first, chunks.events)
 
     async def responses(self, request: Request, out: Out) -> None:
-        tenant = await self.calls.tenant(request.header("authorization"))
+        tenant = await self._caller(request)
         g = responses.generation(
             protocol.parse(responses.ResponsesRequest, tensors.parse_json(request.body))
         )
@@ -170,7 +174,7 @@ class Routes:
         await out.event(answers.error_event(error))
 
     async def embeddings(self, request: Request, out: Out) -> None:
-        tenant = await self.calls.tenant(request.header("authorization"))
+        tenant = await self._caller(request)
         e = protocol.parse(protocol.EmbeddingRequest, tensors.parse_json(request.body))
 
         async def answer(reply: pb.ModelInferResponse) -> None:
@@ -200,9 +204,6 @@ class Routes:
         parts = [p for p in request.path.split("/") if p]
         version = parts[4] if len(parts) > 4 and parts[3] == "versions" else ""
         return parts[2], version
-
-    async def _caller(self, request: Request) -> Tenant | None:
-        return await self.calls.tenant(request.header("authorization"))
 
     async def server(self, request: Request, out: Out) -> None:
         if request.path.rstrip("/") == "/v2":
@@ -242,7 +243,7 @@ class Routes:
         await out.respond(200, _json(models))
 
     async def infer(self, request: Request, out: Out) -> None:
-        tenant = await self.calls.tenant(request.header("authorization"))
+        tenant = await self._caller(request)
         name, version = self._model(request)
         doc, binary = tensors.split_body(request.body, request.header(tensors.HEADER_LENGTH))
         message = tensors.infer_request(doc, binary, name, version)
@@ -265,7 +266,7 @@ class Routes:
     async def generate(self, request: Request, out: Out) -> None:
         """Triton's generate extension: the body's keys are the model's inputs (one value
         each), `parameters` the request's; generate_stream answers server-sent events."""
-        tenant = await self.calls.tenant(request.header("authorization"))
+        tenant = await self._caller(request)
         name, version = self._model(request)
         streamed = request.path.rstrip("/").endswith("generate_stream")
         message = tensors.generate_request(
