@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import os
 import tempfile
 import time
@@ -48,6 +47,7 @@ TOKENS = 32
 LIGHT_TTFT_TARGET = 1.5  # light's TTFT p99 with heavy beside it, at most this x alone
 JAIN_TARGET = 0.95
 OVERLOAD = 3.0  # x capacity
+TITLE = "Overload (shedding by predicted wait) and two tenants (fair admission), SmolLM2"
 
 
 def repository(root: Path, slots: int) -> Path:
@@ -193,14 +193,14 @@ def main() -> None:
             }
         finally:
             b.stop()
-    result["summary"] = summary(result, args)
-    path = write_result("overload", result)
-    for row in result["summary"]["rows"]:
+    table = rows(result, args)
+    path = write_result("overload", result, TITLE, table)
+    for row in table:
         print(" | ".join(str(x) for x in row))
     print(f"wrote {path}")
 
 
-def summary(r: dict, args: argparse.Namespace) -> dict:
+def rows(r: dict, args: argparse.Namespace) -> list[list]:
     o = r["overload"]
     p99 = (o["ttft_ms"]["p99"] or 0) / 1000
     shed = o["shed"]
@@ -239,14 +239,7 @@ def summary(r: dict, args: argparse.Namespace) -> dict:
         target = f">= {JAIN_TARGET:g}" if policy == "fair" else ""
         label = f"backlogged 10:1, {policy}: Jain's index of served tokens"
         rows.append([label, index, target, _verdict(met) if target else ""])
-    return {
-        "title": "Overload (shedding with a predicted wait) and two tenants (fair admission)",
-        "machine": f"{r['machine']['cpu']}, {r['machine']['cores']} cores, shared, no GPU",
-        "date": dt.date.today().isoformat(),
-        "command": f"python -m benchmarks.overload --seconds {args.seconds:g} "
-        f"--slots {args.slots} --bound {args.bound:g}",
-        "rows": rows,
-    }
+    return rows
 
 
 def _verdict(ok: bool) -> str:

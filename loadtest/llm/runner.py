@@ -137,7 +137,12 @@ class _Run:
         if self.progress:
             self.progress(self.line(self.loop.time(), 0.0).replace("measure", "done   "), True)
         window_end = self.stop_at if scheduled and self.sent < self.load.max_requests else 0.0
-        return {**self.recorder.summary(self.measure_from, window_end), "sent": self.sent}
+        summary = self.recorder.summary(self.measure_from, window_end)
+        return {
+            **summary,
+            "sent": self.sent,
+            "served_in_window": self.recorder.served_until(self.stop_at),
+        }
 
 
 async def closed_loop(load: LLMLoad, concurrency: int, progress: Progress | None = None) -> dict:

@@ -101,6 +101,7 @@ class LLMRecorder:
         self.itl_unit = "token"
         self.rows: list[dict] = []  # one per request, for the JSON
         self.shed = self.shed_with_retry = 0
+        self.ends: list[tuple[float, int]] = []  # (end, prompt + completion tokens) per success
         self.retry_after = Counts(scale=1000)
 
     def error(self, code: str) -> None:
@@ -129,6 +130,7 @@ class LLMRecorder:
             self.input_tokens += prompt_tokens
             self.prompt_tokens.add(prompt_tokens)
         self.completion_tokens.add(tokens)
+        self.ends.append((out.end, tokens + (prompt_tokens or 0)))
         e2e = out.end - out.start
         self.e2e.ok(e2e)
         if e2e > 0 and tokens:
@@ -145,6 +147,11 @@ class LLMRecorder:
             pieces=len(out.pieces),
             finish_reason=out.finish_reason,
         )
+
+    def served_until(self, end: float) -> int:
+        """Prompt and completion tokens of the requests that ended by `end`: what the
+        server gave this client while its load lasted (a tenant's share: llm/tenants.py)."""
+        return sum(tokens for at, tokens in self.ends if at <= end)
 
     def _shed(self, out: Outcome) -> None:
         if not out.shed:

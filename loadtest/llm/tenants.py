@@ -57,8 +57,10 @@ def jain(values: list[float]) -> float | None:
 
 
 def served_tokens(run: dict) -> int:
-    """What a tenant was served in the measured window: prompt and completion tokens."""
-    return int(run["prompt_tokens_total"]) + int(run["output_tokens"])
+    """What a tenant was served while every tenant's load ran: the prompt and completion
+    tokens of its requests that ended within the window (not those drained after it, when
+    the others may have stopped sending)."""
+    return int(run["served_in_window"])
 
 
 async def run_tenants(

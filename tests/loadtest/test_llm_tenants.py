@@ -39,3 +39,10 @@ def test_refusals_for_overload_are_counted_with_their_retry_after() -> None:
     assert (shed["count"], shed["with_retry_after"]) == (3, 2)
     assert shed["retry_after_s"]["max"] == 2.0
     assert r.summary()["ttft_ms"]["p99"] == pytest.approx(200, rel=0.01)  # accepted only
+
+
+def test_a_tenants_served_tokens_are_those_of_requests_ended_in_the_window() -> None:
+    r = LLMRecorder()
+    r.add(Outcome(0.0, end=1.0, pieces=[0.5], text="a", prompt_tokens=5, completion_tokens=3), "p")
+    r.add(Outcome(0.5, end=9.0, pieces=[8.0], text="b", prompt_tokens=5, completion_tokens=3), "p")
+    assert (r.served_until(0.9), r.served_until(5.0), r.served_until(9.0)) == (0, 8, 16)
