@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.mesh_state import DepthSample
 from common.net import free_port
 from devmesh.processes import ROOT
 from devmesh.testing import Mesh
@@ -197,8 +198,8 @@ def test_cancelled_stream_frees_its_kv_cache(served) -> None:  # type: ignore[no
 
     def kv() -> tuple[int, int]:
         worker = redis.zrange("meshserve:workers", 0, -1)[0]
-        depth, _, used, total = redis.get(f"meshserve:depth:{worker}").split(":")
-        return int(used), int(total)
+        sample = DepthSample.decode(redis.get(f"meshserve:depth:{worker}"))
+        return sample.kv_used, sample.kv_total
 
     client = triton.InferenceServerClient(address)
     got: queue.Queue = queue.Queue()
