@@ -231,8 +231,7 @@ def main() -> None:
             "policies": policies(tmp, args.seconds, rate=450),
             "reencode": reencode(),
         }
-    rows = result["policies"]
-    by = {r["policy"]: r for r in rows}
+    by = {r["policy"]: r for r in result["policies"]}
     result["ratios"] = {
         "hop_p50_ratio_c1": result["hop"]["p50_ratio_c1"],
         "hop_throughput_ratio_c32": result["hop"]["throughput_ratio_c32"],
