@@ -88,9 +88,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             infer(worker, None, LONG)
         time.sleep(0.5)  # a heartbeat publishes it
         service = service_seconds(mesh)
-        # normal's bound under one request's service time, high's over it: with one request
-        # running and none queued, a new one is predicted to wait one service time
-        bound = service / 1.5
+        # with one request running and none queued, a new one starts after one release:
+        # its wait's p99 is predicted (1 + 2.33) service times; normal's bound under that,
+        # high's (2x) over it
+        bound = service * (1 + 2.33) / 1.5
         http = free_port()
         bounded = mesh.start_router(
             "--queue-wait-bound-seconds", f"{bound:.3f}", "--http-port", str(http),

@@ -36,39 +36,55 @@ def replica(depth: int, slots: int = 4, rate_milli: int = 2000, at: int | None =
     return r
 
 
+def place(replicas: list[Replica], inflight: int = 0) -> int | None:
+    line = predicted_wait(replicas, inflight, now_ms(), 1000)
+    return None if line is None else line.place
+
+
 def test_a_free_slot_means_no_wait_and_a_queue_waits_its_turn() -> None:
-    now = now_ms()
-    assert predicted_wait([replica(2)], 0, now, 1000) == 0.0
-    # 4 slots busy, 3 queued: a new request is the 4th in line at 2 requests/s
-    assert predicted_wait([replica(7)], 0, now, 1000) == pytest.approx(2.0)
-    # two replicas pool their queues and rates
-    assert predicted_wait([replica(7), replica(3)], 0, now, 1000) == pytest.approx(0.0)
-    assert predicted_wait([replica(8), replica(8)], 0, now, 1000) == pytest.approx(2.25)
+    assert place([replica(2)]) == 0
+    line = predicted_wait([replica(7)], 0, now_ms(), 1000)
+    # 4 slots busy, 3 queued: the new request starts after the 4th release, at 2/s
+    assert line is not None and (line.place, line.rate) == (4, 2.0)
+    assert line.wait() == pytest.approx((4 + 2.33 * 2) / 2)  # the wait's p99, not its mean
+    assert line.wait(0) == 0.0
+    # two replicas pool their queues and rates; a free slot on either: no wait
+    assert place([replica(7), replica(3)]) == 0
+    assert place([replica(8), replica(8)]) == 9
 
 
 def test_calls_the_samples_did_not_see_count_and_unknown_rates_admit() -> None:
     now = now_ms()
     r = replica(4, at=now - 50)
     r.inflight = {1: now - 100, 2: now - 10, 3: now - 5}  # one seen by the sample, two not
-    assert predicted_wait([r], 3, now, 1000) == pytest.approx(1.5)  # 2 ahead + itself
-    assert predicted_wait([replica(9, rate_milli=0)], 0, now, 1000) is None  # none finished
-    assert predicted_wait([replica(9, at=now - 5000)], 0, now, 1000) is None  # stale
-    assert predicted_wait([replica(9, slots=0)], 0, now, 1000) is None  # not an LLM engine
+    assert place([r], 3) == 3  # 2 ahead + itself
+    assert place([replica(3)], 2) == 2  # one admitted, not sent yet, takes the free slot
+    assert place([replica(9, rate_milli=0)]) is None  # nothing finished yet
+    assert place([replica(9, at=now - 5000)]) is None  # stale
+    assert place([replica(9, slots=0)]) is None  # not an LLM engine
 
 
 def test_lower_priorities_are_shed_first_with_retry_after() -> None:
     shedder = Shedder(1.0)
-    busy = [replica(6)]  # 2 ahead: the new request waits 1.5 s
+    busy = [replica(4, rate_milli=5000)]  # place 1 at 5/s: p99 wait 3.33 / 5 = 0.67 s
     shedder.check(MODEL, "high", busy, 0)  # bound 2 s
-    for priority in ("normal", "low"):
+    shedder.check(MODEL, "normal", busy, 0)  # bound 1 s
+    with pytest.raises(ResourceExhausted) as caught:
+        shedder.check(MODEL, "low", busy, 0)  # bound 0.5 s
+    trailers = dict(caught.value.trailers)
+    assert float(trailers["retry-after"]) == pytest.approx(0.2)  # one release
+    assert trailers["limit"] == "queue_wait"
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    long = [replica(13, rate_milli=5000)]  # place 10: p99 wait (10 + 7.37) / 5 = 3.47 s
+    for priority in ("high", "normal", "low"):
         with pytest.raises(ResourceExhausted) as caught:
-            shedder.check(MODEL, priority, busy, 0)
-        trailers = dict(caught.value.trailers)
-        expected = 1.5 - shedder.bound(priority)
-        assert float(trailers["retry-after"]) == pytest.approx(expected, abs=1e-3)
-        assert trailers["limit"] == "queue_wait"
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    shedder.check(MODEL, "low", [replica(4)], 0)  # a request that would wait 0.5 s: in
+            shedder.check(MODEL, priority, long, 0)
+        retry = float(dict(caught.value.trailers)["retry-after"])
+        bound = shedder.bound(priority)
+        line = predicted_wait(long, 0, now_ms(), 1000)
+        assert line is not None
+        within = line.place - round(retry * line.rate)  # the place the line drains to
+        assert line.wait(within) <= bound < line.wait(within + 1)
 
 
 def test_the_router_overwrites_the_clients_tenant_parameters() -> None:
