@@ -11,8 +11,13 @@ from router.http.server import HttpServer
 from router.mesh import MeshApi
 
 
-def front_door(mesh: MeshApi, max_body_bytes: int, body_timeout_s: float) -> App:
-    return App(Routes(mesh), max_body_bytes, body_timeout_s)
+def front_door(
+    mesh: MeshApi,
+    max_body_bytes: int,
+    body_timeout_s: float,
+    model_aliases: dict[str, str] | None = None,
+) -> App:
+    return App(Routes(mesh, model_aliases), max_body_bytes, body_timeout_s)
 
 
 __all__ = ["App", "HttpServer", "front_door"]

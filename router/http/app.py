@@ -42,7 +42,9 @@ class Request:
 
     @property
     def openai(self) -> bool:
-        return self.path.startswith("/v1/")
+        """Errors in OpenAI's shape: everything but KServe's /v2 (OpenAI's routes are
+        served with and without /v1, as llama-server does)."""
+        return not self.path.startswith("/v2")
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name)

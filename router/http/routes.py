@@ -18,6 +18,7 @@ from router.http import answers, openai, protocol, responses, tensors
 from router.http.app import Handler, Out, Request
 from router.http.calls import MeshCalls
 from router.http.errors import HttpError
+from router.http.model_names import EMBED, LLM, ModelNames
 from router.http.pbjson import to_json
 from router.mesh import MeshApi
 from router.tenancy.auth import Tenant
@@ -25,6 +26,7 @@ from router.tenancy.auth import Tenant
 log = structlog.get_logger()
 
 JSON = "application/json"
+OPENAI_ROOTS = ("chat", "completions", "embeddings", "responses", "models")
 
 
 def _json(doc: Any) -> bytes:
@@ -44,9 +46,10 @@ def _naming(param: str | None) -> Iterator[None]:
 
 
 class Routes:
-    def __init__(self, mesh: MeshApi) -> None:
+    def __init__(self, mesh: MeshApi, aliases: dict[str, str] | None = None) -> None:
         self.mesh = mesh
         self.calls = MeshCalls(mesh)
+        self.names = ModelNames(mesh, aliases or {})
 
     def __call__(self, request: Request) -> Handler | None:
         method, parts = request.method, [p for p in request.path.split("/") if p]
@@ -54,7 +57,17 @@ class Routes:
             return self._openai(method, parts[1:])
         if parts[:1] == ["v2"]:
             return self._kserve(method, parts[1:])
+        if parts[:1] and parts[0] in OPENAI_ROOTS:  # llama-server's routes without /v1
+            return self._openai(method, parts)
+        if method == "GET" and parts == ["health"]:  # vLLM's and llama-server's probe
+            return self.health
         return None
+
+    async def _body(self, request: Request, kind: str, tenant: Tenant | None) -> Any:
+        """The JSON body with its `model` resolved to a served name (model_names.py)."""
+        doc = tensors.parse_json(request.body)
+        await self.names.resolve(doc, kind, tenant)
+        return doc
 
     async def _caller(self, request: Request) -> Tenant | None:
         """The caller's tenant from its Authorization header (None: auth off)."""
@@ -107,7 +120,7 @@ class Routes:
 
     async def _openai_call(self, request: Request, out: Out, model: Any, build: Any) -> None:
         tenant = await self._caller(request)
-        g = build(protocol.parse(model, tensors.parse_json(request.body)))
+        g = build(protocol.parse(model, await self._body(request, LLM, tenant)))
         rid = answers.new_id(g.chat)
         if not g.stream:
 
@@ -122,9 +135,8 @@ class Routes:
 
     async def responses(self, request: Request, out: Out) -> None:
         tenant = await self._caller(request)
-        g = responses.generation(
-            protocol.parse(responses.ResponsesRequest, tensors.parse_json(request.body))
-        )
+        doc = await self._body(request, LLM, tenant)
+        g = responses.generation(protocol.parse(responses.ResponsesRequest, doc))
         raw = openai.worker_request(g, "resp")
         if not g.stream:
 
@@ -175,7 +187,7 @@ class Routes:
 
     async def embeddings(self, request: Request, out: Out) -> None:
         tenant = await self._caller(request)
-        e = protocol.parse(protocol.EmbeddingRequest, tensors.parse_json(request.body))
+        e = protocol.parse(protocol.EmbeddingRequest, await self._body(request, EMBED, tenant))
 
         async def answer(reply: pb.ModelInferResponse) -> None:
             await out.respond(200, _json(openai.embedding_answer(e, reply)))
@@ -184,11 +196,15 @@ class Routes:
         with _naming("input" if e.texts() is None else None):
             await self.calls.infer_answered(raw, tenant, answer)
 
+    async def health(self, request: Request, out: Out) -> None:
+        await out.respond(200 if self.mesh.ready() else 503, b"{}")
+
     async def models(self, request: Request, out: Out) -> None:
         index = self.mesh.repository_index(await self._caller(request))
         names = sorted({m.name for m in index.models})
         cards = [{"id": n, "object": "model", "created": 0, "owned_by": "meshserve"} for n in names]
-        wanted = request.path.rstrip("/").split("/")[3:]
+        parts = [p for p in request.path.split("/") if p]
+        wanted = parts[2:] if parts[:1] == ["v1"] else parts[1:]
         if wanted:
             card = next((c for c in cards if c["id"] == wanted[0]), None)
             if card is None:

@@ -19,6 +19,7 @@ from router.forwarding.dispatch import Dispatcher
 from router.forwarding.registry import Registry
 from router.forwarding.shedding import Shedder
 from router.http import HttpServer, front_door
+from router.http.model_names import parse_aliases
 from router.mesh import MeshApi
 from router.money.accounting import Accounting
 from router.process.settings import RouterSettings
@@ -131,7 +132,12 @@ def server_credentials(settings: RouterSettings) -> grpc.ServerCredentials | Non
 
 def http_server(settings: RouterSettings, http_host: str, mesh: MeshApi) -> HttpServer:
     return HttpServer(
-        front_door(mesh, settings.http_max_body_bytes, settings.http_body_timeout_seconds),
+        front_door(
+            mesh,
+            settings.http_max_body_bytes,
+            settings.http_body_timeout_seconds,
+            parse_aliases(settings.http_model_aliases),
+        ),
         http_host,
         settings.http_port,
         reuse_port=settings.shared_port,

@@ -124,6 +124,11 @@ class RouterSettings(BaseSettings):
     http_header_timeout_seconds: float = Field(
         10.0, gt=0, description="an HTTP request's headers must arrive within this (else 408)"
     )
+    http_model_aliases: str = Field(
+        "",
+        description="OpenAI model names served as others: 'gpt-4o=smollm2,text-embedding-3-small"
+        "=minilm' (router/http/model_names.py)",
+    )
     # Tenants (router/tenancy/auth.py): API keys, models, limits. Off only on 127.0.0.1 (make run).
     auth: bool = Field(
         True, description="API keys (--no-auth: refused unless --host is 127.0.0.1, as make run)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer
 from common.net import free_port
 from devmesh.testing import Mesh
 from ledger.store import Store
-from tests.integration.test_http import build_repository, key_for, sdk
+from tests.integration.test_http import _post, build_repository, key_for, sdk
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
@@ -64,7 +65,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str
         mesh.add_worker(repo)
         mesh.wait_registered(1, timeout=120)
         port = free_port()
-        mesh.start_router("--http-port", str(port), "--auth-cache-seconds", "0.2")
+        mesh.start_router(
+            "--http-port",
+            str(port),
+            "--auth-cache-seconds",
+            "0.2",
+            "--http-model-aliases",
+            "gpt-4o=smollm2, text-embedding-3-small=minilm",
+        )
         store = Store(f"sqlite:///{root / 'ledger.db'}")
         mesh.start_ledger(store.url, "--interval-seconds", "0.1")
         yield mesh, f"http://127.0.0.1:{port}", store, repo
@@ -290,6 +298,31 @@ def test_bad_input_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as ids:  # a model that takes no token ids
         client.embeddings.create(model="mlp", input=[[1, 2, 3]])
     assert ids.value.body["param"] == "input"  # type: ignore[index]
+
+
+def test_model_names_aliases_defaults_and_routes_without_v1(served) -> None:  # type: ignore[no-untyped-def]
+    """An aliased name is served as its model; an omitted model is the one served model of
+    the endpoint's kind (the LLM for chat, the embedder for embeddings); llama-server's
+    routes without /v1 answer the same; with no model of a kind, 400 naming `model`."""
+    mesh, base, _, _ = served
+    key = key_for(mesh, "names", models=("smollm2", "minilm", "mlp"))
+    chat = {"messages": ASK, "max_tokens": 2}
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        for body in (chat, {**chat, "model": "gpt-4o"}):
+            status, reply = _post(base, path, body, key)
+            assert status == 200 and reply["model"] == "smollm2", reply
+    for path in ("/v1/embeddings", "/embeddings"):
+        for body in ({"input": "hi"}, {"input": "hi", "model": "text-embedding-3-small"}):
+            status, reply = _post(base, path, body, key)
+            assert status == 200 and reply["model"] == "minilm", reply
+    status, reply = _post(base, "/completions", {"prompt": "Hi", "max_tokens": 2}, key)
+    assert status == 200 and reply["model"] == "smollm2", reply
+    status, reply = _post(base, "/v1/chat/completions", {**chat, "model": "gpt-5"}, key)
+    assert status in (403, 404) and "gpt-5" in reply["error"]["message"], reply
+    status, reply = _post(base, "/chat/completions", chat, key_for(mesh, "mlp", models=("mlp",)))
+    assert status == 400 and reply["error"]["param"] == "model", reply
+    with urllib.request.urlopen(base + "/health", timeout=10) as health:
+        assert health.status == 200
 
 
 def test_the_bill_counts_every_choice_s_tokens(served) -> None:  # type: ignore[no-untyped-def]
