@@ -2,11 +2,13 @@
 
 A request names one grammar with one of the `guided_*` sampling parameters (vLLM's keys,
 common/llm_protocol.py): a JSON schema, any JSON object, a regex, a list of choices, or a
-Lark / GBNF grammar. llguidance (Microsoft's grammar engine, also vLLM's and llama.cpp's)
-turns it into a matcher over the model's own tokenizer; chosen over xgrammar, which
-computes a mask faster (benchmarks/results/llm_structured.json) but imports torch and
-transformers into the worker (6 s, and a plain worker never imports torch), while
-llguidance's cost at 16 constrained streams stays within the decode step it overlaps.
+Lark / GBNF grammar. llguidance (Microsoft's grammar engine, one of vLLM's and llama.cpp's)
+turns it into a matcher over the model's own tokenizer. xgrammar computes a mask and
+advances about 8x faster per token (benchmarks/llm_structured.py), but its Python package
+imports torch and transformers (seconds, and a plain worker never imports torch) and takes
+seconds to compile a schema; llguidance's tens of microseconds a row, computed while the
+model runs, keep 16 constrained streams at about the unconstrained decode rate
+(docs/decisions.md).
 
 Each constrained sequence has a `Guide`: its matcher and the mask of its next token, which
 a small thread pool computes (llguidance releases the GIL) while the model runs the step
