@@ -224,7 +224,7 @@ class ChatRequest(Sampling):
 
     @model_validator(mode="after")
     def _chat(self) -> ChatRequest:
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:  # 0 too, as OpenAI
             raise bad("top_logprobs", "only with logprobs: true")
         for i, m in enumerate(self.messages):
             _check_message(m, f"messages[{i}]")

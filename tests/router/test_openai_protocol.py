@@ -46,6 +46,7 @@ BAD_CHATS = [
     ({"n": True}, "n"),
     ({"temperature": "1"}, "temperature"),
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ({"top_logprobs": 0}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
      "tools[0].function.name"),
