@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
+
+from common.errors import InvalidArgument
 from worker.llm.engine import LENGTH, Engine, Output, Sequence
 from worker.llm.sampling import SamplingParams, build
 
@@ -120,3 +123,19 @@ def test_rows_without_logprobs_get_none_and_keep_the_graph_top_k(make_engine) ->
 
     outs, top_runs = asyncio.run(main())
     assert all(o.logprobs is None for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("values", "names"),
+    [
+        ({"n": 0}, "'n' = 0: must be >= 1 and <= 16"),
+        ({"n": 17}, "'n' = 17: must be >= 1 and <= 16"),
+        ({"n": "two"}, "'n': expected a number"),
+        ({"logprobs": -1}, "'logprobs' = -1: must be >= 0 and <= 20"),
+        ({"logprobs": 21}, "'logprobs' = 21: must be >= 0 and <= 20"),
+    ],
+)
+def test_bad_n_and_logprobs_are_refused_by_name(values: dict, names: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        build(values, 200)
+    assert names in str(e.value)
