@@ -227,6 +227,8 @@ class StepRunner:
             tokens = []
             ended = False
             for j, seq in enumerate(rows):
+                # a constrained row waits here for its grammar's mask, computed while this
+                # run ran: chaining goes on, one mask ahead (worker/llm/guided.py)
                 token = self.results.sample(seq, picked[j], generated[j])
                 generated[j] += 1
                 tokens.append(token)
