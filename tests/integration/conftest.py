@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from devmesh.processes import ROOT
 from devmesh.testing import Mesh
+from quantize import llm
 
 
 @pytest.fixture
@@ -17,3 +19,12 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
     m.start_redis()
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="module")
+def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 as the worker serves it (the default recipe), built once per module from the
+    shared quantize cache."""
+    root = tmp_path_factory.mktemp("llm-repo")
+    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
+    return root

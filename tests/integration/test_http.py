@@ -6,6 +6,7 @@ metadata, config, stats), and a tenant's bill for streamed chats cut mid-way."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import re
@@ -47,9 +48,10 @@ def build_repository(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Store]]:
-    root = tmp_path_factory.mktemp("http")
+@contextlib.contextmanager
+def http_mesh(root: Path, *router_args: str) -> Iterator[tuple[Mesh, str, Store, Path]]:
+    """Redis, a worker of build_repository's models, a router with its HTTP front door (keys
+    on) and a ledger: the mesh, the front door's base URL, the ledger's store, the repo."""
     repo = build_repository(root / "repo")
     mesh = Mesh(root / "logs")
     mesh.auth = True
@@ -58,15 +60,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str
         mesh.add_worker(repo)
         mesh.wait_registered(1, timeout=120)
         port = free_port()
-        mesh.start_router(
-            "--http-port", str(port), "--http-max-body-bytes", str(MAX_BODY),
-            "--auth-cache-seconds", "0.2",
-        )  # fmt: skip
+        mesh.start_router("--http-port", str(port), "--auth-cache-seconds", "0.2", *router_args)
         store = Store(f"sqlite:///{root / 'ledger.db'}")
         mesh.start_ledger(store.url, "--interval-seconds", "0.1")
-        yield mesh, f"http://127.0.0.1:{port}", store
+        yield mesh, f"http://127.0.0.1:{port}", store, repo
     finally:
         mesh.stop(kill=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Store]]:
+    root = tmp_path_factory.mktemp("http")
+    with http_mesh(root, "--http-max-body-bytes", str(MAX_BODY)) as (mesh, base, store, _):
+        yield mesh, base, store
 
 
 def key_for(mesh: Mesh, tenant: str, **policy: object) -> str:

@@ -18,19 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.mesh_state import DepthSample
 from common.net import free_port
-from devmesh.processes import ROOT
 from devmesh.testing import Mesh
-from quantize import llm
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
-
-
-@pytest.fixture(scope="module")
-def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llm-repo")
-    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    return root
 
 
 METRICS_PORT = free_port()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from tests.integration.test_llm import MODEL, Stream, inputs, llm_repository, served, text_of
+from tests.integration.test_llm import MODEL, Stream, inputs, served, text_of
 
 pytestmark = pytest.mark.slow
-__all__ = ["llm_repository", "served"]  # the module's worker, as test_llm.py's
+__all__ = ["served"]  # the module's worker, as test_llm.py's
 
 PERSON = {
     "type": "object",

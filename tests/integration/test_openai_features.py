@@ -18,10 +18,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from common.net import free_port
 from devmesh.testing import Mesh
 from ledger.store import Store
-from tests.integration.test_http import _post, build_repository, key_for, sdk
+from tests.integration.test_http import _post, http_mesh, key_for, sdk
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
@@ -56,28 +55,9 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Store, Path]]:
-    root = tmp_path_factory.mktemp("openai")
-    repo = build_repository(root / "repo")
-    mesh = Mesh(root / "logs")
-    mesh.auth = True
-    mesh.start_redis()
-    try:
-        mesh.add_worker(repo)
-        mesh.wait_registered(1, timeout=120)
-        port = free_port()
-        mesh.start_router(
-            "--http-port",
-            str(port),
-            "--auth-cache-seconds",
-            "0.2",
-            "--http-model-aliases",
-            "gpt-4o=smollm2, text-embedding-3-small=minilm",
-        )
-        store = Store(f"sqlite:///{root / 'ledger.db'}")
-        mesh.start_ledger(store.url, "--interval-seconds", "0.1")
-        yield mesh, f"http://127.0.0.1:{port}", store, repo
-    finally:
-        mesh.stop(kill=True)
+    aliases = "gpt-4o=smollm2, text-embedding-3-small=minilm"
+    with http_mesh(tmp_path_factory.mktemp("openai"), "--http-model-aliases", aliases) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,10 @@ import grpc
 import pytest
 
 from common.net import free_port
-from devmesh.processes import ROOT
 from devmesh.testing import Mesh, worker_successes
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from quantize import llm
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -38,13 +36,6 @@ SYSTEM = (
     "You are the support assistant of a shipping company. Answer in one short sentence, "
     "quote the tracking rules when they apply, and never promise a delivery date. "
 )
-
-
-@pytest.fixture(scope="module")
-def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llm-repo")
-    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    return root
 
 
 @dataclass

@@ -20,25 +20,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from devmesh.processes import ROOT, free_port
+from devmesh.processes import free_port
 from devmesh.testing import Mesh
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from quantize import llm
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 MAX_TOKENS = 48
 STREAMS = 12
 WAIT_S = 180.0  # bounds every wait for the streams
-
-
-@pytest.fixture(scope="module")
-def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llm-repo")
-    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    return root
 
 
 @dataclass

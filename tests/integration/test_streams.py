@@ -21,24 +21,16 @@ import grpc
 import pytest
 
 from common.tenancy import TenantPolicy
-from devmesh.processes import ROOT, free_port
+from devmesh.processes import free_port
 from devmesh.testing import Mesh
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from quantize import llm
 from router.money.accounting import token_revenue
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 PRICE_IN, PRICE_OUT, PRICE_CALL = 50, 200, 200  # quantize/llm.py PARAMETERS
-
-
-@pytest.fixture(scope="module")
-def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llm-repo")
-    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    return root
 
 
 MANY = 1000  # requests in flight at once in the billing test, on MANY // 10 client streams
