@@ -140,6 +140,8 @@ LLAMA: dict[str, Any] = {
     },
 }
 CLIENT = "tests/test_openai_client.py"
+STOPS = "asserts the sampled answer ends by itself (finish_reason stop) within the default "
+STOPS += "length: model- and seed-specific"
 UNMARKED = (
     "not marked openai: runs Triton's own app in-process (fastapi), not a server on the network"
 )
@@ -156,8 +158,8 @@ TRITON: dict[str, Any] = {
     "excluded": {
         f"{CLIENT}::*::test_openai_client_models": "asserts the server lists one model; "
         "make run serves every model of its repository",
-        f"{CLIENT}::*::test_openai_client_completion": "asserts the model stops by itself "
-        "(finish_reason stop) within the default length: model-specific",
+        f"{CLIENT}::*::test_openai_client_completion": STOPS,
+        f"{CLIENT}::*::test_openai_client_chat_completion": STOPS,
         f"{CLIENT}::*::test_openai_client_function_calling": "skipped by the suite itself "
         "(not implemented in Triton)",
         f"{CLIENT}::*::test_stream_options_without_streaming": TRITON_TEXT,

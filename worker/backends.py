@@ -60,6 +60,10 @@ class BatchedBackend:
     async def infer(self, inputs: dict, outputs: list[str]) -> dict:
         return await self.batcher.submit(inputs, outputs)
 
+    async def run(self, inputs: dict, outputs: list[str]) -> tuple[dict, int | None]:
+        """The outputs, and the prompt tokens read where the model reads text (else None)."""
+        return await self.infer(inputs, outputs), None
+
     async def responses(
         self, request: pb.ModelInferRequest, limits: codec.Limits, stream: bool
     ) -> AsyncIterator[pb.ModelInferResponse]:
@@ -69,11 +73,14 @@ class BatchedBackend:
             decoded = await asyncio.to_thread(codec.decode_request, request, self.spec, limits)
         else:
             decoded = codec.decode_request(request, self.spec, limits)
-        results = await self.infer(*decoded)
+        results, tokens = await self.run(*decoded)
         if any(a.dtype == object and a.size > codec.HEAVY_ELEMENTS for a in results.values()):
-            yield await asyncio.to_thread(codec.encode_response, request, self.spec, results)
+            response = await asyncio.to_thread(codec.encode_response, request, self.spec, results)
         else:
-            yield codec.encode_response(request, self.spec, results)
+            response = codec.encode_response(request, self.spec, results)
+        if tokens is not None:
+            response.parameters[llm_protocol.PROMPT_TOKENS].int64_param = tokens
+        yield response
 
     @property
     def depth(self) -> int:
@@ -98,6 +105,9 @@ class TextBackend(BatchedBackend):
 
     async def infer(self, inputs: dict, outputs: list[str]) -> dict:
         return await self.text.infer(inputs, outputs)
+
+    async def run(self, inputs: dict, outputs: list[str]) -> tuple[dict, int | None]:
+        return await self.text.infer_counted(inputs, outputs)
 
 
 class LLMBackend:

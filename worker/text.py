@@ -65,6 +65,13 @@ class TextModel:
         self.pad = self.tokenizer.token_to_id("[PAD]") or 0
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict:
+        return (await self.infer_counted(inputs, outputs))[0]
+
+    async def infer_counted(
+        self, inputs: dict[str, np.ndarray], outputs: list[str]
+    ) -> tuple[dict, int]:
+        """The outputs and the prompt tokens read (the mask's ones: padding is not counted),
+        which OpenAI's embeddings usage reports."""
         if TEXT_INPUT not in inputs:
             missing = [n for n in self.token_inputs if n not in inputs]
             if missing:
@@ -72,13 +79,15 @@ class TextModel:
                     f"model {self.spec.name!r} takes either {TEXT_INPUT} (BYTES [batch, 1]) or "
                     f"the token inputs {self.token_inputs}; missing {missing}"
                 )
-            return await self.submit(inputs, outputs)
+            read = inputs[MASK] if MASK in inputs else inputs[IDS]
+            tokens = int(np.count_nonzero(read)) if MASK in inputs else int(read.size)
+            return await self.submit(inputs, outputs), tokens
         # A generic client (perf_analyzer) fills every input of the metadata: TEXT is served
         # and the optional token inputs beside it are not read (worker/codec.py checked that
         # they describe the same batch).
         texts = [bytes_codec.text(x, TEXT_INPUT) for x in inputs[TEXT_INPUT].reshape(-1)]
         ids, mask = self.encode(texts, left=False)
-        return await self.submit({IDS: ids, MASK: mask}, outputs)
+        return await self.submit({IDS: ids, MASK: mask}, outputs), int(mask.sum())
 
     def encode(self, texts: list[str], left: bool) -> tuple[np.ndarray, np.ndarray]:
         encodings = self.tokenizer.encode_batch(texts)

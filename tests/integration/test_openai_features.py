@@ -295,6 +295,7 @@ def test_model_names_aliases_defaults_and_routes_without_v1(served) -> None:  # 
         for body in ({"input": "hi"}, {"input": "hi", "model": "text-embedding-3-small"}):
             status, reply = _post(base, path, body, key)
             assert status == 200 and reply["model"] == "minilm", reply
+            assert reply["usage"]["prompt_tokens"] == 3, reply  # [CLS] hi [SEP]
     status, reply = _post(base, "/completions", {"prompt": "Hi", "max_tokens": 2}, key)
     assert status == 200 and reply["model"] == "smollm2", reply
     status, reply = _post(base, "/v1/chat/completions", {**chat, "model": "gpt-5"}, key)

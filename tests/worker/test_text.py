@@ -70,6 +70,11 @@ def test_embed_tokenizes_and_right_pads_to_the_bucket(tmp_path: Path) -> None:
     assert ids.shape == (2, BUCKET)
     assert ids[0, :2].tolist() == [2, 3] and ids[1, :1].tolist() == [4]
     assert mask.sum(1).tolist() == [2, 1]
+    # the tokens read, for OpenAI's embeddings usage: padding is not counted
+    _, tokens = asyncio.run(
+        text.infer_counted({cfg.TEXT_INPUT: texts("hello world", "a")}, ["sentence_embedding"])
+    )
+    assert tokens == 3
 
 
 def test_token_ids_still_pass_straight_through(tmp_path: Path) -> None:
@@ -80,6 +85,11 @@ def test_token_ids_still_pass_straight_through(tmp_path: Path) -> None:
     ids = np.ones((1, 4), np.int64)
     out = asyncio.run(text.infer({"input_ids": ids, "attention_mask": ids}, ["sentence_embedding"]))
     assert out["sentence_embedding"].shape == (1, 4)
+    mask = np.array([[1, 1, 1, 0]], np.int64)
+    _, tokens = asyncio.run(
+        text.infer_counted({"input_ids": ids, "attention_mask": mask}, ["sentence_embedding"])
+    )
+    assert tokens == 3
     with pytest.raises(InvalidArgument, match="missing \\['attention_mask'\\]"):
         asyncio.run(text.infer({"input_ids": ids}, ["sentence_embedding"]))
     # A generic client fills every input: TEXT is served, token inputs beside it are not read.
