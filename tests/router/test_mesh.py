@@ -4,7 +4,6 @@ registry (not started: its replicas set by hand) and no network."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,14 +17,7 @@ from router.forwarding.replica import Replica
 from router.mesh import KEY_IN_HEADER, KEY_IN_METADATA, MeshApi
 from router.tenancy.auth import Auth, Tenant
 from router.tenancy.limits import Limiter
-
-
-class FakeChannel:
-    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return None
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return None
+from tests.router.fakes import FakeChannel
 
 
 def mesh(auth: Auth | None = None) -> MeshApi:

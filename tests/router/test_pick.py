@@ -13,16 +13,9 @@ from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
 from router.forwarding.dispatch import Dispatcher
 from router.forwarding.registry import Registry
 from router.forwarding.replica import Replica
+from tests.router.fakes import FakeChannel
 
 MODEL = "smollm2"
-
-
-class FakeChannel:
-    def unary_unary(self, method: str) -> Any:
-        return None
-
-    def stream_stream(self, method: str) -> Any:
-        return None
 
 
 def replica(worker: str, depth: int, kv_used: int, kv_total: int = 4096) -> Replica:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import struct
-from typing import Any
 
 from common.mesh_state import DepthSample, ModelEntry, WorkerInfo, now_ms
 from protos import grpc_service_pb2 as pb
@@ -15,17 +14,10 @@ from router.forwarding.policies import PREFIX_WEIGHT, Ask, Candidate, Setup
 from router.forwarding.policies.prefix import Prefix
 from router.forwarding.prefix_index import PrefixIndex, prompt_of
 from router.forwarding.replica import Replica
+from tests.router.fakes import FakeChannel
 
 MODEL = "smollm2"
 SYSTEM = ("You are a helpful assistant. Answer briefly and cite the manual. " * 12).encode()
-
-
-class FakeChannel:
-    def unary_unary(self, method: str) -> Any:
-        return None
-
-    def stream_stream(self, method: str) -> Any:
-        return None
 
 
 def request(text: bytes, raw: bool = True, salt: str = "") -> bytes:

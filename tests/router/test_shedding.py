@@ -3,8 +3,6 @@ with fake channels; and the request parameters the router adds for an LLM's engi
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 import pytest
 
@@ -17,16 +15,9 @@ from router.forwarding.dispatch import with_tenant
 from router.forwarding.replica import Replica
 from router.forwarding.shedding import Shedder, predicted_wait
 from router.tenancy.auth import Tenant
+from tests.router.fakes import FakeChannel
 
 MODEL = "smollm2"
-
-
-class FakeChannel:
-    def unary_unary(self, method: str) -> Any:
-        return None
-
-    def stream_stream(self, method: str) -> Any:
-        return None
 
 
 def replica(depth: int, slots: int = 4, rate_milli: int = 2000, at: int | None = None) -> Replica:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
+from tests.worker.llm.test_scheduler import run
 from worker.llm.fairness import INPUT_COST, OUTPUT_COST, FairQueue
 from worker.llm.kv_manager import KVCacheManager
 from worker.llm.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
@@ -31,18 +33,21 @@ def make(slots: int = 4) -> Scheduler[Sequence]:
     return Scheduler(KVCacheManager(slots, 4096, enabled=False), SchedulerConfig(STEP, 64, 10_000))
 
 
+def charge(
+    plan: StepPlan[Sequence], served: Counter[str], tenant: Callable[[Sequence], str]
+) -> None:
+    """Each tenant's weighted service in one plan, as the engine's counters charge it."""
+    for c in plan.prefill:
+        served[tenant(c.seq)] += c.tokens * INPUT_COST
+    for s in plan.decode:
+        served[tenant(s)] += OUTPUT_COST
+
+
 def step(sched: Scheduler[Sequence], served: Counter[str]) -> StepPlan[Sequence]:
     """Run one plan as the engine would; `served` gets each tenant's weighted service."""
     plan = sched.schedule()
-    for c in plan.prefill:
-        c.seq.computed = c.start + c.tokens
-        served[c.seq.tenant] += c.tokens * INPUT_COST
-        if c.completes:
-            c.seq.tokens.append(0)
-    for s in plan.decode:
-        s.computed += 1
-        s.tokens.append(0)
-        served[s.tenant] += OUTPUT_COST
+    charge(plan, served, lambda s: s.tenant)
+    run(plan)
     for s in [*plan.decode, *(c.seq for c in plan.prefill)]:
         if len(s.tokens) >= s.reserve - len(s.prompt):
             s.finish_reason = "length"
@@ -104,15 +109,9 @@ def test_first_come_first_served_would_break_that_bound() -> None:
     served: Counter[str] = Counter()
     for _ in range(300):
         plan = sched.schedule()
-        for c in plan.prefill:
-            served[tenant_of[c.seq.id]] += c.tokens * INPUT_COST
-            c.seq.computed = c.start + c.tokens
-            if c.completes:
-                c.seq.tokens.append(0)
+        charge(plan, served, lambda s: tenant_of[s.id])
+        run(plan)
         for s in plan.decode:
-            s.computed += 1
-            s.tokens.append(0)
-            served[tenant_of[s.id]] += OUTPUT_COST
             if len(s.tokens) >= MAX_TOKENS:
                 s.finish_reason = "length"
                 sched.finish(s)
