@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -14,6 +16,8 @@ from devmesh import toy_models
 from devmesh.processes import LocalMesh
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 def mlp_repository(root: Path, config: str) -> Path:
@@ -100,3 +104,20 @@ async def call_many(
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
     return codes
+
+
+def model_usage(store: Any, model: str, *fields: str) -> tuple[int, ...]:
+    """The ledger's totals of `fields` for `model` (every version): `store` is a
+    ledger.store.Store."""
+    usage = [v for (m, _), v in store.usage().items() if m == model]
+    return tuple(sum(v[f] for v in usage) for f in fields)
+
+
+def settle(read: Callable[[], T], expected: T, timeout: float = 30.0, quiet: float = 1.0) -> T:
+    """What `read` gives once it equals `expected` (or at `timeout`), read again `quiet`
+    seconds later: nothing more may arrive (a late refund or over-count would show)."""
+    deadline = time.monotonic() + timeout
+    while read() != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(quiet)
+    return read()

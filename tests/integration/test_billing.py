@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from devmesh import toy_models
-from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository, mlp_request
+from devmesh.testing import Mesh, call_many, mlp_config, mlp_repository, mlp_request, settle
 from ledger.store import Store
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -41,17 +41,6 @@ def start(mesh: Mesh, tmp_path: Path, *router_args: str) -> tuple[str, Store]:
 def billed(store: Store) -> tuple[int, int]:
     u = store.usage()
     return sum(v["success"] for v in u.values()), sum(v["revenue_micro_usd"] for v in u.values())
-
-
-def settle_on(store: Store, expected: tuple[int, int], timeout: float = 15.0) -> tuple[int, int]:
-    """The ledger's (successes, revenue) once it reaches `expected`, or when `timeout` ends;
-    then a second look a while later: nothing more may arrive (a late refund or a late
-    over-count would show here)."""
-    deadline = time.monotonic() + timeout
-    while billed(store) != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.5)
-    return billed(store)
 
 
 async def impatient_clients(
@@ -123,7 +112,7 @@ def test_deadlines_and_cancels_bill_exactly_what_the_clients_got(
     assert slow["CANCELLED"] >= 100, seen
     assert set(fast) <= {"OK", "DEADLINE_EXCEEDED"} and set(slow) <= {"OK", "CANCELLED"}, seen
     ok = fast["OK"] + slow["OK"]
-    got = settle_on(store, (ok, ok * PRICE))
+    got = settle(lambda: billed(store), (ok, ok * PRICE), timeout=15, quiet=1.5)
     assert billed_per_model(store).get("mlp", 0) == fast["OK"], seen
     assert billed_per_model(store).get("mlp_slow", 0) == slow["OK"], seen
     assert got == (ok, ok * PRICE), seen
@@ -133,11 +122,17 @@ def test_a_router_restarted_under_the_same_id_loses_no_count(mesh: Mesh, tmp_pat
     router, store = start(mesh, tmp_path, "--router-id", "router-a")
     first = asyncio.run(call_many(router, 300, concurrency=4))
     assert first == {"OK": 300}
-    assert settle_on(store, (300, 300 * PRICE)) == (300, 300 * PRICE)
+    assert settle(lambda: billed(store), (300, 300 * PRICE), timeout=15, quiet=1.5) == (
+        300,
+        300 * PRICE,
+    )
     assert mesh.router is not None
     mesh.router.stop()  # as compose restarts PID 1: the same default id again
     router = mesh.start_router("--router-id", "router-a")
     second = asyncio.run(call_many(router, 200, concurrency=4))
     assert second == {"OK": 200}
-    assert settle_on(store, (500, 500 * PRICE)) == (500, 500 * PRICE)
+    assert settle(lambda: billed(store), (500, 500 * PRICE), timeout=15, quiet=1.5) == (
+        500,
+        500 * PRICE,
+    )
     assert store.gaps() == [] and store.quarantine() == []

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from common.net import free_port
-from devmesh.testing import Mesh, worker_successes
+from devmesh.testing import Mesh, model_usage, settle, worker_successes
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -122,11 +122,11 @@ async def _read(call: grpc.aio.StreamStreamCall, got: Got) -> None:
         got.error = e.code().name
 
 
-def billed(store: Store) -> tuple[int, int, int, int, int]:
+def billed(store: Store) -> tuple[int, ...]:
     """(prompt, cached, completion, successes, errors) of the LLM in the ledger."""
-    u = [v for (m, _), v in store.usage().items() if m == MODEL]
-    keys = ("prompt_tokens", "cached_tokens", "completion_tokens", "success", "errors")
-    return tuple(sum(v[k] for v in u) for k in keys)  # type: ignore[return-value]
+    return model_usage(
+        store, MODEL, "prompt_tokens", "cached_tokens", "completion_tokens", "success", "errors"
+    )
 
 
 def received(gots: list[Got]) -> tuple[int, int, int, int, int]:
@@ -138,16 +138,6 @@ def received(gots: list[Got]) -> tuple[int, int, int, int, int]:
         len(ok),
         len(gots) - len(ok),
     )
-
-
-def settle(store: Store, expected: tuple, timeout: float = 30.0) -> tuple:
-    """The ledger's counts once they equal `expected` (or at `timeout`), and a second later
-    (nothing more may arrive)."""
-    deadline = time.monotonic() + timeout
-    while billed(store) != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)
-    return billed(store)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -253,7 +243,7 @@ def test_a_restarted_worker_is_forgotten_and_served_again(
 
     expected = received(routed.gots)
     assert expected[1] > 0  # the cache did serve tokens in this run
-    assert settle(routed.store, expected) == expected
+    assert settle(lambda: billed(routed.store), expected) == expected
 
 
 def test_redis_lost_mid_run_routes_by_p2c_and_bills_every_call(routed: Routed) -> None:
@@ -304,7 +294,7 @@ def test_redis_lost_mid_run_routes_by_p2c_and_bills_every_call(routed: Routed) -
     routed.gots += asyncio.run(load(4))
     expected = received(routed.gots)
     assert expected[3] == len(routed.gots) and expected[4] == 0  # every call succeeded
-    assert settle(routed.store, expected, timeout=60) == expected
+    assert settle(lambda: billed(routed.store), expected, timeout=60) == expected
     assert m.redis_server.alive and not any(
         p.popen is not None and p.popen.poll() is not None for p in m.workers.values()
     )

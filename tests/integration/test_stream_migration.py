@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from devmesh.processes import free_port
-from devmesh.testing import Mesh
+from devmesh.testing import Mesh, model_usage, settle
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -234,25 +234,15 @@ async def run_streams(
     return gots, on_victim
 
 
-def billed(store: Store) -> tuple[int, int, int, int]:
+def billed(store: Store) -> tuple[int, ...]:
     """(prompt, completion, successes, errors) of the LLM in the ledger."""
-    u = [v for (m, _), v in store.usage().items() if m == MODEL]
-    keys = ("prompt_tokens", "completion_tokens", "success", "errors")
-    return tuple(sum(v[k] for v in u) for k in keys)  # type: ignore[return-value]
+    return model_usage(store, MODEL, "prompt_tokens", "completion_tokens", "success", "errors")
 
 
 def received(gots: list[Got]) -> tuple[int, int, int, int]:
     ok = sum(g.final and not g.error for g in gots)
     completion = sum(g.completion for g in gots)
     return sum(g.prompt for g in gots), completion, ok, len(gots) - ok
-
-
-def settle(store: Store, expected: tuple, timeout: float = 30.0) -> tuple:
-    deadline = time.monotonic() + timeout
-    while billed(store) != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)  # nothing more may arrive
-    return billed(store)
 
 
 def check_handed_over(reference: list[Got], gots: list[Got]) -> None:
@@ -276,7 +266,7 @@ def test_a_worker_killed_under_12_streams_hands_every_stream_over(routed: Routed
     # re-prefilled tokens of the moved streams billed neither as prompt nor as completion
     expected = received(reference + gots)
     assert expected[2:] == (2 * STREAMS, 0)
-    assert settle(routed.store, expected) == expected
+    assert settle(lambda: billed(routed.store), expected) == expected
 
 
 def test_the_streams_of_a_stalled_worker_move_on_too(routed: Routed) -> None:
@@ -292,7 +282,7 @@ def test_the_streams_of_a_stalled_worker_move_on_too(routed: Routed) -> None:
     check_handed_over(reference, gots)
     assert migrations(routed.metrics_port) >= 1
     expected = received(reference + gots)
-    assert settle(routed.store, expected) == expected
+    assert settle(lambda: billed(routed.store), expected) == expected
 
 
 def test_http_streams_of_a_killed_worker_go_on_too(routed: Routed) -> None:
@@ -302,7 +292,7 @@ def test_http_streams_of_a_killed_worker_go_on_too(routed: Routed) -> None:
     check_handed_over(reference, gots)
     assert migrations(routed.metrics_port) >= 1
     expected = received(reference + gots)
-    assert settle(routed.store, expected) == expected
+    assert settle(lambda: billed(routed.store), expected) == expected
 
 
 def test_with_migration_off_a_killed_workers_streams_end_unavailable(
@@ -315,7 +305,7 @@ def test_with_migration_off_a_killed_workers_streams_end_unavailable(
     assert all(g.final and g.completion == MAX_TOKENS for g in gots if not g.error)
     assert migrations(unmigrated.metrics_port) == 0
     expected = received(gots)  # each broken stream billed the tokens its client got
-    assert settle(unmigrated.store, expected) == expected
+    assert settle(lambda: billed(unmigrated.store), expected) == expected
 
 
 def test_a_drained_worker_hands_over_the_streams_that_outlive_its_grace(routed: Routed) -> None:
@@ -326,7 +316,7 @@ def test_a_drained_worker_hands_over_the_streams_that_outlive_its_grace(routed: 
     # its grace (1 s) ends before its streams do: they are cut and move to the other worker
     assert migrations(routed.metrics_port) >= 1
     expected = received(reference + gots)
-    assert settle(routed.store, expected) == expected
+    assert settle(lambda: billed(routed.store), expected) == expected
 
 
 def test_a_stream_moves_at_most_migration_limit_times(llm_repository: Path, tmp_path: Path) -> None:
@@ -349,7 +339,7 @@ def test_a_stream_moves_at_most_migration_limit_times(llm_repository: Path, tmp_
             assert got.final and got.ids == ref.ids and got.text == ref.text
         assert migrations(routed.metrics_port) == n  # each stream once: no second move
         expected = received(reference + gots)
-        assert settle(routed.store, expected) == expected
+        assert settle(lambda: billed(routed.store), expected) == expected
     finally:
         routed.mesh.stop(kill=True)
         routed.store.close()

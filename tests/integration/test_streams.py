@@ -22,7 +22,7 @@ import pytest
 
 from common.tenancy import TenantPolicy
 from devmesh.processes import free_port
-from devmesh.testing import Mesh
+from devmesh.testing import Mesh, model_usage, settle
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
@@ -178,27 +178,10 @@ async def stream(
     return got
 
 
-def tokens_billed(store: Store) -> tuple[int, int, int, int, int]:
+def tokens_billed(store: Store) -> tuple[int, ...]:
     """(prompt, completion, token revenue, successes, errors) of the LLM in the ledger."""
-    u = [v for (m, _), v in store.usage().items() if m == MODEL]
-    return tuple(  # type: ignore[return-value]
-        sum(v[k] for v in u)
-        for k in (
-            "prompt_tokens",
-            "completion_tokens",
-            "token_revenue_micro_usd",
-            "success",
-            "errors",
-        )
-    )
-
-
-def settle(store: Store, expected: tuple, timeout: float = 20.0) -> tuple:
-    deadline = time.monotonic() + timeout
-    while tokens_billed(store) != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)  # nothing more may arrive
-    return tokens_billed(store)
+    fields = ("prompt_tokens", "completion_tokens", "token_revenue_micro_usd", "success", "errors")
+    return model_usage(store, MODEL, *fields)
 
 
 def test_a_stream_through_the_router_is_the_stream_from_the_worker(
@@ -217,7 +200,7 @@ def test_a_stream_through_the_router_is_the_stream_from_the_worker(
     assert (routed.prompt, routed.completion) == (5, 16)
     # one call billed: its tokens and revenue exact, per-token price and per-call price
     expected = (routed.prompt, routed.completion, routed.revenue, 1, 0)
-    assert settle(store, expected) == expected
+    assert settle(lambda: tokens_billed(store), expected) == expected
     usage = next(iter(store.usage().values()))
     assert usage["finished_length"] == 1 and usage["revenue_micro_usd"] == PRICE_CALL
     assert usage["upstream_ns"] > 0  # the stream's time upstream: its share of serving cost
@@ -238,7 +221,7 @@ def test_a_cancelled_stream_is_billed_the_tokens_its_client_got(
     got = asyncio.run(stream(router, "Once upon a time", 300, stop_after=6))
     assert len(got.responses) == 6 and not got.finished
     expected = (got.prompt, got.completion, got.revenue, 0, 1)
-    prompt, completion, revenue, success, errors = settle(store, expected)
+    prompt, completion, revenue, success, errors = settle(lambda: tokens_billed(store), expected)
     # Exact, but for the piece that crosses the client's cancel: one the router handed to the
     # transport just before the cancel reached it is billed though the client dropped it
     # unread (HTTP/2 has no per-message ack), and one the router took back as unsent when the
@@ -275,7 +258,7 @@ def test_a_worker_lost_mid_stream_fails_the_request_at_once_and_bills_what_was_s
         assert waited < 5.0  # stall detection: 0.5 s; never the 120 s deadline
         assert not got.finished and got.completion >= 5
         expected = (got.prompt, got.completion, got.revenue, 0, 1)
-        assert settle(store, expected) == expected
+        assert settle(lambda: tokens_billed(store), expected) == expected
     finally:
         if how == signal.SIGSTOP:
             next(iter(mesh.workers.values())).signal(signal.SIGCONT)
@@ -352,7 +335,7 @@ def check_billed_exactly(got: list[Received], store: Store, elapsed: float) -> N
         MANY,
         0,
     )
-    assert settle(store, expected, timeout=60) == expected
+    assert settle(lambda: tokens_billed(store), expected, timeout=60) == expected
     print(f"{MANY} requests on {MANY // 10} client streams in {elapsed:.1f}s; billed {expected}")
 
 
