@@ -37,8 +37,21 @@ LLAMA: dict[str, Any] = {
         "unit/test_completion.py::*": SERVER_ONLY + " (/completion, n_predict, id_slot, "
         "cache_prompt, timings) or " + STORIES,
         "unit/test_security.py::*": SERVER_ONLY + ": --api-key on /slots and /props, CORS flags",
-        "unit/test_tool_call.py::*": "sets llama-server's chat template files "
-        "(models/templates/*.jinja) and parsers; the mesh renders the model's own template",
+        **{
+            f"unit/test_tool_call.py::{name}*": "named Hugging Face models with llama-server's "
+            "template files (models/templates/*.jinja) per test; the mesh serves its own model "
+            "and renders its own template"
+            for name in (
+                "test_calc_result",
+                "test_completion_with_required_tool_real_model",
+                "test_completion_without_tool_call_slow",
+                "test_hello_world",
+                "test_thoughts",
+                "test_weather",
+            )
+        },
+        "unit/test_tool_call.py::test_completion_without_tool_call_fast[*-tools1-None-*": "a "
+        "tool under tool_choice auto: whether the model calls it is the model's choice",
         "unit/test_ignore_eos.py::*": STORIES,
         "unit/test_stream.py::*": STORIES,
         # test_basic.py
