@@ -4,8 +4,7 @@ A role's distributions are resolved from pyproject.toml (the core, the extra, th
 names) through the installed packages' own requirements; every top-level module that comes
 from any other installed distribution is then blocked (ImportError) in the process that runs
 the role. The router serves and forwards a call with torch, onnxruntime and numpy blocked; a
-plain worker serves a call with torch blocked. `python -m benchmarks.install_sizes` measures
-what each extra weighs.
+plain worker serves a call with torch blocked (docs/deploy.md lists what each extra weighs).
 """
 
 from __future__ import annotations

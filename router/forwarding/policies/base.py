@@ -122,7 +122,8 @@ def kv_free(
     stale (unknown, as for `load`). The calls this router sent since the sample count in
     `load`, not here: their reservations are unknown to the router, and charging each the
     mesh's mean (one long sequence can dominate it) makes an idle replica look full after
-    one call, sending a burst to the full one (measured: benchmarks/kv_balance.py)."""
+    one call, sending a burst to the full one (measured by the kv_balance benchmark, in git
+    history)."""
     if kv_total <= 0 or sampled_ms is None or now_ms - sampled_ms > max_age_ms:
         return None
     return kv_total - kv_used
