@@ -55,6 +55,11 @@ class TextModel:
             raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
+        # The tokenizer's truncation length is what the model reads: a longer text is
+        # refused by name (as OpenAI and vLLM do), not cut silently.
+        truncation = self.tokenizer.truncation
+        self.max_tokens: int | None = truncation["max_length"] if truncation else None
+        self.tokenizer.no_truncation()
         self.token_inputs = [n for n in spec.inputs if n != TEXT_INPUT]
         need = [IDS, MASK]
         if sorted(need) != sorted(self.token_inputs):
@@ -91,6 +96,12 @@ class TextModel:
 
     def encode(self, texts: list[str], left: bool) -> tuple[np.ndarray, np.ndarray]:
         encodings = self.tokenizer.encode_batch(texts)
+        for i, e in enumerate(encodings):
+            if self.max_tokens is not None and len(e.ids) > self.max_tokens:
+                raise InvalidArgument(
+                    f"input {TEXT_INPUT!r} row {i} is too large: {len(e.ids)} tokens; model "
+                    f"{self.spec.name!r} reads at most {self.max_tokens}"
+                )
         width = bucket(max(len(e.ids) for e in encodings))
         ids = np.full((len(texts), width), self.pad, np.int64)
         mask = np.zeros((len(texts), width), np.int64)

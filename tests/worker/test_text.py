@@ -119,3 +119,19 @@ def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
 
     with pytest.raises(cfg.ConfigError, match="does not exist"):
         TextModel(spec("embed"), tmp_path, submit)
+
+
+def test_a_text_past_the_tokenizers_truncation_length_is_refused_by_name(tmp_path: Path) -> None:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.enable_truncation(4)
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
+        return {"sentence_embedding": inputs["input_ids"].astype(np.float32)}
+
+    text = TextModel(spec("embed"), tmp_path, submit)
+    served = asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a b a b")}, ["sentence_embedding"]))
+    assert served["sentence_embedding"].shape == (1, BUCKET)
+    with pytest.raises(InvalidArgument, match="row 1 is too large: 5 tokens; model 'm' reads at"):
+        asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a", "a b a b a")}, ["sentence_embedding"]))
