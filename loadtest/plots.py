@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,10 +39,7 @@ def latency_cdf(runs: list[tuple[str, dict]], path: Path, title: str = "Latency"
     ax.set(xlabel="percentile", ylabel="latency (ms)", title=title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def latency_vs_load(
@@ -63,10 +61,7 @@ def latency_vs_load(
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def tokens_vs_load(runs: list[dict], path: Path, title: str = "Output tokens/s") -> Path:
@@ -91,6 +86,10 @@ def tokens_vs_load(runs: list[dict], path: Path, title: str = "Output tokens/s")
     lines = ax.get_legend_handles_labels()[0] + per_stream.get_legend_handles_labels()[0]
     ax.legend(lines, [str(line.get_label()) for line in lines], fontsize=8)
     ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
