@@ -47,6 +47,8 @@ DELAY_WHEN_IDLE = "meshserve.batch_delay_when_idle"
 # the tokens (embed).
 TOKENIZER = "meshserve.tokenizer"
 TEXT_TASK = "meshserve.text_task"
+# The most tokens a text model takes (its position table); a longer text is refused.
+MAX_INPUT_TOKENS = "meshserve.max_input_tokens"
 # meshserve.vocab_size.<input>: an integer input's values must be in 0..N-1 (token ids into
 # an embedding). Found in the graph where an input indexes a constant table; may be set.
 VOCAB_SIZE = "meshserve.vocab_size."

@@ -61,6 +61,7 @@ SOURCES = {
                 model_keys.PRICE_PER_CALL: "20",
                 model_keys.TRAINING_COST: "300000000",
                 model_keys.TEXT_TASK: "embed",
+                model_keys.MAX_INPUT_TOKENS: "512",  # BERT's position table
             },
         ),
         Source(

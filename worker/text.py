@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from common import bytes_codec
+from common import bytes_codec, model_keys
 from common.errors import InvalidArgument
 from worker.config import (
     TEXT_INPUT,
@@ -55,11 +55,12 @@ class TextModel:
             raise ConfigError(f"model {spec.name!r}: tokenizer {path} does not exist")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
-        # The tokenizer's truncation length is what the model reads: a longer text is
-        # refused by name (as OpenAI and vLLM do), not cut silently.
-        truncation = self.tokenizer.truncation
-        self.max_tokens: int | None = truncation["max_length"] if truncation else None
-        self.tokenizer.no_truncation()
+        # A text past the model's own capacity (meshserve.max_input_tokens: its position
+        # table) is refused by name, as OpenAI and vLLM refuse; within it the tokenizer's own
+        # truncation (sentence-transformers' reading window) applies as before.
+        self.max_tokens = _max_tokens(spec)
+        self._untruncated = Tokenizer.from_str(self.tokenizer.to_str())
+        self._untruncated.no_truncation()
         self.token_inputs = [n for n in spec.inputs if n != TEXT_INPUT]
         need = [IDS, MASK]
         if sorted(need) != sorted(self.token_inputs):
@@ -96,11 +97,14 @@ class TextModel:
 
     def encode(self, texts: list[str], left: bool) -> tuple[np.ndarray, np.ndarray]:
         encodings = self.tokenizer.encode_batch(texts)
-        for i, e in enumerate(encodings):
-            if self.max_tokens is not None and len(e.ids) > self.max_tokens:
+        limit = self.max_tokens
+        for i, e in enumerate(encodings if limit is not None else ()):
+            n = len(self._untruncated.encode(texts[i]).ids) if e.overflowing else len(e.ids)
+            if limit is not None and n > limit:
                 raise InvalidArgument(
-                    f"input {TEXT_INPUT!r} row {i} is too large: {len(e.ids)} tokens; model "
-                    f"{self.spec.name!r} reads at most {self.max_tokens}"
+                    f"input {TEXT_INPUT!r} row {i} is too large: {n} tokens; model "
+                    f"{self.spec.name!r} takes at most {limit} "
+                    f"({model_keys.MAX_INPUT_TOKENS})"
                 )
         width = bucket(max(len(e.ids) for e in encodings))
         ids = np.full((len(texts), width), self.pad, np.int64)
@@ -116,3 +120,15 @@ class TextModel:
         """One real run through the session, on tokens of real text."""
         ids, mask = self.encode(["warm up"], left=False)
         run(list(self.spec.outputs), {IDS: ids, MASK: mask})
+
+
+def _max_tokens(spec: ModelSpec) -> int | None:
+    raw = spec.parameters.get(model_keys.MAX_INPUT_TOKENS)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(
+            f"model {spec.name!r}: parameter {model_keys.MAX_INPUT_TOKENS} must be a positive "
+            f"integer, got {raw!r}"
+        )
+    return int(raw)

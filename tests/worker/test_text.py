@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from common import model_keys
 from common.errors import InvalidArgument
 from worker import config as cfg
 from worker.text import BUCKET, TextModel, bucket
@@ -121,17 +122,21 @@ def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
         TextModel(spec("embed"), tmp_path, submit)
 
 
-def test_a_text_past_the_tokenizers_truncation_length_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_text_past_max_input_tokens_is_refused_by_name(tmp_path: Path) -> None:
+    """Within meshserve.max_input_tokens the tokenizer's own truncation applies; past it the
+    text is refused, naming the row and both numbers."""
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.enable_truncation(4)
+    tok.enable_truncation(2)
     tok.save(str(tmp_path / "tokenizer.json"))
 
     async def submit(inputs, outputs):  # type: ignore[no-untyped-def]
-        return {"sentence_embedding": inputs["input_ids"].astype(np.float32)}
+        return {}
 
-    text = TextModel(spec("embed"), tmp_path, submit)
-    served = asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a b a b")}, ["sentence_embedding"]))
-    assert served["sentence_embedding"].shape == (1, BUCKET)
-    with pytest.raises(InvalidArgument, match="row 1 is too large: 5 tokens; model 'm' reads at"):
-        asyncio.run(text.infer({cfg.TEXT_INPUT: texts("a", "a b a b a")}, ["sentence_embedding"]))
+    s = spec("embed")
+    s.parameters[model_keys.MAX_INPUT_TOKENS] = "4"
+    text = TextModel(s, tmp_path, submit)
+    ids, mask = text.encode(["a b a b"], left=False)
+    assert mask.sum() == 2  # within the limit: truncated to the tokenizer's window
+    with pytest.raises(InvalidArgument, match="row 1 is too large: 5 tokens; model 'm' takes"):
+        text.encode(["a", "a b a b a"], left=False)
