@@ -284,3 +284,27 @@ def test_bad_input_fails_its_request_not_the_group(mesh: Mesh, tiny) -> None:  #
     assert "model 'enc' cannot run on this input" in message
     check_answers(address, enc, tp1_text)
     assert worker.popen.poll() is None and ranks_of(worker.popen.pid) == ranks
+
+
+def test_ranks_die_with_a_killed_leader(mesh: Mesh, tiny) -> None:  # type: ignore[no-untyped-def]
+    """A rank arms its own parent-death signal at start (no Python runs in the forked child,
+    where gRPC's threads could make it abort): kill -9 of the leader takes the ranks along."""
+    root, _, _ = tiny
+    address = mesh.add_worker(root, "--tp", "2")
+    worker = mesh.workers[address]
+    assert worker.popen is not None
+    (rank1,) = ranks_of(worker.popen.pid)
+    worker.popen.kill()
+    worker.popen.wait(10)
+    deadline = time.monotonic() + 10
+    while alive(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(rank1)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie not yet reaped by its new parent is dead)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -40,10 +41,20 @@ log = structlog.get_logger()
 PR_SET_PDEATHSIG = 1
 
 
+PARENT_PID = "MESHSERVE_TP_PARENT_PID"  # the leader's pid, in a rank's environment
+
+
 def die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the process that spawned it exits (Linux)."""
+    """In a rank, first thing: SIGKILL when the leader that spawned it exits (Linux), and
+    exit at once if it already has. Set by the rank itself, not in a preexec_fn: Python code
+    in a forked child of a process with gRPC's threads running can abort (SIGABRT)."""
+    parent = os.environ.get(PARENT_PID)
+    if parent is None:
+        return
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):
+        os._exit(1)  # the leader died before the signal was armed
 
 
 def rank_args(settings: WorkerSettings, repository: Path, rank: int, master_port: int) -> list[str]:
@@ -67,7 +78,7 @@ def spawn_ranks(
     return [
         subprocess.Popen(
             [sys.executable, "-m", "worker", *rank_args(settings, repository, rank, master_port)],
-            preexec_fn=die_with_parent,
+            env={**os.environ, PARENT_PID: str(os.getpid())},
         )
         for rank in range(1, settings.tp)
     ]

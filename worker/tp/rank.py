@@ -20,7 +20,7 @@ from common import logging
 from worker.config import ConfigError
 from worker.runtime import RuntimeOptions, requested_providers
 from worker.settings import WorkerSettings
-from worker.tp.leader import follow
+from worker.tp.leader import die_with_parent, follow
 from worker.tp.load import load_rank
 from worker.tp.parallel import CollectiveError, destroy_tp_group, init_tp_group
 from worker.tp.runtime import find_shard_sets, rss_bytes
@@ -43,6 +43,7 @@ def serve_health(host: str, port: int) -> tuple[grpc.Server, HealthServicer]:
 
 def run(s: WorkerSettings) -> int:
     """Rank s.tp_rank of the group: load, join, report, follow rank 0 until told to stop."""
+    die_with_parent()
     logging.configure(s.log_level, s.log_json)
     structlog.contextvars.bind_contextvars(rank=s.tp_rank)
     options = RuntimeOptions(providers=s.providers, intra_op_threads=s.intra_op_threads)
