@@ -1,6 +1,7 @@
 """Weight blocks as MatMulNBits stores them, and the grids that fill them: the exact GGUF
 grids (Q4_1, Q8_0, Q4_0), found from the weight values themselves, and round to nearest
-for weights with none. quantize/int4.py turns them into graph nodes."""
+for weights with none. quantize/gguf_blocks.py fills them from a GGUF's raw bytes instead
+(every type it lays out, K-quants included); quantize/int4.py turns them into graph nodes."""
 
 from __future__ import annotations
 
@@ -33,6 +34,70 @@ class Blocks:
         n, nb, block = self.codes.shape
         return w.reshape(n, nb * block).T.astype(np.float32)  # type: ignore[no-any-return]
 
+    @property
+    def block(self) -> int:
+        return int(self.codes.shape[-1])
+
+    def reblocked(self, bits: int, block: int) -> Blocks:
+        """The same weights as `bits`-bit codes (>= self.bits: the codes do not change) in
+        blocks of `block` (dividing self.block: each block's scale, zero point and residual
+        repeated over its parts), so that parts of one fused weight share one layout."""
+        if bits < self.bits or self.block % block:
+            raise ValueError(f"{self.bits}-bit blocks of {self.block} do not fit {bits}/{block}")
+        n, nb, _ = self.codes.shape
+        per = self.block // block
+        zp = self.zero_points
+        if zp is None and bits != self.bits:
+            zp = np.full((n, nb), 2 ** (self.bits - 1), np.uint8)
+
+        def split(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.repeat(a, per, axis=1)
+
+        codes = self.codes.reshape(n, nb * per, block)
+        return Blocks(
+            bits, codes, np.repeat(self.scales, per, axis=1), split(zp), split(self.residual)
+        )
+
+
+def joined(parts: list[Blocks]) -> Blocks:
+    """Blocks of several weights over one input, their output columns one after another (a
+    fused q/k/v or gate/up): the widest bits and the smallest block of any part."""
+    bits, block = max(p.bits for p in parts), min(p.block for p in parts)
+    parts = [p.reblocked(bits, block) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    default = 2 ** (bits - 1)
+
+    def zero_points(p: Blocks) -> np.ndarray:
+        return p.zero_points if p.zero_points is not None else np.full(p.scales.shape, default)
+
+    def residual(p: Blocks) -> np.ndarray:
+        return p.residual if p.residual is not None else np.zeros(p.scales.shape, np.float32)
+
+    explicit = any(p.zero_points is not None for p in parts)
+    return Blocks(
+        bits,
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        np.concatenate([zero_points(p) for p in parts]).astype(np.uint8) if explicit else None,
+        np.concatenate([residual(p) for p in parts]).astype(np.float32)
+        if any(p.residual is not None for p in parts)
+        else None,
+    )
+
+
+def affine(bits: int, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> Blocks:
+    """Blocks of w = scale*q + offset (codes [N, nb, block], scale and offset [N, nb]) as
+    scale*(q - z) + r: z = round(-offset/scale) clipped to the codes' range, r = offset +
+    scale*z (|r| <= scale/2 unless clipped); MatMulNBits takes z, the residual r is added back."""
+    safe = np.where(scale == 0, np.float32(1), scale)
+    z = np.clip(np.rint(-offset / safe), 0, 2**bits - 1)
+    z = np.where(scale == 0, 0, z).astype(np.float32)
+    residual = (offset + scale * z).astype(np.float32)
+    return Blocks(
+        bits, codes.astype(np.uint8), scale.astype(np.float32), z.astype(np.uint8), residual
+    )
+
 
 def _blocks(w: np.ndarray, block: int) -> np.ndarray | None:
     """[K, N] -> [N, K/block, block], or None when K is not a multiple of block."""
@@ -58,10 +123,7 @@ def q4_1_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:
         return None
     if not np.array_equal(d[..., None] * q.astype(np.float32) + m[..., None], x):
         return None
-    z = np.clip(np.rint(-m / safe), 0, 15)
-    z = np.where(d == 0, 0, z).astype(np.float32)
-    residual = (m + d * z).astype(np.float32)
-    return Blocks(4, q.astype(np.uint8), d, z.astype(np.uint8), residual)
+    return affine(4, q, d, m)
 
 
 def q8_0_blocks(w: np.ndarray, block: int = BLOCK) -> Blocks | None:

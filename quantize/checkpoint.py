@@ -28,10 +28,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from quantize.gguf_blocks import LAYOUTS
 from quantize.models import DecoderConfig, LlamaDecoder
 
 ARCHITECTURES = ("llama", "qwen2")  # smollm / SmolLM2 is `llama`
-TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")  # GGUF types served (exactly)
+# GGUF types served (exactly): floats, and every block type with a MatMulNBits layout
+# (quantize/gguf_blocks.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K)
+TENSOR_TYPES = ("F32", "F16", *LAYOUTS)
 ROPE_PERMUTED = {"llama"}  # llama.cpp's converter interleaves these q/k rows
 ROPE_SCALINGS = ("none", "linear")  # GGUF rope.scaling.type; llama3 comes as rope_freqs
 _LAYER = {

@@ -25,6 +25,14 @@ any ONNX graph whose MatMul weights are [in, out] initializers (or a Transpose o
 [out, in] one): the exported torch graph, a graph built with onnx.helper, a tensor-parallel
 slice. With `gguf_path`, weights whose initializer is named after a GGUF tensor (GGUF
 name or our torch name) must come out as that tensor's type, or QuantizeError says which.
+
+Every other GGUF block type (the K-quants Q2_K..Q6_K, Q5_0, Q5_1, IQ4_NL), and a fused
+weight whose parts differ in type (q/k/v of a Q4_K_M file: Q4_K, Q4_K, Q6_K), is read from
+the file's raw bytes instead (quantize/gguf_blocks.py: each type's MatMulNBits layout and
+its exactness): the decoded codes must reproduce the graph's weight values (columns matched
+by value, so RoPE-permuted or fused rows are found wherever they are), else QuantizeError.
+Parts of different layouts share one MatMulNBits by re-blocking to the widest bits and the
+smallest block (blocks.joined).
 """
 
 from __future__ import annotations
@@ -38,16 +46,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from quantize import gguf_blocks
 from quantize.blocks import (
     BLOCK,
     Blocks,
+    joined,
     pack4,
     q4_0_blocks,
     q4_1_blocks,
     q8_0_blocks,
     rtn_blocks,
 )
-from quantize.gguf_index import gguf_names, gguf_types
+from quantize.gguf_index import GGUFTensor, gguf_index, gguf_names, gguf_types
 
 MS_DOMAIN = "com.microsoft"
 
@@ -57,6 +67,7 @@ Q4_0 = "q4_0-exact"  # 4-bit codes straight from the GGUF grid, zero point 8
 INT8 = "int8-rtn"  # no exact grid: symmetric 8-bit blocks, round to nearest
 INT4 = "int4-rtn"  # no exact grid: asymmetric 4-bit blocks, round to nearest
 KEPT = "fp32-kept"  # left as a float MatMul
+FILE_EXACT = "-exact"  # after the GGUF types read from the file's bytes: "q4_k+q6_k-exact"
 
 OTHERWISE = {"int8": INT8, "int4": INT4, "keep": KEPT}
 
@@ -143,14 +154,79 @@ class _Graph:
         return node.input[0], np.ascontiguousarray(array.T), node
 
 
+def _parts(source: str, types: dict[str, str]) -> tuple[str, ...]:
+    """The GGUF tensors weight `source` is made of, in the order of its output columns."""
+    gnames = gguf_names(source)
+    if gnames == ("output.weight",) and "output.weight" not in types:
+        gnames = ("token_embd.weight",)  # tied embeddings: the lm_head is token_embd
+    return gnames
+
+
+def _from_file(source: str, gnames: tuple[str, ...], types: dict[str, str]) -> bool:
+    """Whether weight `source` is read from the file's bytes: every part has a layout in
+    gguf_blocks, and they are not all one type the value-based grids find."""
+    kinds = [types.get(n, "") for n in gnames]
+    if not kinds or not all(k in gguf_blocks.LAYOUTS for k in kinds):
+        return False
+    return not (len(set(kinds)) == 1 and kinds[0] in _EXPECTED)
+
+
+def _file_blocks(
+    source: str, w: np.ndarray, gnames: tuple[str, ...], index: dict[str, GGUFTensor], path: Path
+) -> tuple[str, Blocks]:
+    """(codec, blocks) of weight `source` ([K, N]) from the raw bytes of its GGUF parts."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    parts, values = [], []
+    for name in gnames:
+        t = index[name]
+        raw = t.raw(path)
+        parts.append(gguf_blocks.decode(t.kind, raw, t.shape[1]))
+        values.append(
+            np.asarray(dequantize(raw, GGMLQuantizationType[t.kind]), np.float32).reshape(t.shape)
+        )
+    blocks = joined(parts)
+    kinds = [index[n].kind for n in gnames]
+    what = f"{source} ({' + '.join(f'{k} {n}' for k, n in zip(kinds, gnames, strict=True))})"
+    order = _columns(w, np.concatenate(values))
+    if order is None:
+        raise QuantizeError(f"{what}: its values are not the dequantized rows of {path}")
+    if not np.array_equal(order, np.arange(len(order))):
+        blocks = Blocks(
+            blocks.bits,
+            blocks.codes[order],
+            blocks.scales[order],
+            None if blocks.zero_points is None else blocks.zero_points[order],
+            None if blocks.residual is None else blocks.residual[order],
+        )
+    err = float(np.abs(blocks.dequantize() - w).max())
+    if err > 2.0**-20 * float(np.abs(w).max()):  # a few fp32 ulps of the largest weight
+        raise QuantizeError(f"{what}: the file's codes reproduce its values only to {err:.3g}")
+    return "+".join(dict.fromkeys(k.lower() for k in kinds)) + FILE_EXACT, blocks
+
+
+def _columns(w: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """order such that rows[order] == w.T bit for bit (each column of w [K, N] found among
+    the file's rows [N, K]), or None."""
+    wt = np.ascontiguousarray(w.T)
+    if wt.shape != rows.shape:
+        return None
+    if np.array_equal(wt, rows):
+        return np.arange(len(rows))
+    where = {row.tobytes(): i for i, row in enumerate(rows)}
+    found = [where.get(col.tobytes()) for col in wt]
+    if any(i is None for i in found):
+        return None
+    return np.array(found, np.int64)
+
+
 def _wanted(
     source: str, types: dict[str, str], otherwise: str
 ) -> tuple[str | None, str | None, str]:
     """For weight `source`: the GGUF tensor it is named after, the exact codec that
     tensor's type demands (None: no exact grid required), and what it becomes otherwise."""
-    gnames = gguf_names(source)
-    if gnames == ("output.weight",) and "output.weight" not in types:
-        gnames = ("token_embd.weight",)  # tied embeddings: the lm_head is token_embd
+    gnames = _parts(source, types)
     kinds = {types.get(n, "") for n in gnames}
     gname = gnames[0] if gnames else None
     # a fused weight is exact only when every part is of one type (else: as any F16)
@@ -184,6 +260,7 @@ def quantize_matmuls(
     if otherwise not in OTHERWISE:
         raise ValueError(f"otherwise must be one of {sorted(OTHERWISE)}, not {otherwise!r}")
     types = gguf_types(gguf_path) if gguf_path is not None else {}
+    index: dict[str, GGUFTensor] = {}  # read when a weight needs the file's bytes
     g = _Graph(model.graph)
     wanted = set(only) if only is not None else None
     report = Report()
@@ -200,7 +277,13 @@ def quantize_matmuls(
             continue
         source, w, transpose = found
         gname, expected, policy = _wanted(source, types, otherwise)
-        codec, blocks = _decompose(w, block_size, policy, expected)
+        gnames = _parts(source, types)
+        blocks: Blocks | None
+        if gguf_path is not None and _from_file(source, gnames, types):
+            index = index or gguf_index(gguf_path)
+            codec, blocks = _file_blocks(source, w, gnames, index, gguf_path)
+        else:
+            codec, blocks = _decompose(w, block_size, policy, expected)
         if expected is not None and blocks is None:
             raise QuantizeError(
                 f"{source} is {types[gname or '']} {gname} in {gguf_path}, but its values "
@@ -213,11 +296,11 @@ def quantize_matmuls(
         if not exact:
             blocks.residual = None
         prefix = _unique(source, g.inits)
-        nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, block_size, accuracy_level)
+        nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, blocks.block, accuracy_level)
         if blocks.residual is not None and np.any(blocks.residual):
             key = (node.input[0], blocks.codes.shape[1])
             if key not in blocksums:
-                ones = _block_ones(w.shape[0], key[1], block_size)
+                ones = _block_ones(w.shape[0], key[1], blocks.block)
                 if ones.name not in indicators:
                     indicators.add(ones.name)
                     new_inits.append(ones)

@@ -173,9 +173,10 @@ AS_STORED = "as-stored"  # the checkpoint's own numbers: GGUF codes kept exactly
 
 def checkpoint_graph(ck: checkpoint.Checkpoint, kv_dtype: str = "float32") -> onnx.ModelProto:
     """The step graph of a checkpoint as stored: RoPE tables for its context length, and
-    every GGUF Q8_0 / Q4_0 / Q4_1 weight as MatMulNBits over the file's very codes
-    (quantize/int4.py, int8 activations per block as llama.cpp's own kernels); F32 / F16
-    weights (and every Hugging Face weight) as float32 MatMuls."""
+    every GGUF block-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K-quants)
+    as MatMulNBits over the file's very codes (quantize/int4.py, quantize/gguf_blocks.py;
+    int8 activations per block as llama.cpp's own kernels); F32 / F16 weights (and every
+    Hugging Face weight) as float32 MatMuls."""
     proto = llm_graph.build(ck.model(), kv_dtype=kv_dtype)
     if ck.gguf is not None:
         try:
