@@ -56,23 +56,26 @@ def write(
     omit: tuple[str, ...] = (),
     extra: dict[str, str | float] | None = None,
     kinds: dict[str, T] | None = None,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
 ) -> Path:
     """A random model of `architecture` (a key of ARCHITECTURES) with its matrices in
     `kind` (a key of QUANTS). Weights are scaled so that greedy choices are well apart.
     For refusals: `arch` written instead, metadata keys (without the `<arch>.` prefix) in
-    `omit` left out, `extra` keys added, `kinds` forcing some tensors' types."""
+    `omit` left out, `extra` keys added, `kinds` forcing some tensors' types. `hidden` and
+    `ffn`: multiples of 256 let llama.cpp's quantizer write K-quants (llamacpp_quantize.py)."""
     file_arch, pre, tied, bias = ARCHITECTURES[architecture]
     arch = arch or file_arch
     rng = np.random.default_rng(seed)
     tokens, merges, types = vocabulary()
-    vocab, hd = len(tokens), HIDDEN // HEADS
+    vocab, hd = len(tokens), hidden // HEADS
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{architecture}")
     numbers: dict[str, int | float] = {
         "context_length": CONTEXT,
-        "embedding_length": HIDDEN,
+        "embedding_length": hidden,
         "block_count": LAYERS,
-        "feed_forward_length": FFN,
+        "feed_forward_length": ffn,
         "attention.head_count": HEADS,
         "attention.head_count_kv": KV_HEADS,
         "rope.freq_base": 10000.0 if file_arch == "llama" else 1000000.0,
@@ -102,21 +105,21 @@ def write(
     def matrix(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
 
-    _tensor(w, "token_embd.weight", matrix(vocab, HIDDEN, 8.0), kind)
-    _tensor(w, "output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), kind)
+    _tensor(w, "token_embd.weight", matrix(vocab, hidden, 8.0), kind)
+    _tensor(w, "output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden), kind)
     if not tied:
-        _tensor(w, "output.weight", matrix(vocab, HIDDEN, 8.0), kind)
+        _tensor(w, "output.weight", matrix(vocab, hidden, 8.0), kind)
     for i in range(LAYERS):
         p = f"blk.{i}."
-        _tensor(w, p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), kind)
-        _tensor(w, p + "ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), kind)
-        _tensor(w, p + "attn_q.weight", matrix(HEADS * hd, HIDDEN, 2.0), kind)
-        _tensor(w, p + "attn_k.weight", matrix(KV_HEADS * hd, HIDDEN, 2.0), kind)
-        _tensor(w, p + "attn_v.weight", matrix(KV_HEADS * hd, HIDDEN), kind)
-        _tensor(w, p + "attn_output.weight", matrix(HIDDEN, HEADS * hd), kind)
-        _tensor(w, p + "ffn_gate.weight", matrix(FFN, HIDDEN), kind)
-        _tensor(w, p + "ffn_up.weight", matrix(FFN, HIDDEN), kind)
-        _tensor(w, p + "ffn_down.weight", matrix(HIDDEN, FFN), kind)
+        _tensor(w, p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden), kind)
+        _tensor(w, p + "ffn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden), kind)
+        _tensor(w, p + "attn_q.weight", matrix(HEADS * hd, hidden, 2.0), kind)
+        _tensor(w, p + "attn_k.weight", matrix(KV_HEADS * hd, hidden, 2.0), kind)
+        _tensor(w, p + "attn_v.weight", matrix(KV_HEADS * hd, hidden), kind)
+        _tensor(w, p + "attn_output.weight", matrix(hidden, HEADS * hd), kind)
+        _tensor(w, p + "ffn_gate.weight", matrix(ffn, hidden), kind)
+        _tensor(w, p + "ffn_up.weight", matrix(ffn, hidden), kind)
+        _tensor(w, p + "ffn_down.weight", matrix(hidden, ffn), kind)
         if bias:
             for name, rows in (("attn_q", HEADS * hd), ("attn_k", KV_HEADS * hd)):
                 _tensor(w, f"{p}{name}.bias", 0.5 * rng.standard_normal(rows), kind)
