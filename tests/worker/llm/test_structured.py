@@ -54,7 +54,7 @@ def test_each_guided_kind_yields_what_its_grammar_allows(smollm2: Path) -> None:
             cases = {
                 "json": (ask("Describe a person as JSON."), params(guided_json=PERSON)),
                 "object": (
-                    ask("Reply in JSON: what is the capital of France?"),
+                    ask('Reply in JSON with one key, "capital": what is the capital of France?'),
                     params(guided_json_object=True),
                 ),
                 "regex": (
