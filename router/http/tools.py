@@ -147,9 +147,9 @@ def _skip(text: str, i: int) -> int:
 def _value(text: str, i: int) -> Node:
     c = text[i]
     if c == "{":
-        return _object(text, i)
+        return _container(text, i, "}")
     if c == "[":
-        return _array(text, i)
+        return _container(text, i, "]")
     if c == '"':
         return _string(text, i)
     j = i
@@ -160,61 +160,47 @@ def _value(text: str, i: int) -> Node:
     return Node("scalar", i, j, j < len(text), text[i:j])
 
 
-def _object(text: str, start: int) -> Node:
-    node = Node("object", start, len(text), False, {})
+def _container(text: str, start: int, closer: str) -> Node:
+    """An object ("}") or array ("]") from its opening bracket at `start`: members (a key,
+    ':' and a value) or items, as far as the text goes."""
+    is_object = closer == "}"
+    node = Node(
+        "object" if is_object else "array", start, len(text), False, {} if is_object else []
+    )
     i = _skip(text, start + 1)
-    if i < len(text) and text[i] == "}":
+    if i < len(text) and text[i] == closer:
         node.end, node.done = i + 1, True
         return node
     while i < len(text):
-        if text[i] != '"':
-            raise ValueError(f"a key expected at {i}")
-        key = _string(text, i)
-        if not key.done:
-            return node
-        i = _skip(text, key.end)
-        if i == len(text):
-            return node
-        if text[i] != ":":
-            raise ValueError(f"':' expected at {i}")
-        i = _skip(text, i + 1)
-        if i == len(text):
-            return node
+        if is_object:
+            if text[i] != '"':
+                raise ValueError(f"a key expected at {i}")
+            key = _string(text, i)
+            if not key.done:
+                return node
+            i = _skip(text, key.end)
+            if i == len(text):
+                return node
+            if text[i] != ":":
+                raise ValueError(f"':' expected at {i}")
+            i = _skip(text, i + 1)
+            if i == len(text):
+                return node
         value = _value(text, i)
-        node.value[key.value] = value
+        if is_object:
+            node.value[key.value] = value
+        else:
+            node.value.append(value)
         if not value.done:
             return node
         i = _skip(text, value.end)
         if i == len(text):
             return node
-        if text[i] == "}":
+        if text[i] == closer:
             node.end, node.done = i + 1, True
             return node
         if text[i] != ",":
-            raise ValueError(f"',' or '}}' expected at {i}")
-        i = _skip(text, i + 1)
-    return node
-
-
-def _array(text: str, start: int) -> Node:
-    node = Node("array", start, len(text), False, [])
-    i = _skip(text, start + 1)
-    if i < len(text) and text[i] == "]":
-        node.end, node.done = i + 1, True
-        return node
-    while i < len(text):
-        value = _value(text, i)
-        node.value.append(value)
-        if not value.done:
-            return node
-        i = _skip(text, value.end)
-        if i == len(text):
-            return node
-        if text[i] == "]":
-            node.end, node.done = i + 1, True
-            return node
-        if text[i] != ",":
-            raise ValueError(f"',' or ']' expected at {i}")
+            raise ValueError(f"',' or '{closer}' expected at {i}")
         i = _skip(text, i + 1)
     return node
 
