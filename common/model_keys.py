@@ -72,6 +72,8 @@ MAX_TOKENS_LIMIT = "meshserve.max_tokens_limit"
 NUM_SCHEDULER_STEPS = "meshserve.num_scheduler_steps"
 # "false": no prefix cache (every prompt prefilled from nothing); default "true"
 PREFIX_CACHING = "meshserve.prefix_caching"
+# slots held back for a tenant that sent a request lately and runs nothing (fair admission)
+RESERVED_SLOTS = "meshserve.reserved_slots"
 # "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,
 # far slower on a busy one); default "false"
 INTRA_OP_SPINNING = "meshserve.intra_op_spinning"

@@ -125,6 +125,7 @@ class Engine:
                 step_tokens_per_row=config.step_tokens_per_row,
                 prefill_chunk=config.prefill_chunk,
                 max_waiting=config.max_waiting,
+                reserved_slots=config.reserved_slots,
                 num_speculative_tokens=draft.num_tokens if draft is not None else 0,
                 # positions a run may write to (a draft writes up to k past a length)
                 position_limit=min(self.cache.shape.max_len, positions),

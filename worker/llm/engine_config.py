@@ -12,8 +12,8 @@ from typing import Any
 from common import model_keys
 
 
-def _setting(default: Any, key: str | None = None) -> Any:
-    return field(default=default, metadata={"key": key})
+def _setting(default: Any, key: str | None = None, minimum: int = 1) -> Any:
+    return field(default=default, metadata={"key": key, "minimum": minimum})
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class EngineConfig:
     # decode runs the step thread chains while no request arrives, ends or is cancelled
     # (vLLM's num_scheduler_steps); 1: the scheduler decides every step
     num_scheduler_steps: int = _setting(64, model_keys.NUM_SCHEDULER_STEPS)
+    # free slots held back for a tenant that sent a request in the last RECENT_SECONDS and
+    # runs nothing, so its next request starts without waiting for another tenant's to end
+    # (worker/llm/fairness.py); 0: a backlogged tenant may take every slot
+    reserved_slots: int = _setting(1, model_keys.RESERVED_SLOTS, minimum=0)
 
     @classmethod
     def keys(cls) -> dict[str, str]:
@@ -54,21 +58,23 @@ class EngineConfig:
         model for keys the config leaves out (e.g. max_model_len from its graph). A bad
         value raises ValueError naming the model, the key and what was expected."""
         values = dict(unset)
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         for name, key in cls.keys().items():
             if key not in parameters:
                 continue
             raw = parameters[key]
-            if types[name] in (bool, "bool"):
+            if fields[name].type in (bool, "bool"):
                 if raw.lower() not in ("true", "false"):
                     raise ValueError(
                         f"model {model!r}: parameter {key} must be true or false, got {raw!r}"
                     )
                 values[name] = raw.lower() == "true"
-            elif not raw.isdigit() or int(raw) < 1:
+                continue
+            least = fields[name].metadata["minimum"]
+            if not raw.isdigit() or int(raw) < least:
+                expected = "a positive integer" if least == 1 else f"an integer >= {least}"
                 raise ValueError(
-                    f"model {model!r}: parameter {key} must be a positive integer, got {raw!r}"
+                    f"model {model!r}: parameter {key} must be {expected}, got {raw!r}"
                 )
-            else:
-                values[name] = int(raw)
+            values[name] = int(raw)
         return cls(**values)

@@ -13,13 +13,21 @@ tenants the service difference stays within a bound of about 2 x (a step's token
 the largest request's cost); tests/worker/llm/test_fairness.py checks that bound.
 
 With one tenant there is one FIFO and the order is arrival order, exactly as before.
+
+Counters share the order of admission, not the slots: a tenant with a deep backlog fills
+every slot that frees while another tenant is idle, and a light tenant's next request then
+waits for one of those to end (a whole request's time, not a step's). So the scheduler holds
+the last `reserved_slots` free slots for a tenant seen within RECENT_SECONDS that runs
+nothing (`recent`, `head(among=...)`): a tenant that sends now and then finds a slot, and
+one tenant alone, or tenants that are all running, still use every slot.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Generic, Protocol, TypeVar
 
 # The paper's weights: a decoded token costs about twice a prefilled one (it runs in a step
@@ -27,6 +35,9 @@ from typing import Generic, Protocol, TypeVar
 INPUT_COST = 1.0
 OUTPUT_COST = 2.0
 MAX_IDLE_TENANTS = 10_000  # counters kept for tenants with nothing waiting
+# a tenant that sent a request this recently is one a held-back slot waits for: longer than
+# the gap between a chat's turns, short enough that a tenant gone quiet frees the slot
+RECENT_SECONDS = 10.0
 
 
 class Fair(Protocol):
@@ -46,6 +57,7 @@ class FairQueue(Generic[T]):
         self._arrival: dict[int, int] = {}  # id(seq) -> arrival number, for iteration
         self._numbers = itertools.count()
         self._last = ""  # the tenant admitted last: the lift's floor when none is backlogged
+        self._seen: dict[str, float] = {}  # tenant -> monotonic time of its last arrival
 
     def __len__(self) -> int:
         return len(self._arrival)
@@ -68,24 +80,32 @@ class FairQueue(Generic[T]):
             self.queues[tenant] = deque()
         self.queues[tenant].append(seq)
         self._arrival[id(seq)] = next(self._numbers)
+        self._seen[tenant] = time.monotonic()
+        if len(self._seen) > MAX_IDLE_TENANTS:
+            horizon = time.monotonic() - RECENT_SECONDS
+            self._seen = {t: s for t, s in self._seen.items() if s >= horizon}
 
-    def head(self) -> T:
-        """The oldest sequence of the backlogged tenant with the smallest counter (ties: the
-        one whose head came first). IndexError when nothing waits."""
-        if not self.queues:
-            raise IndexError("nothing waits")
+    def head(self, among: Collection[str] | None = None) -> T | None:
+        """The oldest sequence of the backlogged tenant (of `among`, if given) with the
+        smallest counter (ties: the one whose head came first); None when none waits."""
+        tenants = [t for t in self.queues if among is None or t in among]
+        if not tenants:
+            return None
         tenant = min(
-            self.queues,
+            tenants,
             key=lambda t: (self.counters.get(t, 0.0), self._arrival[id(self.queues[t][0])]),
         )
         return self.queues[tenant][0]
 
-    def pop(self) -> T:
-        """Take the head (admitted)."""
-        seq = self.head()
+    def admit(self, seq: T) -> None:
+        """`seq`, a head, leaves the queue with a slot."""
         self._take(seq)
         self._last = seq.tenant
-        return seq
+
+    def recent(self, seconds: float = RECENT_SECONDS) -> set[str]:
+        """The tenants that sent a request within the last `seconds`."""
+        horizon = time.monotonic() - seconds
+        return {t for t, s in self._seen.items() if s >= horizon}
 
     def remove(self, seq: T) -> None:
         """A waiting sequence leaves unadmitted (cancelled). ValueError if it is not here."""

@@ -12,7 +12,8 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 2. **Compaction** (`_compact`): at most one decoding sequence moves down into a free slot
    below it, so a decode run (one run over the slots its rows span) computes no empty row.
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
-   between tenants (worker/llm/fairness.py). A sequence gets a slot and `prompt +
+   between tenants (worker/llm/fairness.py), and the last `reserved_slots` free slots wait
+   for a tenant seen lately that runs nothing (`_next`). A sequence gets a slot and `prompt +
    max_tokens` tokens of the budget, so it never runs out of cache and is never preempted.
    With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
    of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
@@ -132,6 +133,7 @@ class SchedulerConfig:
     max_step_tokens: int  # with step_tokens_per_row: a step's budget (`step_budget`)
     prefill_chunk: int  # prompt tokens of one sequence per step, at most
     max_waiting: int  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
+    reserved_slots: int = 0  # free slots held for a tenant seen lately that runs nothing
     step_tokens_per_row: int = 0
     num_speculative_tokens: int = 0  # k drafts for a lone decoding sequence; 0: no draft
     position_limit: int = 0  # positions a run may write to (a verify run writes k past)
@@ -237,11 +239,12 @@ class Scheduler(Generic[S]):
         # reused prefix) its rows
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
-        while self.waiting:
-            head, before = self.waiting.head(), len(copies)
+        while (head := self._next()) is not None:
+            before = len(copies)
             if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
-            admitted.append(self.waiting.pop())
+            self.waiting.admit(head)
+            admitted.append(head)
             if decode:
                 budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
@@ -269,6 +272,16 @@ class Scheduler(Generic[S]):
             tuple(copies),
             tuple(first),
         )
+
+    def _next(self) -> S | None:
+        """The sequence to admit next: the fair queue's head, but the last `reserved_slots`
+        free slots (never every slot) only go to a tenant seen lately that runs nothing, while
+        there is one (worker/llm/fairness.py); None: nothing to admit now."""
+        held = min(self.config.reserved_slots, self.kv.slots - 1)
+        if self.kv.free_slots > held:
+            return self.waiting.head()
+        idle = self.waiting.recent() - {s.tenant for s in self.running}
+        return self.waiting.head(among=idle) if idle else self.waiting.head()
 
     def _charge(self, prefill: list[Chunk[S]], decode: tuple[S, ...], drafts: int) -> None:
         """The step's service to the tenants' counters (fair admission)."""

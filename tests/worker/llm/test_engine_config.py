@@ -36,8 +36,14 @@ def test_parameters_over_model_defaults_over_declared_defaults() -> None:
         (model_keys.MAX_NUM_SEQS, "eight", "positive integer"),
         (model_keys.NUM_SCHEDULER_STEPS, "0", "positive integer"),
         (model_keys.PREFIX_CACHING, "yes", "true or false"),
+        (model_keys.RESERVED_SLOTS, "-1", "an integer >= 0"),
     ],
 )
 def test_a_bad_value_is_refused_by_key(key: str, value: str, expected: str) -> None:
     with pytest.raises(ValueError, match=f"model 'm': parameter {key} must be .*{expected}"):
         EngineConfig.from_parameters("m", {key: value})
+
+
+def test_no_slot_held_back_is_a_valid_setting() -> None:
+    assert EngineConfig.from_parameters("m", {model_keys.RESERVED_SLOTS: "0"}).reserved_slots == 0
+    assert EngineConfig().reserved_slots == 1

@@ -29,8 +29,9 @@ def seq(tenant: str, weight: float = 1.0, prompt: int = PROMPT, max_tokens: int 
     )
 
 
-def make(slots: int = 4) -> Scheduler[Sequence]:
-    return Scheduler(KVCacheManager(slots, 4096, enabled=False), SchedulerConfig(STEP, 64, 10_000))
+def make(slots: int = 4, reserved: int = 0) -> Scheduler[Sequence]:
+    config = SchedulerConfig(STEP, 64, 10_000, reserved_slots=reserved)
+    return Scheduler(KVCacheManager(slots, 4096, enabled=False), config)
 
 
 def charge(
@@ -173,3 +174,58 @@ def test_the_queue_keeps_arrival_order_when_iterated_and_removes_by_identity() -
     assert list(q) == [a, b, c] and len(q) == 3 and b in q
     q.remove(b)
     assert list(q) == [a, c] and b not in q and q.head() is a
+
+
+def light_after_its_first(reserved: int) -> tuple[int, list[str]]:
+    """Heavy keeps 12 requests waiting on 4 slots; light sends one, then (once it ended)
+    another: the steps light's second waited, and the tenants admitted meanwhile."""
+    sched = make(slots=4, reserved=reserved)
+    for _ in range(12):
+        sched.add(seq("heavy"))
+    light = seq("light")
+    sched.add(light)
+    for _ in range(200):
+        plan = step(sched, Counter())
+        if light.finish_reason is not None:
+            break
+        for _ in plan.admitted:
+            if sum(s.tenant == "heavy" for s in sched.waiting) < 12:
+                sched.add(seq("heavy"))  # heavy stays backlogged
+    second = seq("light")
+    sched.add(second)
+    admitted: list[str] = []
+    for waited in range(200):
+        plan = step(sched, Counter())
+        admitted += [s.tenant for s in plan.admitted]
+        if second in plan.admitted:
+            return waited, admitted
+        sched.add(seq("heavy"))
+    raise AssertionError("light's second request was never admitted")
+
+
+def test_a_held_back_slot_starts_a_recent_tenants_next_request_at_once() -> None:
+    """With one slot held back, light's second request starts in the step it arrives; with
+    none, heavy's backlog took light's freed slot and light waits for a heavy one to end."""
+    waited, admitted = light_after_its_first(reserved=1)
+    assert waited == 0 and admitted == ["light"], admitted
+    waited, admitted = light_after_its_first(reserved=0)
+    assert waited > 0 and admitted[-1] == "light", (waited, admitted)
+
+
+def test_one_tenant_alone_uses_every_slot() -> None:
+    sched = make(slots=4, reserved=1)
+    for _ in range(8):
+        sched.add(seq("only"))
+    plan = sched.schedule()
+    assert len(plan.admitted) == 4  # no other tenant to hold a slot for
+
+
+def test_the_only_slot_is_never_held_back() -> None:
+    sched = make(slots=1, reserved=1)
+    sched.add(seq("light"))
+    step(sched, Counter())  # light was seen, and runs
+    for _ in range(100):  # light's request ends; it is recent and runs nothing
+        step(sched, Counter())
+    heavy = seq("heavy")
+    sched.add(heavy)
+    assert step(sched, Counter()).admitted == (heavy,)
