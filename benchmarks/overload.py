@@ -11,9 +11,10 @@ with `--slots` sequences at once, three routers over it, and the load tool drivi
   tenant against what the client saw (calls sent, succeeded, shed: none lost).
 - (b) two tenants through a router with keys (the engine's fair admission) and the same
   load through a router with --no-auth (every request the one default tenant: first come,
-  first served): light alone (1 caller), then heavy with 10 callers beside light's 1: the
-  light tenant's TTFT p99 against alone; then both backlogged (heavy 10 x slots callers,
-  light 1 x slots): Jain's index of the two tenants' served tokens (prompt + completion).
+  first served): light alone (1 caller, once the engine drained), then heavy with 10
+  callers beside light's 1: the light tenant's TTFT p99 against alone; then both backlogged
+  (heavy 10 x slots callers, light 1 x slots): Jain's index of the two tenants' served
+  tokens (prompt + completion).
 
 Every request is a ~32-token prompt and 32 generated tokens (ignore_eos). Bounded: six
 phases of `--seconds` each plus their drains, a few minutes in all on a 2-core VM (the
@@ -32,7 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.common import ROOT, machine, write_result
-from common import model_keys
+from common import mesh_state, model_keys
+from common.mesh_state import DepthSample
 from common.tenancy import TenantPolicy
 from devmesh.processes import LocalMesh
 from ledger.store import Store
@@ -149,6 +151,20 @@ def overload(b: Bench, rate: float) -> dict:
     }
 
 
+def drained(b: Bench, timeout: float = 120.0) -> None:
+    """Until the worker runs and queues nothing (its depth sample), so that a phase starts
+    on a quiet engine, not behind the last phase's requests."""
+    client = b.mesh.redis_client()
+    workers: list[str] = client.zrange(mesh_state.WORKERS, 0, -1)  # type: ignore[assignment]
+    key = mesh_state.depth_key(workers[0])
+    deadline = time.monotonic() + timeout
+    while DepthSample.decode(client.get(key)).depth > 0:  # type: ignore[arg-type]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker did not drain within {timeout:g} s")
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
 def tenants(b: Bench, address: str, heavy: int, light: int, tag: str) -> dict:
     b.key(f"heavy{tag}")
     b.key(f"light{tag}")
@@ -180,6 +196,7 @@ def main() -> None:
             result["capacity"] = capacity(b)
             rate = round(OVERLOAD * result["capacity"]["throughput_rps"], 2)
             result["overload"] = overload(b, rate)
+            drained(b)
             alone = asyncio.run(closed_loop(b.at(b.fair, "alone"), 1, _print))
             result["light_alone"] = _brief(alone)
             result["ten_to_one"] = {
