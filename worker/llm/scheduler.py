@@ -13,7 +13,8 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
    below it, so a decode run (one run over the slots its rows span) computes no empty row.
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
    between tenants (worker/llm/fairness.py), and the last `reserved_slots` free slots wait
-   for a tenant seen lately that runs nothing (`_next`). A sequence gets a slot and `prompt +
+   for a tenant seen lately that runs nothing (`_next`); such a tenant's prompt is then read
+   in one run of up to IDLE_TENANT_STEPS steps' budget. A sequence gets a slot and `prompt +
    max_tokens` tokens of the budget, so it never runs out of cache and is never preempted.
    With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
    of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
@@ -103,6 +104,13 @@ ATTEND_ROWS_PER_TOKEN = 128
 def run_tokens(cached: int) -> int:
     """A prefill run's cost beyond its own tokens, for a sequence with `cached` rows."""
     return RUN_TOKENS + cached // ATTEND_ROWS_PER_TOKEN
+
+
+# While other tenants' streams decode, the first chunk of a tenant that runs nothing may take
+# this many steps' budget at once: its prompt is read in one run, not over several steps
+# each waiting behind the others' rows; the streams see one longer step instead of several
+# slightly longer ones, for the same tokens (docs/decisions.md, "An idle tenant's prompt").
+IDLE_TENANT_STEPS = 4
 
 
 # A cache copy's cost, in rows per prompt token: between a memcpy into kept pages and page
@@ -226,6 +234,7 @@ class Scheduler(Generic[S]):
     def schedule(self) -> StepPlan[S]:
         cancelled, freed = self._drop_cancelled()
         admitted: list[S] = []
+        idle: set[S] = set()  # admitted while other tenants' streams decode, running nothing
         copies: list[Copy] = []
         first: list[tuple[S, object]] = []
         self._compact(copies)
@@ -239,12 +248,16 @@ class Scheduler(Generic[S]):
         # reused prefix) its rows
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
+        busy = {s.tenant for s in self.running}
         while (head := self._next()) is not None:
             before = len(copies)
             if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
             self.waiting.admit(head)
             admitted.append(head)
+            if decode and head.tenant not in busy:
+                busy.add(head.tenant)
+                idle.add(head)
             if decode:
                 budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
@@ -253,7 +266,10 @@ class Scheduler(Generic[S]):
                 continue
             left = len(seq.prompt) - seq.computed
             overhead = run_tokens(seq.computed) if decode else 0
-            n = chunk_tokens(left, min(c.prefill_chunk, budget - overhead))
+            limit = budget - overhead
+            if seq in idle:  # its first chunk: a few steps' budget at once
+                limit = max(limit, IDLE_TENANT_STEPS * self.step_budget(len(decode)))
+            n = chunk_tokens(left, min(c.prefill_chunk, limit))
             if n < 1:
                 if prefill:
                     break

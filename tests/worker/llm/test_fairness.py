@@ -229,3 +229,24 @@ def test_the_only_slot_is_never_held_back() -> None:
     heavy = seq("heavy")
     sched.add(heavy)
     assert step(sched, Counter()).admitted == (heavy,)
+
+
+def first_chunk(tenant: str) -> int:
+    """Heavy runs 3 streams; a 40-token prompt of `tenant` comes: its first chunk's tokens."""
+    sched = make(slots=4)
+    for _ in range(3):
+        sched.add(seq("heavy", max_tokens=100))
+    for _ in range(10):  # all three decode
+        step(sched, Counter())
+    newcomer = seq(tenant, prompt=40)
+    sched.add(newcomer)
+    plan = step(sched, Counter())
+    assert plan.admitted == (newcomer,) and len(plan.decode) == 3
+    return sum(c.tokens for c in plan.prefill if c.seq is newcomer)
+
+
+def test_a_tenant_running_nothing_has_its_prompt_read_in_one_run() -> None:
+    """Light's prompt is read whole beside heavy's streams; heavy's own next prompt is
+    chunked by the step's budget (32 - 3 rows - a run's fixed cost), as one tenant's is."""
+    assert first_chunk("light") == 40
+    assert 0 < first_chunk("heavy") < 40
