@@ -3,8 +3,8 @@ tensor type served: tiny random files (tiny_gguf.py), built into the step graph 
 own metadata (quantize/checkpoint.py, quantize/llm.py), run by the serving engine; the
 reference is llama-cpp-python in-process, in its own venv (`make llamacpp-venv`), run as a
 subprocess of that venv's interpreter. K-quant files are written by llama.cpp's own
-quantizer (llamacpp_quantize.py) from a tiny F32 file whose rows are multiples of 256, as
-its presets lay them out (Q4_K_M: Q4_K with Q6_K for output and some attn_v / ffn_down);
+quantizer (quantize/llamacpp_quantize.py) from a tiny F32 file whose rows are multiples of
+256, as its presets lay them out (Q4_K_M: Q4_K with Q6_K for output and some attn_v / ffn_down);
 at the default tiny sizes (rows of 64 and 96) the same presets fall back to Q5_0, Q5_1,
 Q8_0 and Q4_0, as llama-quantize does on shapes that are not whole super-blocks."""
 
@@ -19,12 +19,12 @@ import onnx
 import pytest
 import tiny_gguf
 
-from quantize import checkpoints, evaluate, gguf_index, llm, llm_graph
+from quantize import checkpoints, evaluate, gguf_index, llamacpp_quantize, llm, llm_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_PYTHON = ROOT / "build" / "llamacpp-venv" / "bin" / "python"
 REFERENCE = Path(__file__).with_name("llamacpp_greedy.py")
-QUANTIZER = Path(__file__).with_name("llamacpp_quantize.py")
+QUANTIZER = Path(llamacpp_quantize.__file__)
 PROMPTS = [[5, 40, 41, 300, 7, 99], [260, 261, 3, 3, 3, 150, 151, 152, 12, 200, 201, 88]]
 TOKENS = 24
 # Two kernels that quantize activations differently (llama.cpp: q8_1 blocks for Q4 x Q8 dot
