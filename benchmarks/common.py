@@ -158,11 +158,14 @@ def write_result(
     title: str | None = None,
     rows: list[list] | None = None,
     quick: bool = False,
+    file: str | None = None,
 ) -> Path:
-    """results/<name>.json (loadtest/results.py: non-finite numbers as null) with its summary
-    object (built from `title` and `rows`, or the payload's own) and history (the earlier
-    file's, its headline rows added); a --quick run's file goes to QUICK_RESULTS instead, so
-    that it never replaces a full run's (nor does a run that measured nothing: no rows)."""
+    """results/<file or name>.json (loadtest/results.py: non-finite numbers as null) with its
+    summary object (built from `title` and `rows`, or the payload's own; its command
+    `python -m benchmarks.<name>`) and history (the earlier file's, its headline rows added);
+    a --quick run's file goes to QUICK_RESULTS instead, so that it never replaces a full
+    run's (nor does a run that measured nothing: no rows)."""
+    file = file or name
     if rows is not None:
         command = " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]])
         payload = {
@@ -170,9 +173,9 @@ def write_result(
             "summary": results.summary_block(title or name, rows, payload["machine"], command),
         }
     if not payload.get("summary", {}).get("rows") and not quick:
-        print(f"{name}: nothing measured: results/{name}.json kept, this run in {QUICK_RESULTS}")
+        print(f"{name}: nothing measured: results/{file}.json kept, this run in {QUICK_RESULTS}")
         quick = True
-    path = (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
+    path = (QUICK_RESULTS if quick else RESULTS) / f"{file}.json"
     return results.write_json(path, {**payload, "history": [] if quick else history(path)})
 
 

