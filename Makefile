@@ -50,15 +50,18 @@ lint: $(STUBS)
 
 # The benchmarks `make bench` runs, one after another, each under a time limit, each run's
 # seconds and the total printed, then benchmarks/README.md rendered from the results files.
-# Expected total on a 2-core VM: about 1.5 h (from the results files' timings and settings:
-# llm ~15 min, llm_prefix ~20, planner ~15, distill ~10 with its student cached in
-# build/quantize (~45 to train it), the others 2-5 min each). `make bench-quick` runs each
-# benchmark's --quick setting (about 20 min) into build/bench-quick/, never the committed
-# results, and prints their summary.
-BENCHES := worker router ledger mlserver quantize distill tp llm llm_prefix llm_structured \
-	migration tenants http_stack http_edge
+# Expected total on a 2-core VM: about 2 h (from the results files' timings and settings:
+# llm ~15 min, llm-0.5b ~30 (its random Qwen2.5-0.5B-shaped GGUF and repository written
+# once into build/bench-checkpoints/, ~2 min), llm_prefix ~20, planner ~15, distill ~10 with
+# its student cached in build/quantize (~45 to train it), the others 2-5 min each).
+# `make bench-quick` runs each benchmark's --quick setting (about 30 min) into
+# build/bench-quick/, never the committed results, and prints their summary.
+BENCHES := worker router ledger mlserver quantize distill tp llm llm-0.5b llm_profile-0.5b \
+	llm_prefix llm_structured migration tenants http_stack http_edge
 BENCH_TIMEOUT ?= 5400
 LLM_BENCH_ARGS ?= --model-repository $(MODELS)
+# benchmarks.llm at Qwen2.5-0.5B's shape: its targets are single stream and 16 streams
+LLM_05B_ARGS ?= --checkpoint qwen2.5-0.5b --systems llama-server --levels 8 16
 QUICK_RESULTS := build/bench-quick
 
 define run_benches
@@ -67,6 +70,9 @@ define run_benches
 	  s=$$(date +%s); \
 	  if [ $$b = planner ]; then cmd="-m planner validate $(2)"; \
 	  elif [ $$b = llm ]; then cmd="-m benchmarks.llm $(LLM_BENCH_ARGS) $(1)"; \
+	  elif [ $$b = llm-0.5b ]; then cmd="-m benchmarks.llm $(LLM_05B_ARGS) $(1)"; \
+	  elif [ $$b = llm_profile-0.5b ]; then \
+	    cmd="-m benchmarks.llm_profile --checkpoint qwen2.5-0.5b $(1)"; \
 	  else cmd="-m benchmarks.$$b $(1)"; fi; \
 	  timeout $(3) $(BIN)/python $$cmd || failed="$$failed $$b"; \
 	  echo "== bench $$b: $$(( $$(date +%s) - s )) s"; \

@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         result["genai_perf"] = {"error": "genai-perf needs --meshserve or --model-repository"}
     result["machine"]["load_avg_end"] = load_avg()
     result["wall_s"] = round(time.time() - started, 1)
-    title = TITLE if checkpoint is None else CHECKPOINT_TITLE.format(checkpoint.spec.title)
+    title = TITLE
+    if checkpoint is not None:
+        title = CHECKPOINT_TITLE.format(checkpoint.spec.title, checkpoint.spec.preset)
     file = f"llm_{args.checkpoint}" if args.checkpoint else "llm"
     path = write_result("llm", result, title, rows(result), args.quick, file)
     for line in result.get("anchor", {}).get("reading", []):
@@ -342,7 +344,9 @@ def genai_perf(ctx: llm_run.Context, args: argparse.Namespace, address: str, log
 
 
 TITLE = "LLM engine against llama.cpp's llama-server (SmolLM2-135M, the same Q4_1 GGUF)"
-CHECKPOINT_TITLE = "LLM engine against llama.cpp's llama-server at {} (the same GGUF)"
+CHECKPOINT_TITLE = (
+    "LLM engine against llama.cpp's llama-server at {} (random weights, the same {} GGUF)"
+)
 
 
 def checkpoint_facts(checkpoint: llm_checkpoint.Prepared) -> dict:

@@ -47,7 +47,7 @@ CHECKPOINTS = {
     # super-blocks: llama.cpp's Q4_K_M falls back to other types where they are not, as it
     # does on the published file.
     "qwen2.5-0.5b": Spec(
-        "Qwen2.5-0.5B's shape (random weights)",
+        "Qwen2.5-0.5B's shape",
         Shape(896, 24, 14, 2, 4864, 32768, vocab=151936, rope_theta=1e6, eps=1e-6),
         Layout("qwen2", tied=True, bias=True),
         "Q4_K_M",
