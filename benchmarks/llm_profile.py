@@ -29,7 +29,8 @@ import onnxruntime as ort
 
 from benchmarks import llm_checkpoint
 from benchmarks.common import figure, machine, parse, write_result
-from benchmarks.llm import default_build_dir
+from benchmarks.llm import default_build_dir, load_avg, wait_quiet
+from common import paths
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.model import StepModel
 from worker.runtime import OnnxSession, RuntimeOptions
@@ -48,7 +49,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256, help="tokens already cached per row")
     p.add_argument("--runs", type=int, default=20, help="steps timed (and profiled) per shape")
     p.add_argument("--threads", type=int, default=2)
-    args = parse(p, argv, runs=4)
+    p.add_argument(
+        "--served-rounds",
+        type=int,
+        default=5,
+        help="with --checkpoint: rounds of a served single stream against bare steps (0: none)",
+    )
+    p.add_argument("--served-tokens", type=int, default=128)
+    p.add_argument("--quiet-load", type=float, default=1.0, help="wait for this 1-min load")
+    p.add_argument("--quiet-wait-s", type=float, default=300.0, help="at most this long")
+    args = parse(p, argv, runs=4, served_rounds=2)
     if bool(args.checkpoint) == bool(args.model):
         p.error("give --checkpoint or --model")
     return args
@@ -103,16 +113,16 @@ def graph_facts(path: Path) -> tuple[int, int]:
         i.name: int(np.prod(i.dims)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
         for i in proto.graph.initializer
     }
-    ffn, read = 0, 0
+    ffn, weights = 0, set()
     for node in proto.graph.node:
         if node.op_type not in ("MatMulNBits", "MatMul"):
             continue
-        read += sum(sizes.get(i, 0) for i in node.input)
+        weights |= {i for i in node.input if i in sizes}  # a shared one counted once
         if node.op_type == "MatMulNBits" and any(".down.weight" in i for i in node.input):
             ffn = next(int(a.i) for a in node.attribute if a.name == "K")
     if not ffn:
         raise ValueError(f"{path}: no down projection found")
-    return ffn, read
+    return ffn, sum(sizes[w] for w in weights)
 
 
 def gguf_bytes(path: Path) -> int:
@@ -152,11 +162,15 @@ def profiled(path: Path, rows: int, args: argparse.Namespace, ffn: int) -> dict:
             decode_step(model, cache, rows, args.context)
         trace = json.loads(Path(model.session.session.end_profiling()).read_text())
         cache.close()
-    runs = [e["dur"] / 1000 for e in trace if e.get("name") == "model_run"][1:]
+    model_runs = sorted((e for e in trace if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    runs = [e["dur"] / 1000 for e in model_runs[1:]]
+    measured_from = model_runs[1]["ts"]  # the warm-up run's kernels are left out
     ms = dict.fromkeys(BUCKETS, 0.0)
     other: dict[str, float] = {}  # "other" by op type
     for e in trace:
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        if e["ts"] < measured_from:
             continue
         a = e.get("args", {})
         op = a.get("op_name", "?")
@@ -169,7 +183,7 @@ def profiled(path: Path, rows: int, args: argparse.Namespace, ffn: int) -> dict:
         else:
             ms["other"] += e["dur"] / 1000
             other[op] = other.get(op, 0.0) + e["dur"] / 1000
-    steps = len(runs) + 1  # the warm-up's kernels are in the trace too
+    steps = len(runs)
     per = {k: v / steps for k, v in ms.items()}
     total = sum(per.values())
     return {
@@ -180,6 +194,53 @@ def profiled(path: Path, rows: int, args: argparse.Namespace, ffn: int) -> dict:
         "other_ms_by_op": {
             k: round(v / steps, 3) for k, v in sorted(other.items(), key=lambda kv: -kv[1])
         },
+    }
+
+
+def served_vs_bare(
+    prepared: llm_checkpoint.Prepared, plain: StepModel, args: argparse.Namespace
+) -> dict:
+    """What serving adds to a step: a worker on the checkpoint's repository streams one
+    request of --served-tokens alone (benchmarks/llm_paired.py's single-stream round: ms a
+    token after the first), and this process times bare one-row steps at the same context,
+    taking turns round by round (the worker idle while the bare steps run)."""
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from benchmarks import llm_paired
+    from benchmarks.common import standalone_worker
+    from loadtest.llm import prompts as prompt_source
+    from loadtest.llm.prompts import Prompt
+
+    tok = Tokenizer.from_file(str(prepared.repository / prepared.model / "tokenizer.json"))
+    n, tokens = args.served_rounds, args.served_tokens
+    openers = prompt_source.synthetic([8] * n, tok, seed=3)
+    short = prompt_source.synthetic([25] * n, tok, seed=1)
+    context = 25 + tokens // 2  # a served token's mean cached length
+    served: list[float] = []
+    bare: list[float] = []
+    logs = paths.build_dir() / "bench-llm-profile"
+    logs.mkdir(parents=True, exist_ok=True)
+    loads = []
+    with standalone_worker(prepared.repository, logs) as address:
+        side = llm_paired.Side("meshserve", address, "triton", prepared.model, 0)
+        for r in range(n):
+            loads.append(wait_quiet(args.quiet_load, args.quiet_wait_s)["load_avg"][0])
+            opener = Prompt(openers[r].text, max_tokens=1)  # opens the connection
+            job = llm_paired.single_round(side, opener, short[r], tokens, tok)
+            rate = asyncio.run(job)["decode_tokens_per_s"]
+            if rate:
+                served.append(1000 / rate)
+            bare.append(wall_ms(plain, 1, context, args.runs))
+    return {
+        "rounds": n,
+        "tokens": tokens,
+        "served_ms_a_token": [round(x, 2) for x in served],
+        "bare_step_ms": bare,
+        "served_ms_a_token_median": round(statistics.median(served), 2) if served else None,
+        "bare_step_ms_median": round(statistics.median(bare), 2),
+        "load_avg_before_each_round": loads,
     }
 
 
@@ -197,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     plain = session(path, args.threads, None)
     steps = {}
     for rows in args.rows:
+        before = wait_quiet(args.quiet_load, args.quiet_wait_s)
         step = wall_ms(plain, rows, args.context, args.runs)
         steps[str(rows)] = {"step_ms": step, **profiled(path, rows, args, ffn)}
+        steps[str(rows)]["load"] = {"before": before, "after": load_avg()}
         shares = steps[str(rows)]["share_by_part"]
         print(
             f"{rows} rows: {step} ms a step;", ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
@@ -210,11 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(path),
         "settings": {"threads": args.threads, "spinning": False, "context": args.context}
         | {"runs": args.runs},
-        "weight_mb_read_a_step": round(read / 2**20, 1),
+        "weight_mb_read_a_step": round(read / 1e6, 1),
         "decode": steps,
     }
     if gguf is not None:
-        result["gguf_tensor_mb"] = round(gguf_bytes(gguf) / 2**20, 1)
+        result["gguf_tensor_mb"] = round(gguf_bytes(gguf) / 1e6, 1)
+    if args.checkpoint and args.served_rounds:
+        result["served_vs_bare"] = served_vs_bare(prepared, plain, args)
+        print(result["served_vs_bare"])
     one = steps.get("1")
     if one:
         result["weight_gb_per_s_at_1_row"] = round(read / one["step_ms"] / 1e6, 1)
@@ -230,6 +296,10 @@ def summary_rows(result: dict) -> list[list]:
     out = [figure("MatMul weights read a step (MB)", result["weight_mb_read_a_step"])]
     if "gguf_tensor_mb" in result:
         out.append(figure("llama.cpp: the GGUF's tensors (MB)", result["gguf_tensor_mb"]))
+    served = result.get("served_vs_bare")
+    if served and served["served_ms_a_token_median"]:
+        out.append(figure("served single stream: ms a token", served["served_ms_a_token_median"]))
+        out.append(figure("bare one-row step, same turns: ms", served["bare_step_ms_median"]))
     for n, s in steps.items():
         out.append(figure(f"decode {n} rows: ms a step", s["step_ms"]))
         parts = ", ".join(f"{k} {v:.0%}" for k, v in s["share_by_part"].items())
