@@ -10,7 +10,10 @@ optimizer renames fused nodes; shapes it keeps): the LM head (MatMulNBits with N
 q/k/v (one packed MatMulNBits), o, gate/up (packed), down, attention (GroupQueryAttention:
 RoPE, the new keys and values written in place, attention over the cache), and the rest
 (norms, SiLU, embedding, top-k). `step_ms` is the median wall time of an unprofiled step,
-in another session of the same graph; `kernels_ms` the profiled kernels' sum a step.
+in another session of the same graph; `kernels_ms` the profiled kernels' sum a step. With
+--checkpoint, a served single stream and bare one-row steps also take turns
+(`served_vs_bare`): what the engine adds to a step. Each measurement first waits (at most
+--quiet-wait-s) for the 1-minute load average to fall to --quiet-load, and records it.
 Writes benchmarks/results/llm_profile_<name>.json (--quick: build/bench-quick/).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -56,8 +60,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --checkpoint: rounds of a served single stream against bare steps (0: none)",
     )
     p.add_argument("--served-tokens", type=int, default=128)
-    p.add_argument("--quiet-load", type=float, default=1.0, help="wait for this 1-min load")
-    p.add_argument("--quiet-wait-s", type=float, default=300.0, help="at most this long")
+    p.add_argument(
+        "--quiet-load",
+        type=float,
+        default=float(os.cpu_count() or 2),
+        help="before each measurement wait for the 1-minute load average to fall to this",
+    )
+    p.add_argument("--quiet-wait-s", type=float, default=120.0, help="at most this long")
     args = parse(p, argv, runs=4, served_rounds=2)
     if bool(args.checkpoint) == bool(args.model):
         p.error("give --checkpoint or --model")
