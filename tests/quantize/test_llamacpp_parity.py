@@ -53,8 +53,10 @@ K_HIDDEN, K_FFN = 256, 512
 # graph equals). One greedy run then diverges early and compares little, so K-quant files
 # are compared teacher-forced along llama.cpp's own greedy tokens: at every one of the
 # 2 x 24 positions our top-1 is llama.cpp's, except where llama.cpp's top-2 margin is below
-# K_NEAR_TIE, and at most K_DISAGREE of them may differ (seen: 0-7 of 48).
-K_NEAR_TIE = 1.0
+# K_NEAR_TIE, and at most K_DISAGREE of them may differ (seen: 0-7 of 48). llama.cpp's own
+# rounding differs by CPU build: margins of 1.01 and 1.14 split the two on an AMD EPYC
+# (Zen 4), where 0.75 was the most on an Intel Xeon (AMX).
+K_NEAR_TIE = 1.25
 K_DISAGREE = 10
 
 
@@ -117,12 +119,14 @@ def test_llama_cpp_fallbacks_below_a_super_block_give_its_greedy_tokens(
     preset: str, tmp_path: Path
 ) -> None:
     """Rows of 64 and 96: llama-quantize writes Q5_0 / Q5_1 / Q8_0 / Q4_0 instead (Q3_K_M: all
-    four, q/k/v mixed)."""
+    four, q/k/v mixed). Compared teacher-forced, as the K-quant files are: a near-tie at the
+    first token (0.09 seen for Q3_K_M) leaves a greedy run nothing to compare."""
     source = tiny_gguf.write(tmp_path / "f32.gguf", "llama", "F32")
     path = llamacpp_quantize(source, tmp_path / f"llama-{preset}.gguf", preset)
     types = set(gguf_index.gguf_types(path).values()) - {"F32"}
     assert types & {"Q5_0", "Q5_1"}, f"llama.cpp's {preset} file holds {sorted(types)}"
-    assert_greedy_tokens_equal(path, tmp_path, f"llama {preset} (fallbacks {sorted(types)})")
+    what = f"llama {preset} (fallbacks {sorted(types)})"
+    assert_teacher_forced_tokens_agree(path, tmp_path, what)
 
 
 def assert_greedy_tokens_equal(path: Path, tmp_path: Path, what: str) -> onnx.ModelProto:
