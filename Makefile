@@ -53,11 +53,12 @@ lint: $(STUBS)
 # Expected total on a 2-core VM: about 2 h (from the results files' timings and settings:
 # llm ~15 min, llm-0.5b ~30 (its random Qwen2.5-0.5B-shaped GGUF and repository written
 # once into build/bench-checkpoints/, ~2 min), llm_prefix ~20, planner ~15, distill ~10 with
-# its student cached in build/quantize (~45 to train it), the others 2-5 min each).
+# its student cached in build/quantize (~45 to train it), overload ~6, the others 2-5 min
+# each).
 # `make bench-quick` runs each benchmark's --quick setting (about 30 min) into
 # build/bench-quick/, never the committed results, and prints their summary.
 BENCHES := worker router ledger mlserver quantize distill tp llm llm-0.5b llm_profile-0.5b \
-	llm_prefix llm_structured migration tenants http_stack http_edge
+	llm_prefix llm_structured migration overload tenants http_stack http_edge
 BENCH_TIMEOUT ?= 5400
 LLM_BENCH_ARGS ?= --model-repository $(MODELS)
 # benchmarks.llm at Qwen2.5-0.5B's shape: its targets are single stream and 16 streams

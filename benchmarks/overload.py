@@ -1,7 +1,7 @@
 """Overload and fairness on a real mesh (issue 48, items 2-4): SmolLM2 (int8) in one worker
 with `--slots` sequences at once, three routers over it, and the load tool driving them.
 
-    python -m benchmarks.overload [--seconds 30] [--slots 4] [--bound 3]
+    python -m benchmarks.overload [--seconds 30] [--slots 4] [--bound 3] [--quick]
 
 - capacity: a closed loop of 2 x slots callers (no bound): the requests/s the worker
   finishes; it also gives the worker its measured service rate, which the routers read.
@@ -19,7 +19,7 @@ with `--slots` sequences at once, three routers over it, and the load tool drivi
 Every request is a ~32-token prompt and 32 generated tokens (ignore_eos). Bounded: six
 phases of `--seconds` each plus their drains, a few minutes in all on a 2-core VM (the
 machine is shared; figures from one run). Writes benchmarks/results/overload.json with the
-summary block (benchmarks/summary.py).
+summary block (benchmarks/summary.py); `--quick` (10 s phases) writes build/bench-quick/ instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import ROOT, machine, write_result
+from benchmarks.common import ROOT, machine, parse, write_result
 from common import mesh_state, model_keys
 from common.mesh_state import DepthSample
 from common.tenancy import TenantPolicy
@@ -211,7 +211,7 @@ def main() -> None:
         finally:
             b.stop()
     table = rows(result, args)
-    path = write_result("overload", result, TITLE, table)
+    path = write_result("overload", result, TITLE, table, args.quick)
     for row in table:
         print(" | ".join(str(x) for x in row))
     print(f"wrote {path}")
@@ -275,7 +275,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=30.0, help="each phase's window")
     parser.add_argument("--slots", type=int, default=4, help="the worker's max_num_seqs")
     parser.add_argument("--bound", type=float, default=3.0, help="queue-wait bound (s)")
-    return parser.parse_args()
+    return parse(parser, seconds=10.0)
 
 
 if __name__ == "__main__":
