@@ -17,11 +17,14 @@ multiplied on every step, as a trained model's are.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
+
+from quantize.gguf_tokenizer import field
 
 QUANTS = {"F32": T.F32, "F16": T.F16, "Q8_0": T.Q8_0, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1}
 UNUSED = int(gguf.TokenType.UNUSED)
@@ -72,12 +75,7 @@ class Vocabulary:
 
 def vocabulary_of(path: Path) -> Vocabulary:
     """A GGUF's own byte-level BPE vocabulary, merges, specials and chat template."""
-    reader = gguf.GGUFReader(str(path))
-
-    def value(key: str):  # type: ignore[no-untyped-def]
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
+    value = partial(field, gguf.GGUFReader(str(path)))
     template = value("tokenizer.chat_template")
     return Vocabulary(
         tokens=list(value("tokenizer.ggml.tokens")),

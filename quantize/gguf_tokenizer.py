@@ -31,7 +31,8 @@ class TokenizerError(Exception):
     """A GGUF tokenizer we cannot rebuild; the message names the key."""
 
 
-def _field(reader, key: str):  # type: ignore[no-untyped-def]
+def field(reader, key: str):  # type: ignore[no-untyped-def]
+    """A GGUF metadata value (a GGUFReader's field's contents), or None when absent."""
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
@@ -53,23 +54,23 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 def tokenizer(reader, path: Path | str = "") -> Tokenizer:  # type: ignore[no-untyped-def]
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = field(reader, "tokenizer.ggml.model")
     if kind not in MODELS:
         raise TokenizerError(
             f"{path}: tokenizer.ggml.model {kind!r} is not served from a GGUF (served: "
             f"{', '.join(MODELS)}); serve the model from its Hugging Face folder"
         )
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    merges = field(reader, "tokenizer.ggml.merges")
     if tokens is None or merges is None:
         missing = "tokenizer.ggml.tokens" if tokens is None else "tokenizer.ggml.merges"
         raise TokenizerError(f"{path}: GGUF metadata key {missing!r} is missing")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizer(str(_field(reader, "tokenizer.ggml.pre") or "default"))
+    tok.pre_tokenizer = pre_tokenizer(str(field(reader, "tokenizer.ggml.pre") or "default"))
     tok.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type")
+    types = field(reader, "tokenizer.ggml.token_type")
     if types is not None:
         special = [t for t, kind in zip(tokens, types, strict=True) if int(kind) == CONTROL]
         tok.add_special_tokens(special)
@@ -79,7 +80,7 @@ def tokenizer(reader, path: Path | str = "") -> Tokenizer:  # type: ignore[no-un
 def tokenizer_config(reader) -> dict:  # type: ignore[no-untyped-def]
     """Hugging Face's tokenizer_config.json for the GGUF's tokenizer: its chat template
     (`tokenizer.chat_template`) and special tokens, which the worker renders chats with."""
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}
     for name, key in (
         ("bos_token", "tokenizer.ggml.bos_token_id"),
@@ -87,10 +88,10 @@ def tokenizer_config(reader) -> dict:  # type: ignore[no-untyped-def]
         ("pad_token", "tokenizer.ggml.padding_token_id"),
         ("unk_token", "tokenizer.ggml.unknown_token_id"),
     ):
-        value = _field(reader, key)
+        value = field(reader, key)
         if value is not None and 0 <= int(value) < len(tokens):
             config[name] = tokens[int(value)]
-    template = _field(reader, "tokenizer.chat_template")
+    template = field(reader, "tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = str(template)
     return config
