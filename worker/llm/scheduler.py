@@ -248,16 +248,16 @@ class Scheduler(Generic[S]):
         # reused prefix) its rows
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
-        busy = {s.tenant for s in self.running}
-        while (head := self._next()) is not None:
+        busy = {s.tenant for s in self.running}  # tenants running something
+        while (head := self._next(busy)) is not None:
             before = len(copies)
             if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
             self.waiting.admit(head)
             admitted.append(head)
             if decode and head.tenant not in busy:
-                busy.add(head.tenant)
                 idle.add(head)
+            busy.add(head.tenant)
             if decode:
                 budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
@@ -289,14 +289,14 @@ class Scheduler(Generic[S]):
             tuple(first),
         )
 
-    def _next(self) -> S | None:
+    def _next(self, busy: set[str]) -> S | None:
         """The sequence to admit next: the fair queue's head, but the last `reserved_slots`
-        free slots (never every slot) only go to a tenant seen lately that runs nothing, while
-        there is one (worker/llm/fairness.py); None: nothing to admit now."""
+        free slots (never every slot) only go to a tenant seen lately that runs nothing (not
+        in `busy`), while there is one (worker/llm/fairness.py); None: nothing to admit now."""
         held = min(self.config.reserved_slots, self.kv.slots - 1)
         if self.kv.free_slots > held:
             return self.waiting.head()
-        idle = self.waiting.recent() - {s.tenant for s in self.running}
+        idle = self.waiting.recent() - busy
         return self.waiting.head(among=idle) if idle else self.waiting.head()
 
     def _charge(self, prefill: list[Chunk[S]], decode: tuple[S, ...], drafts: int) -> None:
