@@ -76,19 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def session(path: Path, threads: int, profile_prefix: str | None) -> StepModel:
     """The worker's session (worker/runtime.py: all graph optimizations, no spinning for an
     LLM), with onnxruntime's profiler on when `profile_prefix` is given."""
-    options = RuntimeOptions(intra_op_threads=threads, allow_spinning=False)
-    onnx_session = OnnxSession(path, options, CPU)
-    if profile_prefix:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.enable_profiling = True
-        so.profile_file_prefix = profile_prefix
-        onnx_session.session = ort.InferenceSession(str(path), sess_options=so, providers=CPU)
-    return StepModel(onnx_session)
+    options = RuntimeOptions(
+        intra_op_threads=threads, allow_spinning=False, profile_prefix=profile_prefix
+    )
+    return StepModel(OnnxSession(path, options, CPU))
 
 
 def new_cache(model: StepModel, slots: int, tokens: int) -> KVCache:

@@ -41,6 +41,8 @@ class RuntimeOptions:
     # On CUDA, let runs replay CUDA graphs (onnxruntime's enable_cuda_graph; a run chooses
     # its graph by gpu_graph_id): the LLM step graph's decode steps (worker/llm/model.py).
     cuda_graph: bool = False
+    # onnxruntime's profiler on, its trace files named with this prefix (benchmarks.llm_profile)
+    profile_prefix: str | None = None
 
 
 def requested_providers(choice: str) -> list[str]:
@@ -67,6 +69,9 @@ class OnnxSession:
         so.log_severity_level = 3
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if options.profile_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = options.profile_prefix
         self.path = path
         # whether runs may replay CUDA graphs; every run then names its graph (gpu_graph_id)
         self.cuda_graph = options.cuda_graph and CUDA in requested
