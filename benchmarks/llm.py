@@ -32,8 +32,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+
+from gguf import GGUFReader
 
 from benchmarks import llm_checkpoint, llm_genai_perf, llm_run, llm_serve
 from benchmarks.common import ROOT, figure, free_port, machine, parse, write_result
@@ -351,10 +354,6 @@ CHECKPOINT_TITLE = (
 
 def checkpoint_facts(checkpoint: llm_checkpoint.Prepared) -> dict:
     """The checkpoint's shape, preset and the GGUF's tensor types as llama.cpp wrote them."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
     types = Counter(t.tensor_type.name for t in GGUFReader(str(checkpoint.gguf)).tensors)
     return {
         "checkpoint": checkpoint.spec.title,

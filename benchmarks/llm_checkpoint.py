@@ -65,7 +65,7 @@ class Prepared:
 
 
 def folder(name: str) -> Path:
-    return paths.build_dir() / "bench-checkpoints" / name
+    return paths.build("bench-checkpoints", name)
 
 
 def prepare(name: str, llamacpp_python: Path) -> Prepared:
