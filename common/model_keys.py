@@ -74,6 +74,9 @@ NUM_SCHEDULER_STEPS = "meshserve.num_scheduler_steps"
 PREFIX_CACHING = "meshserve.prefix_caching"
 # slots held back for a tenant that sent a request lately and runs nothing (fair admission)
 RESERVED_SLOTS = "meshserve.reserved_slots"
+# "false": a tenant running nothing waits for a free slot; default "true": it may preempt the
+# newest sequence of a tenant running several (recomputed later, its stream goes on)
+FAIR_PREEMPTION = "meshserve.fair_preemption"
 # "true": the step graph's intra-op pool spins between runs (faster on a machine of its own,
 # far slower on a busy one); default "false"
 INTRA_OP_SPINNING = "meshserve.intra_op_spinning"

@@ -126,6 +126,7 @@ class Engine:
                 prefill_chunk=config.prefill_chunk,
                 max_waiting=config.max_waiting,
                 reserved_slots=config.reserved_slots,
+                fair_preemption=config.fair_preemption,
                 num_speculative_tokens=draft.num_tokens if draft is not None else 0,
                 # positions a run may write to (a draft writes up to k past a length)
                 position_limit=min(self.cache.shape.max_len, positions),
@@ -369,7 +370,16 @@ class Engine:
     def _cancelled(self, plan: scheduler.StepPlan[Sequence]) -> None:
         now = time.perf_counter_ns()
         for seq in plan.admitted:
-            self.on_admit(now - seq.arrived_ns)
+            if not seq.preemptions:  # a preempted one's first wait was counted
+                self.on_admit(now - seq.arrived_ns)
+        if plan.preempted:
+            self.stats.preempted += len(plan.preempted)
+            log.info(
+                "llm_preempted",
+                sequences=[s.id for s in plan.preempted],
+                tenant=plan.preempted[0].tenant,
+                recompute=[s.context for s in plan.preempted],
+            )
         for slot in plan.freed:
             if self.drafter is not None:
                 self.drafter.release(slot)

@@ -44,6 +44,10 @@ class EngineConfig:
     # runs nothing, so its next request starts without waiting for another tenant's to end
     # (worker/llm/fairness.py); 0: a backlogged tenant may take every slot
     reserved_slots: int = _setting(1, model_keys.RESERVED_SLOTS, minimum=0)
+    # when a tenant running nothing finds no slot free (it was not seen lately, or no slot is
+    # held), the newest sequence of a tenant running several is preempted: it recomputes its
+    # prompt and tokens later, its stream paused, not cut (worker/llm/scheduler.py)
+    fair_preemption: bool = _setting(True, model_keys.FAIR_PREEMPTION)
 
     @classmethod
     def keys(cls) -> dict[str, str]:

@@ -19,7 +19,10 @@ every slot that frees while another tenant is idle, and a light tenant's next re
 waits for one of those to end (a whole request's time, not a step's). So the scheduler holds
 the last `reserved_slots` free slots for a tenant seen within RECENT_SECONDS that runs
 nothing (`recent`, `head(among=...)`): a tenant that sends now and then finds a slot, and
-one tenant alone, or tenants that are all running, still use every slot.
+one tenant alone, or tenants that are all running, still use every slot. When no slot is
+free for such a tenant (it was not seen lately, or reserved_slots is 0), the scheduler
+preempts the newest sequence of a tenant running several (`requeue` puts it back first in
+its tenant's queue; worker/llm/scheduler.py, `fair_preemption`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,17 @@ class FairQueue(Generic[T]):
         if len(self._seen) > MAX_IDLE_TENANTS:
             horizon = time.monotonic() - RECENT_SECONDS
             self._seen = {t: s for t, s in self._seen.items() if s >= horizon}
+
+    def requeue(self, seq: T) -> None:
+        """`seq`, preempted, goes back to the front of its tenant's queue, ahead of the
+        tenant's later arrivals (the scheduler's fair preemption)."""
+        tenant = seq.tenant
+        if tenant not in self.queues:
+            self._lift(tenant)
+            self.queues[tenant] = deque()
+        first = min(self._arrival.values(), default=0)
+        self.queues[tenant].appendleft(seq)
+        self._arrival[id(seq)] = first - 1
 
     def head(self, among: Collection[str] | None = None) -> T | None:
         """The oldest sequence of the backlogged tenant (of `among`, if given) with the

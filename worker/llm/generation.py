@@ -112,6 +112,7 @@ class EngineStats:
     padding_rows: int = 0
     padding_tokens: int = 0
     joined_running: int = 0  # sequences that began decoding while others were decoding
+    preempted: int = 0  # sequences put back in the queue for a tenant running nothing
     finished: Counter[str] = field(default_factory=Counter)  # finish reason -> count
     rejected: int = 0
     draft_tokens: int = 0  # proposed (by the draft model or n-gram lookup), up to k a step

@@ -8,14 +8,18 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 `schedule()`, in order:
 
 1. **Cancelled** sequences leave and give back their slot and reservation, so a freed slot
-   is reused in the same step.
+   is reused in the same step. **Preempted** (`_preempt_for_idle`, with `fair_preemption`):
+   when the next to admit is a tenant's that runs nothing and finds no room, the newest
+   sequence of the tenant running the most (two or more) goes back to the front of its
+   tenant's queue; readmitted, it prefills its prompt and generated tokens again.
 2. **Compaction** (`_compact`): at most one decoding sequence moves down into a free slot
    below it, so a decode run (one run over the slots its rows span) computes no empty row.
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
    between tenants (worker/llm/fairness.py), and the last `reserved_slots` free slots wait
    for a tenant seen lately that runs nothing (`_next`); such a tenant's prompt is then read
    in one run of up to IDLE_TENANT_STEPS steps' budget. A sequence gets a slot and `prompt +
-   max_tokens` tokens of the budget, so it never runs out of cache and is never preempted.
+   max_tokens` tokens of the budget, so it never runs out of cache (it is preempted only
+   for fairness, above).
    With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
    of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
    prefills nothing (`StepPlan.first`). Retained prefixes are evicted, least recently used
@@ -38,6 +42,7 @@ prefix cache for the next prompt that shares them.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -67,6 +72,10 @@ class Sequence:
     tenant: str = ""  # whose request (fair admission: worker/llm/fairness.py)
     weight: float = 1.0  # the tenant's share weight
     admitted_ns: int = 0  # when it got its slot (perf_counter_ns): its service time starts
+    # generated tokens its prefill computes again: those it had when it was preempted
+    # (`Scheduler._preempt`); its stream goes on from them once they are back in the cache
+    recompute: int = 0
+    preemptions: int = 0
 
     @property
     def speculates(self) -> bool:
@@ -74,8 +83,13 @@ class Sequence:
         return True
 
     @property
+    def context(self) -> int:
+        """The tokens its prefill computes: the prompt, and a preempted sequence's tokens."""
+        return len(self.prompt) + self.recompute
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
+        return self.computed < self.context
 
     @property
     def length(self) -> int:
@@ -142,6 +156,7 @@ class SchedulerConfig:
     prefill_chunk: int  # prompt tokens of one sequence per step, at most
     max_waiting: int  # requests queued for admission; beyond: RESOURCE_EXHAUSTED
     reserved_slots: int = 0  # free slots held for a tenant seen lately that runs nothing
+    fair_preemption: bool = False  # a tenant running nothing may preempt one running several
     step_tokens_per_row: int = 0
     num_speculative_tokens: int = 0  # k drafts for a lone decoding sequence; 0: no draft
     position_limit: int = 0  # positions a run may write to (a verify run writes k past)
@@ -157,8 +172,9 @@ class Chunk(Generic[S]):
 
     @property
     def completes(self) -> bool:
-        """The chunk ends the prompt: its last logits give the first generated token."""
-        return self.start + self.tokens == len(self.seq.prompt)
+        """The chunk ends the prompt (or a preempted sequence's tokens): its last logits give
+        the next generated token."""
+        return self.start + self.tokens == self.seq.context
 
 
 @dataclass(frozen=True)
@@ -182,10 +198,11 @@ class Copy:
 class StepPlan(Generic[S]):
     cancelled: tuple[S, ...] = ()
     admitted: tuple[S, ...] = ()
+    preempted: tuple[S, ...] = ()  # back in the queue, their slots in `freed`
     prefill: tuple[Chunk[S], ...] = ()
     decode: tuple[S, ...] = ()
     drafts: int = 0  # k > 0: the one decode row verifies k drafts
-    freed: tuple[int, ...] = ()  # slots given back by the cancelled sequences
+    freed: tuple[int, ...] = ()  # slots given back by the cancelled and preempted sequences
     copies: tuple[Copy, ...] = ()  # cached prefixes to copy first
     # admitted whole prompts the prefix cache held with their last row: (seq, row), each
     # sampling its first token from that row once the copies are done, without a run
@@ -233,6 +250,10 @@ class Scheduler(Generic[S]):
 
     def schedule(self) -> StepPlan[S]:
         cancelled, freed = self._drop_cancelled()
+        preempted, favoured = self._preempt_for_idle()
+        freed += tuple(s.slot for s in preempted)
+        for seq in preempted:
+            self._preempt(seq)
         admitted: list[S] = []
         idle: set[S] = set()  # admitted while other tenants' streams decode, running nothing
         copies: list[Copy] = []
@@ -249,7 +270,10 @@ class Scheduler(Generic[S]):
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
         busy = {s.tenant for s in self.running}  # tenants running something
-        while (head := self._next(busy)) is not None:
+        # the room preemption made is the favoured head's (the fair order might put the
+        # preempted one, back first in its queue, level with it)
+        while (head := favoured or self._next(busy)) is not None:
+            favoured = None
             before = len(copies)
             if not self._admit_one(head, copies, first, budget if decode and admitted else None):
                 break
@@ -264,7 +288,7 @@ class Scheduler(Generic[S]):
         for seq in self.running:
             if not seq.prefilling or not self._catch_up(seq, copies):
                 continue
-            left = len(seq.prompt) - seq.computed
+            left = seq.context - seq.computed
             overhead = run_tokens(seq.computed) if decode else 0
             limit = budget - overhead
             if seq in idle:  # its first chunk: a few steps' budget at once
@@ -281,6 +305,7 @@ class Scheduler(Generic[S]):
         return StepPlan(
             tuple(cancelled),
             tuple(admitted),
+            tuple(preempted),
             tuple(prefill),
             decode,
             drafts,
@@ -298,6 +323,48 @@ class Scheduler(Generic[S]):
             return self.waiting.head()
         idle = self.waiting.recent() - busy
         return self.waiting.head(among=idle) if idle else self.waiting.head()
+
+    def _preempt_for_idle(self) -> tuple[list[S], S | None]:
+        """With `fair_preemption`: when the next to admit is a tenant's that runs nothing and
+        the cache has no room for it, the sequences to preempt to make that room, each the
+        newest of the tenant running the most (while it runs at least two; ties: the one
+        served most), so that a tenant arriving on a cache another tenant fills waits a
+        step, not a whole request (vLLM preempts by recompute under memory pressure and for
+        priority; here for fairness); and that head. ([], None): nothing to preempt."""
+        if not self.config.fair_preemption or not self.running:
+            return [], None
+        busy = {s.tenant for s in self.running}
+        head = self._next(busy)
+        if head is None or head.tenant in busy or self.kv.fits(head.reserve):
+            return [], None
+        running = list(self.running)
+        counters = self.waiting.counters
+        room = self.kv.free_tokens - head.reserve
+        victims: list[S] = []
+        while True:
+            counts = Counter(s.tenant for s in running)
+            tenant = max(counts, key=lambda t: (counts[t], counters.get(t, 0.0)))
+            if counts[tenant] < 2:
+                return [], None  # no tenant runs several: the head waits for a slot to free
+            victim = max((s for s in running if s.tenant == tenant), key=lambda s: s.admitted_ns)
+            running.remove(victim)
+            victims.append(victim)
+            room += victim.reserve
+            if room >= 0:
+                return victims, head
+
+    def _preempt(self, seq: S) -> None:
+        """`seq` leaves its slot for the front of its tenant's queue: its prompt's rows stay
+        cached, and once admitted again it prefills its prompt and generated tokens (those
+        the prefix cache does not give back), then decodes on; its stream only pauses."""
+        self.running.remove(seq)
+        slot, seq.slot = seq.slot, -1
+        self.kv.computed(slot, seq.prompt[: seq.computed])
+        self.kv.free(slot, seq.reserve, keep=True)
+        seq.recompute = len(seq.tokens)
+        seq.computed = seq.drafted = 0
+        seq.preemptions += 1
+        self.waiting.requeue(seq)
 
     def _charge(self, prefill: list[Chunk[S]], decode: tuple[S, ...], drafts: int) -> None:
         """The step's service to the tenants' counters (fair admission)."""
@@ -345,7 +412,7 @@ class Scheduler(Generic[S]):
         kv = self.kv
         if not kv.fits(seq.reserve):
             return False
-        whole = self.whole
+        whole = None if seq.recompute else self.whole  # a preempted one has tokens to recompute
         usable = None if whole is None else (lambda row: whole(seq, row))
         match = kv.get_computed(seq.root, seq.prompt, usable)
         if not kv.fits(seq.reserve, match):  # no room to keep the source too
@@ -354,7 +421,9 @@ class Scheduler(Generic[S]):
             return False
         plan = kv.allocate_slots(seq.reserve, seq.root, seq.prompt, match)
         seq.slot = plan.slot
-        seq.computed = seq.cached = plan.cached
+        seq.computed = plan.cached
+        if not seq.preemptions:  # what the prefix cache served it: its first admission's
+            seq.cached = plan.cached
         if plan.copy_from >= 0:
             copies.append(Copy(plan.copy_from, plan.slot, 0, plan.cached))
         if match.last is not None:
@@ -367,10 +436,13 @@ class Scheduler(Generic[S]):
         """Whether `seq` prefills this step: not while another sequence computes the block
         it needs next (it copies that block once computed, extending its prefix)."""
         kv = self.kv
+        if seq.computed >= len(seq.prompt):  # a preempted sequence's generated tokens
+            return True
         match = kv.catch_up(seq.slot, seq.root, seq.prompt, seq.computed)  # its source pinned
         if match.tokens > seq.computed:
             copies.append(Copy(match.slot, seq.slot, seq.computed, match.tokens))
-            seq.cached += match.tokens - seq.computed
+            if not seq.preemptions:
+                seq.cached += match.tokens - seq.computed
             seq.computed = match.tokens
         return not kv.waits(seq.slot, seq.root, seq.prompt, seq.computed)
 

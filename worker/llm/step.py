@@ -124,7 +124,7 @@ class StepRunner:
         self, loop: asyncio.AbstractEventLoop, chunk: scheduler.Chunk[Sequence], joining: bool
     ) -> None:
         seq, n = chunk.seq, chunk.tokens
-        ids = np.asarray([seq.prompt[chunk.start : chunk.start + n]])
+        ids = np.asarray([seq.since(chunk.start)[:n]])  # a preempted one's tokens follow
         lengths = np.asarray([chunk.start + n])
         start = time.perf_counter_ns()
         sampling = [seq] if chunk.completes else []  # an earlier chunk's logits go unread
@@ -133,7 +133,8 @@ class StepRunner:
         seq.computed = chunk.start + n
         # the prompt's last row is kept with its rows: the same prompt again samples from it
         row = rows(0) if chunk.completes else None
-        self.scheduler.computed(seq, copied(row) if row is not None else None)
+        last = copied(row) if row is not None and not seq.recompute else None
+        self.scheduler.computed(seq, last)
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
         if row is not None and not seq.cancelled:

@@ -29,8 +29,8 @@ def seq(tenant: str, weight: float = 1.0, prompt: int = PROMPT, max_tokens: int 
     )
 
 
-def make(slots: int = 4, reserved: int = 0) -> Scheduler[Sequence]:
-    config = SchedulerConfig(STEP, 64, 10_000, reserved_slots=reserved)
+def make(slots: int = 4, reserved: int = 0, preempt: bool = False) -> Scheduler[Sequence]:
+    config = SchedulerConfig(STEP, 64, 10_000, reserved_slots=reserved, fair_preemption=preempt)
     return Scheduler(KVCacheManager(slots, 4096, enabled=False), config)
 
 
@@ -250,3 +250,62 @@ def test_a_tenant_running_nothing_has_its_prompt_read_in_one_run() -> None:
     chunked by the step's budget (32 - 3 rows - a run's fixed cost), as one tenant's is."""
     assert first_chunk("light") == 40
     assert 0 < first_chunk("heavy") < 40
+
+
+def heavy_fills_every_slot(preempt: bool) -> tuple[Scheduler[Sequence], list[Sequence]]:
+    """Heavy's 8 requests on 4 slots (no slot held), its 4 running ones decoding."""
+    sched = make(slots=4, preempt=preempt)
+    heavy = [seq("heavy", max_tokens=100) for _ in range(8)]
+    for s in heavy:
+        sched.add(s)
+    for _ in range(6):
+        step(sched, Counter())
+    assert all(not s.prefilling and len(s.tokens) > 1 for s in sched.running)
+    return sched, heavy
+
+
+def test_a_tenant_running_nothing_preempts_the_newest_of_one_running_several() -> None:
+    sched, heavy = heavy_fills_every_slot(preempt=True)
+    newest = max(sched.running, key=lambda s: s.admitted_ns)
+    slot, had = newest.slot, list(newest.tokens)
+    light = seq("light")
+    sched.add(light)
+    plan = step(sched, Counter())
+    assert plan.preempted == (newest,) and plan.admitted == (light,)
+    assert slot in plan.freed and light.slot == slot
+    assert newest.recompute == len(had) and newest.computed == 0 and newest.tokens == had
+    # first of heavy's queue, ahead of its four later requests
+    assert sched.waiting.head(among={"heavy"}) is newest
+    # readmitted (once a slot frees), it prefills its prompt and its tokens; the last
+    # chunk's row gives its next token, and it decodes on
+    chunks = []
+    for _ in range(200):
+        plan = step(sched, Counter())
+        chunks += [(c.start, c.tokens) for c in plan.prefill if c.seq is newest]
+        if newest in plan.decode:
+            break
+    covered = [i for start, n in chunks for i in range(start, start + n)]
+    assert covered == list(range(PROMPT + len(had))), chunks
+    assert newest.tokens[: len(had)] == had and len(newest.tokens) == len(had) + 2
+
+
+def test_without_fair_preemption_the_new_tenant_waits_for_a_slot_to_free() -> None:
+    sched, _ = heavy_fills_every_slot(preempt=False)
+    light = seq("light")
+    sched.add(light)
+    plan = step(sched, Counter())
+    assert plan.preempted == () and plan.admitted == ()
+
+
+def test_no_tenant_loses_its_only_sequence_and_none_preempts_itself() -> None:
+    sched = make(slots=2, preempt=True)
+    a, b = seq("a", max_tokens=100), seq("b", max_tokens=100)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        step(sched, Counter())
+    sched.add(seq("c"))  # a and b run one each: c waits
+    sched.add(seq("a"))  # a runs already: it waits its turn, preempting nothing
+    for _ in range(3):
+        plan = step(sched, Counter())
+        assert plan.preempted == () and plan.admitted == ()
