@@ -12,9 +12,10 @@ with `--slots` sequences at once, three routers over it, and the load tool drivi
 - (b) two tenants through a router with keys (the engine's fair admission) and the same
   load through a router with --no-auth (every request the one default tenant: first come,
   first served): light alone (1 caller, once the engine drained), then heavy with 10
-  callers beside light's 1: the light tenant's TTFT p99 against alone; then both backlogged
-  (heavy 10 x slots callers, light 1 x slots): Jain's index of the two tenants' served
-  tokens (prompt + completion).
+  callers and light's 1 joining a sixth of a phase later (a new key on an engine heavy
+  fills; both measured from then on): the light tenant's TTFT p99 against alone; then
+  both backlogged (heavy 10 x slots callers, light 1 x slots): Jain's index of the two
+  tenants' served tokens (prompt + completion).
 
 Every request is a ~32-token prompt and 32 generated tokens (ignore_eos). Bounded: six
 phases of `--seconds` each plus their drains, a few minutes in all on a 2-core VM (the
@@ -48,6 +49,9 @@ WORKER_ARGS = ("--providers", "cpu", "--intra-op-threads", "2", "--heartbeat-sec
 TOKENS = 32
 LIGHT_TTFT_TARGET = 1.5  # light's TTFT p99 with heavy beside it, at most this x alone
 JAIN_TARGET = 0.95
+# light joins heavy's load this far into it (of a phase's seconds): a new tenant on an
+# engine another fills, measured from its first request on, as heavy's warm-up ends
+LIGHT_JOINS = 1 / 6
 OVERLOAD = 3.0  # x capacity
 TITLE = "Overload (shedding by predicted wait) and two tenants (fair admission), SmolLM2"
 
@@ -165,17 +169,19 @@ def drained(b: Bench, timeout: float = 120.0) -> None:
     time.sleep(0.5)
 
 
-def tenants(b: Bench, address: str, heavy: int, light: int, tag: str) -> dict:
+def tenants(b: Bench, address: str, heavy: int, light: int, tag: str, after: float = 0.0) -> dict:
+    """Heavy's and light's closed loops, light starting `after` s into heavy's."""
     b.key(f"heavy{tag}")
     b.key(f"light{tag}")
     loads = [
         TenantLoad("heavy", f"BENCH_HEAVY{tag.upper()}_KEY", concurrency=heavy),
-        TenantLoad("light", f"BENCH_LIGHT{tag.upper()}_KEY", concurrency=light),
+        TenantLoad("light", f"BENCH_LIGHT{tag.upper()}_KEY", concurrency=light, after=after),
     ]
     result = asyncio.run(run_tenants(replace(b.load, address=address), loads, progress=_print))
     return {
         "heavy_callers": heavy,
         "light_callers": light,
+        "light_after_s": after,
         "served_tokens": result["served_tokens"],
         "jain": result["jain"],
         "tenants": {name: _brief(r) for name, r in result["tenants"].items()},
@@ -199,10 +205,12 @@ def main() -> None:
             drained(b)
             alone = asyncio.run(closed_loop(b.at(b.fair, "alone"), 1, _print))
             result["light_alone"] = _brief(alone)
+            join = LIGHT_JOINS * args.seconds
             result["ten_to_one"] = {
-                "fair": tenants(b, b.fair, 10, 1, "a"),
-                "fifo": tenants(b, b.fifo, 10, 1, "b"),
+                "fair": tenants(b, b.fair, 10, 1, "a", after=join),
+                "fifo": tenants(b, b.fifo, 10, 1, "b", after=join),
             }
+            drained(b)
             s = args.slots
             result["backlogged"] = {
                 "fair": tenants(b, b.fair, 10 * s, s, "c"),

@@ -115,9 +115,10 @@ def _add_load(group: argparse._ArgumentGroup) -> None:
         "--tenant",
         action="append",
         default=[],
-        metavar="NAME,KEY_VARIABLE,concurrency=C|rate=R",
+        metavar="NAME,KEY_VARIABLE,concurrency=C|rate=R[,after=S]",
         help="several tenants at once, each its API key (from the environment variable) and "
-        "load; per-tenant TTFT and served tokens, and Jain's index (loadtest/llm/tenants.py)",
+        "load, starting S seconds in; per-tenant TTFT and served tokens over one window, and "
+        "Jain's index (loadtest/llm/tenants.py)",
     )
     group.add_argument("--duration", type=float, default=30.0, help="seconds starting requests")
     group.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds first")

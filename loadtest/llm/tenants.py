@@ -6,7 +6,10 @@ refusals; and Jain's fairness index of the tenants' served tokens,
 
 A tenant is `NAME,KEY_VARIABLE,concurrency=C` or `NAME,KEY_VARIABLE,rate=R`: its key is read
 from the environment variable KEY_VARIABLE (keys stay off the command line), e.g.
-`--tenant heavy,HEAVY_KEY,concurrency=20 --tenant light,LIGHT_KEY,concurrency=2`.
+`--tenant heavy,HEAVY_KEY,concurrency=20 --tenant light,LIGHT_KEY,concurrency=2`. A fourth
+part `after=S` starts that tenant S seconds after the others (a light tenant arriving on a
+mesh a heavy one already fills): every tenant is measured over the same window, from the
+latest start on; earlier starters' first seconds are their warm-up, unmeasured.
 """
 
 from __future__ import annotations
@@ -25,22 +28,28 @@ class TenantLoad:
     key_variable: str
     concurrency: int = 0  # a closed loop, or
     rate: float = 0.0  # an open loop
+    after: float = 0.0  # seconds after the run's start that this tenant starts sending
 
     @classmethod
     def parse(cls, text: str) -> TenantLoad:
         """ValueError says what is wrong with one --tenant value."""
         parts = text.split(",")
-        if len(parts) != 3 or not parts[0] or not parts[1]:
-            raise ValueError(f"--tenant {text!r}: expected NAME,KEY_VARIABLE,concurrency=C|rate=R")
+        if len(parts) not in (3, 4) or not parts[0] or not parts[1]:
+            raise ValueError(
+                f"--tenant {text!r}: expected NAME,KEY_VARIABLE,concurrency=C|rate=R[,after=S]"
+            )
+        after = 0.0
+        if len(parts) == 4:
+            kind, _, value = parts[3].partition("=")
+            after = _number(value)
+            if kind != "after" or after < 0:
+                raise ValueError(f"--tenant {text!r}: after=S, seconds >= 0")
         kind, _, value = parts[2].partition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = -1.0
+        number = _number(value)
         if kind == "concurrency" and number >= 1 and number.is_integer():
-            return cls(parts[0], parts[1], concurrency=int(number))
+            return cls(parts[0], parts[1], concurrency=int(number), after=after)
         if kind == "rate" and number > 0:
-            return cls(parts[0], parts[1], rate=number)
+            return cls(parts[0], parts[1], rate=number, after=after)
         raise ValueError(f"--tenant {text!r}: concurrency=C (an integer >= 1) or rate=R (> 0)")
 
     def key(self) -> str:
@@ -48,6 +57,13 @@ class TenantLoad:
         if not key:
             raise ValueError(f"tenant {self.name}: environment variable {self.key_variable} unset")
         return key
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return -1.0
 
 
 def jain(values: list[float]) -> float | None:
@@ -70,10 +86,13 @@ async def run_tenants(
     max_in_flight: int = 1000,
     progress: Progress | None = None,
 ) -> dict:
-    """Every tenant's load at once; -> {"tenants": {name: run}, "served_tokens", "jain"}."""
+    """Every tenant's load at once (each from its `after`), measured over one window from
+    the latest start on; -> {"tenants": {name: run}, "served_tokens", "jain"}."""
+    latest = max(t.after for t in tenants)
 
     async def one(i: int, t: TenantLoad) -> dict:
-        mine = replace(load, api_key=t.key())
+        mine = replace(load, api_key=t.key(), warmup=load.warmup + latest - t.after)
+        await asyncio.sleep(t.after)
         shown = _labelled(progress, t.name)
         if t.rate:
             return await open_loop(mine, t.rate, seed + i, max_in_flight, progress=shown)

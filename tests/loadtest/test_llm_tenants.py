@@ -15,7 +15,9 @@ def test_tenant_values_parse_or_say_what_is_wrong() -> None:
         "heavy", "HEAVY_KEY", concurrency=20
     )
     assert TenantLoad.parse("light,K,rate=0.5").rate == 0.5
-    for bad in ("heavy", "a,K,concurrency=0", "a,K,concurrency=1.5", "a,K,rate=-1", "a,K,x=1"):
+    assert TenantLoad.parse("light,K,concurrency=1,after=5").after == 5.0
+    bad_ones = ("heavy", "a,K,concurrency=0", "a,K,concurrency=1.5", "a,K,rate=-1", "a,K,x=1")
+    for bad in (*bad_ones, "a,K,rate=1,after=-1", "a,K,rate=1,later=2", "a,K,rate=1,after=x"):
         with pytest.raises(ValueError, match="--tenant"):
             TenantLoad.parse(bad)
 
