@@ -185,6 +185,11 @@ def tenants(b: Bench, address: str, heavy: int, light: int, tag: str, after: flo
         "served_tokens": result["served_tokens"],
         "jain": result["jain"],
         "tenants": {name: _brief(r) for name, r in result["tenants"].items()},
+        # light's requests, in start order: [start s, TTFT ms], where its tail is
+        "light_ttft_ms": [
+            [row["start_s"], row.get("ttft_ms")]
+            for row in result["tenants"]["light"]["per_request"]
+        ],
     }
 
 

@@ -17,7 +17,8 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
    between tenants (worker/llm/fairness.py), and the last `reserved_slots` free slots wait
    for a tenant seen lately that runs nothing (`_next`); such a tenant's prompt is then read
-   in one run of up to IDLE_TENANT_STEPS steps' budget. A sequence gets a slot and `prompt +
+   in one run of up to IDLE_TENANT_STEPS steps' budget, without waiting for a block another
+   sequence is computing. A sequence gets a slot and `prompt +
    max_tokens` tokens of the budget, so it never runs out of cache (it is preempted only
    for fairness, above).
    With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
@@ -285,8 +286,10 @@ class Scheduler(Generic[S]):
             if decode:
                 budget -= sum(copy_tokens(x.rows) for x in copies[before:])
         prefill: list[Chunk[S]] = []
-        for seq in self.running:
-            if not seq.prefilling or not self._catch_up(seq, copies):
+        # a tenant running nothing goes first and does not wait for a block another sequence
+        # computes (chunk by chunk, behind the streams): its prompt is read now, in one run
+        for seq in sorted(self.running, key=lambda s: s not in idle):  # stable: oldest first
+            if not seq.prefilling or not (self._catch_up(seq, copies) or seq in idle):
                 continue
             left = seq.context - seq.computed
             overhead = run_tokens(seq.computed) if decode else 0

@@ -309,3 +309,47 @@ def test_no_tenant_loses_its_only_sequence_and_none_preempts_itself() -> None:
     for _ in range(3):
         plan = step(sched, Counter())
         assert plan.preempted == () and plan.admitted == ()
+
+
+def shared_prompt_first_chunk(tenant: str) -> int:
+    """Heavy runs 3 streams and has just been admitted a 64-token prompt (read 16 tokens a
+    step); a prompt of `tenant` sharing its first 48 tokens comes: its tokens prefilled in
+    its admission step."""
+    config = SchedulerConfig(STEP, 16, 10_000)
+    sched: Scheduler[Sequence] = Scheduler(KVCacheManager(5, 4096, block_tokens=16), config)
+    for _ in range(3):
+        sched.add(seq("heavy", prompt=8, max_tokens=100))
+    for _ in range(4):
+        step(sched, Counter())
+    system = list(range(1000, 1048))
+    sched.add(Sequence(id=next(_ids), prompt=[*system, *range(16)], reserve=80, tenant="heavy"))
+    step(sched, Counter())  # heavy's prompt: its first chunk, its next blocks claimed
+    newcomer = Sequence(id=next(_ids), prompt=[*system, 7, 7], reserve=66, tenant=tenant)
+    sched.add(newcomer)
+    plan = step(sched, Counter())
+    assert newcomer in plan.admitted
+    return sum(c.tokens for c in plan.prefill if c.seq is newcomer)
+
+
+def test_a_tenant_running_nothing_does_not_wait_for_a_block_another_computes() -> None:
+    """Heavy's second prompt waits for the blocks heavy's first is computing (a sharer
+    prefills them once); light, running nothing, computes what the cache lacks at once."""
+    assert shared_prompt_first_chunk("heavy") == 0
+    assert shared_prompt_first_chunk("light") > 0
+
+
+def test_a_tenant_running_nothing_is_read_before_prompts_that_take_the_budget() -> None:
+    """Heavy decodes one stream and reads two 60-token prompts, which take every step's
+    budget; light's prompt, coming then, is read whole in the step that admits it."""
+    sched = make(slots=4)
+    sched.add(seq("heavy", max_tokens=100))
+    for _ in range(3):
+        step(sched, Counter())
+    for _ in range(2):
+        sched.add(seq("heavy", prompt=60))
+    step(sched, Counter())
+    light = seq("light", prompt=40)
+    sched.add(light)
+    plan = step(sched, Counter())
+    assert plan.admitted == (light,)
+    assert (plan.prefill[0].seq, plan.prefill[0].tokens) == (light, 40)
