@@ -17,10 +17,9 @@ so the policy is tested on its own (tests/worker/llm/test_scheduler.py).
 3. **Admission** (`_admit_one`), while the head of the queue fits: the queue is token-fair
    between tenants (worker/llm/fairness.py), and the last `reserved_slots` free slots wait
    for a tenant seen lately that runs nothing (`_next`); such a tenant's prompt is then read
-   in one run of up to IDLE_TENANT_STEPS steps' budget, without waiting for a block another
-   sequence is computing. A sequence gets a slot and `prompt +
-   max_tokens` tokens of the budget, so it never runs out of cache (it is preempted only
-   for fairness, above).
+   in one run of up to IDLE_TENANT_STEPS steps' budget, first, without waiting for a block
+   another sequence is computing. A sequence gets a slot and `prompt + max_tokens` tokens of
+   the budget, so it never runs out of cache (it is preempted only for fairness, above).
    With a prefix cache (worker/llm/kv_manager.py) the slot comes with the longest cached prefix
    of the prompt, copied in (`StepPlan.copies`); a whole cached prompt with its last row
    prefills nothing (`StepPlan.first`). Retained prefixes are evicted, least recently used
