@@ -61,8 +61,11 @@ BENCHES := worker router ledger mlserver quantize distill tp llm llm-0.5b llm_pr
 	llm_prefix llm_structured migration overload tenants http_stack http_edge
 BENCH_TIMEOUT ?= 5400
 LLM_BENCH_ARGS ?= --model-repository $(MODELS)
-# benchmarks.llm at Qwen2.5-0.5B's shape: its targets are single stream and 16 streams
-LLM_05B_ARGS ?= --checkpoint qwen2.5-0.5b --systems llama-server --levels 8 16
+# benchmarks.llm at Qwen2.5-0.5B's shape: its targets are single stream and 16 streams; the
+# worker's pool spins, as llama-server's OpenMP threads do (docs/decisions.md, "Spinning off
+# by default": a worker with cores of its own turns it on)
+LLM_05B_ARGS ?= --checkpoint qwen2.5-0.5b --systems llama-server --levels 8 16 \
+	--model-parameter meshserve.intra_op_spinning=true
 QUICK_RESULTS := build/bench-quick
 
 define run_benches
