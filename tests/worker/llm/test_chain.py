@@ -33,6 +33,10 @@ async def collect(engine: Engine, seq: Sequence) -> list[Output]:
     return [out async for out in engine.stream(seq)]
 
 
+# decode runs the step thread may have sampled whose tokens the event loop has not taken
+IN_FLIGHT = 6
+
+
 def run(make_engine, graph: Path, steps: int) -> tuple[list[list[int]], list[str], Engine]:  # type: ignore[no-untyped-def]
     """Every PARAMS x PROMPTS request at once (rows of one run sampling different ways)."""
 
@@ -125,7 +129,10 @@ def test_an_arrival_and_a_cancel_stop_the_chain_within_a_run(make_engine) -> Non
             b, at = engine.add([500, 600, 700], long), len(a.tokens)
             stream = engine.stream(b)
             await anext(stream)  # b's first token
-            assert len(a.tokens) <= at + 3  # a's runs stopped within a run of b's arrival
+            # a's runs stopped within a run of b's arrival (a chain going on would run 64);
+            # the slack: tokens the step thread had sampled but the event loop had not yet
+            # taken when `at` was read (more on a loaded machine)
+            assert len(a.tokens) <= at + 3 + IN_FLIGHT
             await stream.aclose()  # b's client leaves: a cancel
             while b.finish_reason is None:
                 await asyncio.sleep(0.001)
@@ -133,7 +140,7 @@ def test_an_arrival_and_a_cancel_stop_the_chain_within_a_run(make_engine) -> Non
             before = len(a.tokens)
             while engine.kv.free_slots != 3:
                 await asyncio.sleep(0.001)
-            assert len(a.tokens) <= before + 3  # given back within a run or two
+            assert len(a.tokens) <= before + 3 + IN_FLIGHT  # given back within a run or two
             outs = await reader
             assert outs[-1].finish_reason == LENGTH and len(a.tokens) == 200
 
