@@ -377,8 +377,8 @@ class Engine:
             log.info(
                 "llm_preempted",
                 sequences=[s.id for s in plan.preempted],
-                tenant=plan.preempted[0].tenant,
-                recompute=[s.context for s in plan.preempted],
+                tenants=[s.tenant for s in plan.preempted],
+                prefill_again=[s.context for s in plan.preempted],
             )
         for slot in plan.freed:
             if self.drafter is not None:

@@ -77,13 +77,9 @@ class FairQueue(Generic[T]):
         return any(seq in q for q in self.queues.values())
 
     def append(self, seq: T) -> None:
-        tenant = seq.tenant
-        if tenant not in self.queues:
-            self._lift(tenant)
-            self.queues[tenant] = deque()
-        self.queues[tenant].append(seq)
+        self._backlog(seq.tenant).append(seq)
         self._arrival[id(seq)] = next(self._numbers)
-        self._seen[tenant] = time.monotonic()
+        self._seen[seq.tenant] = time.monotonic()
         if len(self._seen) > MAX_IDLE_TENANTS:
             horizon = time.monotonic() - RECENT_SECONDS
             self._seen = {t: s for t, s in self._seen.items() if s >= horizon}
@@ -91,12 +87,8 @@ class FairQueue(Generic[T]):
     def requeue(self, seq: T) -> None:
         """`seq`, preempted, goes back to the front of its tenant's queue, ahead of the
         tenant's later arrivals (the scheduler's fair preemption)."""
-        tenant = seq.tenant
-        if tenant not in self.queues:
-            self._lift(tenant)
-            self.queues[tenant] = deque()
         first = min(self._arrival.values(), default=0)
-        self.queues[tenant].appendleft(seq)
+        self._backlog(seq.tenant).appendleft(seq)
         self._arrival[id(seq)] = first - 1
 
     def head(self, among: Collection[str] | None = None) -> T | None:
@@ -134,6 +126,13 @@ class FairQueue(Generic[T]):
         if cost:
             tenant = seq.tenant
             self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / seq.weight
+
+    def _backlog(self, tenant: str) -> deque[T]:
+        """The tenant's queue; one becoming backlogged has its counter lifted first."""
+        if tenant not in self.queues:
+            self._lift(tenant)
+            self.queues[tenant] = deque()
+        return self.queues[tenant]
 
     def _take(self, seq: T) -> None:
         queue = self.queues[seq.tenant]

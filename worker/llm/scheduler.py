@@ -250,7 +250,9 @@ class Scheduler(Generic[S]):
 
     def schedule(self) -> StepPlan[S]:
         cancelled, freed = self._drop_cancelled()
-        preempted, favoured = self._preempt_for_idle()
+        # tenants running something (a preempted sequence's tenant still runs another)
+        busy = {s.tenant for s in self.running}
+        preempted, favoured = self._preempt_for_idle(busy)
         freed += tuple(s.slot for s in preempted)
         for seq in preempted:
             self._preempt(seq)
@@ -269,7 +271,6 @@ class Scheduler(Generic[S]):
         # reused prefix) its rows
         if decode:
             budget -= sum(copy_tokens(x.rows) for x in copies)
-        busy = {s.tenant for s in self.running}  # tenants running something
         # the room preemption made is the favoured head's (the fair order might put the
         # preempted one, back first in its queue, level with it)
         while (head := favoured or self._next(busy)) is not None:
@@ -326,16 +327,15 @@ class Scheduler(Generic[S]):
         idle = self.waiting.recent() - busy
         return self.waiting.head(among=idle) if idle else self.waiting.head()
 
-    def _preempt_for_idle(self) -> tuple[list[S], S | None]:
+    def _preempt_for_idle(self, busy: set[str]) -> tuple[list[S], S | None]:
         """With `fair_preemption`: when the next to admit is a tenant's that runs nothing and
         the cache has no room for it, the sequences to preempt to make that room, each the
         newest of the tenant running the most (while it runs at least two; ties: the one
         served most), so that a tenant arriving on a cache another tenant fills waits a
         step, not a whole request (vLLM preempts by recompute under memory pressure and for
         priority; here for fairness); and that head. ([], None): nothing to preempt."""
-        if not self.config.fair_preemption or not self.running:
+        if not self.config.fair_preemption or not self.waiting or not self.running:
             return [], None
-        busy = {s.tenant for s in self.running}
         head = self._next(busy)
         if head is None or head.tenant in busy or self.kv.fits(head.reserve):
             return [], None
