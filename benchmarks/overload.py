@@ -57,10 +57,8 @@ TITLE = "Overload (shedding by predicted wait) and two tenants (fair admission),
 
 
 def repository(root: Path, slots: int) -> Path:
-    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    config = root / MODEL / "config.pbtxt"
-    line = f'parameters {{ key: "{model_keys.MAX_NUM_SEQS}" value {{ string_value: "{slots}" }} }}'
-    config.write_text(config.read_text() + "\n" + line + "\n")
+    slots_key = {model_keys.MAX_NUM_SEQS: str(slots)}
+    llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=slots_key)
     return root
 
 

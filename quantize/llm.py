@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,9 +70,19 @@ def variant_file(recipe_name: str, main: str) -> str:
 
 
 def config_text(
-    name: str, label: str, max_model_len: int, by_cpu: Sequence[tuple[str, str]] = ()
+    name: str,
+    label: str,
+    max_model_len: int,
+    by_cpu: Sequence[tuple[str, str]] = (),
+    parameters: Mapping[str, str] | None = None,
 ) -> str:
-    params = {**pipeline.source(MODEL).config, MAX_MODEL_LEN: str(max_model_len)}
+    """The served model's config.pbtxt; `parameters`: config keys set besides (e.g.
+    meshserve.max_num_seqs), over the defaults."""
+    params = {
+        **pipeline.source(MODEL).config,
+        MAX_MODEL_LEN: str(max_model_len),
+        **(parameters or {}),
+    }
     if by_cpu:
         params[model_keys.CPU_MODEL_FILENAMES] = " ".join(
             f"{flag}:{variant_file(recipe, label)}" for flag, recipe in by_cpu
@@ -100,10 +110,12 @@ def install(
     name: str = MODEL,
     max_model_len: int = 2048,
     by_cpu: Sequence[tuple[str, str]] = (),
+    parameters: Mapping[str, str] | None = None,
 ) -> Path:
     """Write OUTPUT/<name>/ with the recipe's engine graph as version 1; with `by_cpu`
     ((flag, recipe) pairs, as BY_CPU), every recipe named there too, and the config's
-    meshserve.cpu_model_filenames choosing among them (worker/config.model_filename)."""
+    meshserve.cpu_model_filenames choosing among them (worker/config.model_filename);
+    `parameters`, more config keys (config_text)."""
     src = pipeline.artifact_for(cache, MODEL, recipe_name)
 
     chat = json.dumps(weights.smollm2_tokenizer_config(), indent=2) + "\n"
@@ -119,7 +131,7 @@ def install(
             folder.mkdir(parents=True, exist_ok=True)
             for file in llm_graph.served_files(graph):
                 paths.link_or_copy(file, folder / file.name)
-        text = config_text(name, recipe_name, max_model_len, by_cpu)
+        text = config_text(name, recipe_name, max_model_len, by_cpu, parameters)
         (tmp / "config.pbtxt").write_text(text)
 
     pipeline._staged(output / name, write)
@@ -148,9 +160,11 @@ def build(
     reports: Path | None = None,
     max_model_len: int = 2048,
     by_cpu: Sequence[tuple[str, str]] = (),
+    parameters: Mapping[str, str] | None = None,
 ) -> tuple[Path, dict]:
-    """Export, quantize, gate and install (with `by_cpu`, every recipe named there too); a
-    refused recipe installs nothing. Returns the main recipe's gate metrics."""
+    """Export, quantize, gate and install (with `by_cpu`, every recipe named there too;
+    `parameters`, more config keys); a refused recipe installs nothing. Returns the main
+    recipe's gate metrics."""
     by_cpu = buildable(by_cpu, cpu.flags())
     pipeline.export_model(MODEL, cache)
     found: dict[str, dict] = {}
@@ -162,7 +176,7 @@ def build(
         if failures:
             refused = "; ".join(failures)
             raise BuildError(f"recipe {recipe!r} refused on the engine graph: {refused}")
-    path = install(output, recipe_name, cache, name, max_model_len, by_cpu)
+    path = install(output, recipe_name, cache, name, max_model_len, by_cpu, parameters)
     return path, found.get(recipe_name, {})
 
 

@@ -14,7 +14,7 @@ import grpc
 import openai
 import pytest
 
-from common import mesh_state
+from common import mesh_state, model_keys
 from common.mesh_state import DepthSample
 from common.net import free_port
 from common.tenancy import TenantPolicy
@@ -30,7 +30,7 @@ MODEL = "smollm2"
 PROMPT = "Write a long story about a robot who learns to paint."
 TOKENS = 24  # every request here generates exactly this many (ignore_eos)
 LONG = 64  # the warm-up's and the background's: the service time the routers predict with
-ONE_SLOT = '\nparameters { key: "meshserve.max_num_seqs" value { string_value: "1" } }\n'
+ONE_SLOT = {model_keys.MAX_NUM_SEQS: "1"}
 
 
 class Served:
@@ -75,9 +75,7 @@ def service_seconds(mesh: Mesh) -> float:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("admission")
-    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    config = root / "repo" / MODEL / "config.pbtxt"
-    config.write_text(config.read_text() + ONE_SLOT)
+    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=ONE_SLOT)
     mesh = Mesh(root / "logs")
     mesh.auth = True
     mesh.start_redis()

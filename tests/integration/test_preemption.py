@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common import model_keys
 from common.tenancy import TenantPolicy
 from devmesh.processes import ROOT
 from devmesh.testing import Mesh
@@ -25,15 +26,13 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 PROMPT = "Write a long story about a robot who learns to paint."
 LONG, SHORT = 400, 8
-TWO_SLOTS = '\nparameters { key: "meshserve.max_num_seqs" value { string_value: "2" } }\n'
+TWO_SLOTS = {model_keys.MAX_NUM_SEQS: "2"}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Path]]:
     root = tmp_path_factory.mktemp("preemption")
-    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
-    config = root / "repo" / MODEL / "config.pbtxt"
-    config.write_text(config.read_text() + TWO_SLOTS)
+    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=TWO_SLOTS)
     m = Mesh(root / "logs")
     m.auth = True
     m.start_redis()

@@ -7,6 +7,7 @@ graph that rounds as the decode runs did)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from worker.llm.engine import Engine, Output, Sequence
 from worker.llm.sampling import SamplingParams
@@ -22,25 +23,24 @@ PARAMS = {
 }
 
 
-async def collect(engine: Engine, seq: Sequence, first: list[Output] | None = None) -> list[Output]:
-    return [*(first or []), *[out async for out in engine.stream(seq)]]
+async def rest(stream: AsyncIterator[Output], taken: list[Output]) -> list[Output]:
+    """The outputs `taken` from a request's stream so far, and the rest of them."""
+    return [*taken, *[out async for out in stream]]
 
 
-async def heavy_then_light(engine: Engine, light: bool) -> tuple[list[list[Output]], Sequence]:
+async def heavy_then_light(
+    engine: Engine, light: bool
+) -> tuple[list[list[Output]], Sequence | None]:
     """Heavy's two requests (greedy, seeded) fill both slots and stream; once each has sent
     a piece, light sends one (if `light`). Every request's outputs, and light's sequence."""
     heavy = [engine.add(HEAVY, PARAMS[k], tenant="heavy") for k in sorted(PARAMS)]
     streams = [engine.stream(s) for s in heavy]
-    firsts = [[await anext(s)] for s in streams]
-    quick = engine.add(LIGHT, PARAMS["greedy"], tenant="light") if light else heavy[0]
-    tasks = [asyncio.ensure_future(_rest(s, f)) for s, f in zip(streams, firsts, strict=True)]
-    if light:
-        tasks.append(asyncio.ensure_future(collect(engine, quick)))
+    taken = [[await anext(s)] for s in streams]
+    tasks = [rest(s, t) for s, t in zip(streams, taken, strict=True)]
+    quick = engine.add(LIGHT, PARAMS["greedy"], tenant="light") if light else None
+    if quick is not None:
+        tasks.append(rest(engine.stream(quick), []))
     return list(await asyncio.gather(*tasks)), quick
-
-
-async def _rest(stream, first: list[Output]) -> list[Output]:  # type: ignore[no-untyped-def]
-    return [*first, *[out async for out in stream]]
 
 
 def test_a_new_tenant_preempts_and_the_preempted_stream_is_unbroken(  # type: ignore[no-untyped-def]
@@ -56,7 +56,7 @@ def test_a_new_tenant_preempts_and_the_preempted_stream_is_unbroken(  # type: ig
 
     alone, shared, light, preempted = asyncio.run(main())
     # light took the slot of one of heavy's running streams, which waited and went on
-    assert preempted == 1 and light.preemptions == 0
+    assert preempted == 1 and light is not None and light.preemptions == 0
     for before, after in zip(alone, shared[:2], strict=True):
         ids = [t for out in after for t in out.token_ids]
         assert len(ids) == after[-1].completion_tokens == 40 and after[-1].finish_reason
