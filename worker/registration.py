@@ -67,6 +67,9 @@ class Registration:
         self.redis_state = Outage("redis_unreachable", "redis_reconnected", worker=info.id)
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        # The loop writes under it, so the leave never races a heartbeat already on its
+        # way: a cancelled pipeline's MULTI..EXEC may still reach Redis after the ZREM.
+        self._writing = asyncio.Lock()
 
     def start(self) -> None:
         self._wake = asyncio.Event()
@@ -95,22 +98,23 @@ class Registration:
             )
             beat = now - last_beat >= self.heartbeat_s
             try:
-                if beat or not registered:
-                    await self._heartbeat(announce=not registered)
-                    last_beat, registered = now, True
-                changed = last_depth is None or (depth, kv_used) != (
-                    last_depth.depth,
-                    last_depth.kv_used,
-                )
-                if changed or (due and (depth or beat)):
-                    slots, rate = self.service()
-                    last_depth = DepthSample(depth, sampled_ms, kv_used, kv_total, slots, rate)
-                    registered = await self._publish_depth(last_depth)
-                # On change, and once a heartbeat to stay within the TTL: the script reads
-                # every replica's share, so idle refreshes are kept few.
-                if loads != last_loads or now - last_loads_at >= self.heartbeat_s:
-                    await self.scale.publish(loads)
-                    last_loads, last_loads_at = loads, now
+                async with self._writing:
+                    if beat or not registered:
+                        await self._heartbeat(announce=not registered)
+                        last_beat, registered = now, True
+                    changed = last_depth is None or (depth, kv_used) != (
+                        last_depth.depth,
+                        last_depth.kv_used,
+                    )
+                    if changed or (due and (depth or beat)):
+                        slots, rate = self.service()
+                        last_depth = DepthSample(depth, sampled_ms, kv_used, kv_total, slots, rate)
+                        registered = await self._publish_depth(last_depth)
+                    # On change, and once a heartbeat to stay within the TTL: the script reads
+                    # every replica's share, so idle refreshes are kept few.
+                    if loads != last_loads or now - last_loads_at >= self.heartbeat_s:
+                        await self.scale.publish(loads)
+                        last_loads, last_loads_at = loads, now
                 self.redis_state.succeeded()
                 if not registered:  # Redis lost it (restarted empty): now, not next beat
                     continue
@@ -146,20 +150,34 @@ class Registration:
                 pipe.publish(mesh_state.REGISTRY_EVENTS, event.encode())
             await pipe.execute()
 
-    async def deregister(self) -> None:
-        """Leave the registry at once (drain), so routers stop sending before we stop."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        try:
-            await self.scale.withdraw(list(self.info.models))
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(mesh_state.worker_key(self.info.id), mesh_state.depth_key(self.info.id))
-                pipe.zrem(mesh_state.WORKERS, self.info.id)
-                leave = RegistryEvent("leave", self.info.id)
-                pipe.publish(mesh_state.REGISTRY_EVENTS, leave.encode())
-                await pipe.execute()
+    async def deregister(self, within_s: float = 2.0) -> None:
+        """Leave the registry at once (drain, a failed group), so routers stop sending
+        before we stop. The registration goes first (it is what routers read), then the
+        scaling shares; a failed write is tried again until `within_s` is spent, after
+        which what is left expires with its TTL."""
+        deadline = time.monotonic() + within_s
+        async with self._writing:  # no heartbeat is on its way once we hold it
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        steps = [self._leave, lambda: self.scale.withdraw(list(self.info.models))]
+        while steps:
+            try:
+                await steps[0]()
+                steps.pop(0)
+            except (RedisError, OSError) as e:
+                if time.monotonic() + 0.1 > deadline:
+                    log.warning("deregister_failed", worker=self.info.id, error=str(e))
+                    break
+                await asyncio.sleep(0.1)
+        else:
             log.info("worker_deregistered", worker=self.info.id)
-        except (RedisError, OSError) as e:
-            log.warning("deregister_failed", worker=self.info.id, error=str(e))
         await self.redis.aclose()
+
+    async def _leave(self) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(mesh_state.worker_key(self.info.id), mesh_state.depth_key(self.info.id))
+            pipe.zrem(mesh_state.WORKERS, self.info.id)
+            leave = RegistryEvent("leave", self.info.id)
+            pipe.publish(mesh_state.REGISTRY_EVENTS, leave.encode())
+            await pipe.execute()

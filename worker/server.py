@@ -48,7 +48,7 @@ log = structlog.get_logger()
 
 
 FAILED_EXIT_S = 5.0  # after a group failure the process is gone within this, whatever waits
-DEREGISTER_S = 2.0  # leaving the registry waits this long for Redis, then drains regardless
+DEREGISTER_S = 2.0  # leaving the registry tries this long to reach Redis, then drains regardless
 # A drain that outlives its stages (leave, wait, grace) by this much is stuck somewhere: every
 # thread's stack goes to the log and the process exits 1, so a supervisor never has to kill -9
 # a worker that hangs in silence.
@@ -247,7 +247,7 @@ async def stop_failed(
     grpc_server.servicer.ready = False
     await grpc_server.health.enter_graceful_shutdown()  # NOT_SERVING
     if registration is not None:
-        await registration.deregister()
+        await registration.deregister(DEREGISTER_S)
     await grpc_server.server.stop(0.5)
     if group is not None:
         group.abort()
@@ -263,10 +263,9 @@ async def drain(
     """SIGTERM: leave the registry, wait for routers to notice, finish in-flight calls."""
     log.info("worker_draining", grace_seconds=settings.grace_seconds)
     if registration is not None:
-        try:  # routers stop picking us...
-            await asyncio.wait_for(registration.deregister(), DEREGISTER_S)
-        except TimeoutError:  # our entries expire with their TTL instead
-            log.warning("deregister_timed_out", seconds=DEREGISTER_S)
+        # Routers stop picking us (what is not removed within DEREGISTER_S expires with
+        # its TTL)...
+        await registration.deregister(DEREGISTER_S)
         await asyncio.sleep(settings.drain_seconds)  # ...once they next read the registry
     grpc_server.servicer.ready = False
     await grpc_server.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
