@@ -12,8 +12,8 @@ needed. Here every block is written as
 
 MatMulNBits computes x @ d*(q - z) from the very codes the GGUF holds, and the residuals
 r (one float per block and output column) are added back as blocksum(x) @ R, where
-blocksum sums x over each block of 32 inputs (x @ a 0/1 [K, K/32] matrix, once per input)
-and x [..., K/32] @ R [K/32, N] is 1/32 of the MatMul's rows. Weight values are then
+blocksum sums x over each block of 32 inputs (a Reshape and a ReduceSum, once per input)
+and blocksum(x) [M, K/32] @ R [K/32, N] is 1/32 of the MatMul's rows. Weight values are then
 reproduced to fp32 rounding. A Q8_0 block
 (w = d*q, q in -127..127) is MatMulNBits 8-bit with codes q + 128 and no residual: exact
 too, so Q8_0 tensors (token_embd / a tied lm_head) stay 8-bit rather than being pushed
@@ -267,7 +267,7 @@ def quantize_matmuls(
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     blocksums: dict[tuple[str, int], str] = {}
-    indicators: set[str] = set()  # the 0/1 block-sum matrices added, by name
+    shared: set[str] = set()  # the block sums' constants added, by name
     dropped: set[str] = set()
     replaced: set[str] = set()
     for node in model.graph.node:
@@ -300,13 +300,11 @@ def quantize_matmuls(
         if blocks.residual is not None and np.any(blocks.residual):
             key = (node.input[0], blocks.codes.shape[1])
             if key not in blocksums:
-                ones = _block_ones(w.shape[0], key[1], blocks.block)
-                if ones.name not in indicators:
-                    indicators.add(ones.name)
-                    new_inits.append(ones)
                 blocksums[key] = f"{prefix}_blocksum"
-                sums = helper.make_node("MatMul", [key[0], ones.name], [blocksums[key]])
-                nodes = [sums, *nodes]
+                sums, consts = _blocksum(key[0], blocksums[key], w.shape[0], blocks.block)
+                new_inits += [c for c in consts if c.name not in shared]
+                shared.update(c.name for c in consts)
+                nodes = [*sums, *nodes]
             nodes, more = _add_residual(nodes, node.output[0], blocksums[key], prefix, blocks)
             inits += more
         new_nodes += nodes
@@ -366,26 +364,44 @@ def _matmulnbits(
     return [out], inits
 
 
-def _block_ones(k: int, nb: int, block: int) -> onnx.TensorProto:
-    """The 0/1 matrix [K, K/block] that sums x [..., K] over its blocks as one MatMul (one
-    node whatever x's rank, where Shape, Concat, Reshape and ReduceSum took four), shared by
-    every residual over inputs of width K."""
-    ones = np.zeros((k, nb), np.float32)
-    ones[np.arange(k), np.arange(k) // block] = 1.0
-    return numpy_helper.from_array(ones, f"blocksum_ones_{k}x{nb}")
+def _blocksum(
+    x: str, out: str, k: int, block: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Nodes that sum x [..., K] over its blocks into `out` [M, K/block] (M the product of
+    x's leading dimensions, whatever x's rank; _add_residual gives the correction main's
+    shape back), and the constants they read, shared by every residual over inputs of
+    width K: a Reshape to [-1, K/block, block] and a ReduceSum. (x @ a 0/1 [K, K/block]
+    matrix keeps x's rank in one node, but computes K/block columns: 66 against 17 us at
+    one row, 2.5 against 0.18 ms at 256 rows, K = 4864 on onnxruntime 1.23, 2 cores.) Only
+    weights whose K is whole blocks have residuals: a grid is found in whole blocks, and a
+    GGUF tensor's rows are whole blocks."""
+    assert k % block == 0, f"a residual over K = {k}, not whole blocks of {block}"
+    shape = numpy_helper.from_array(
+        np.array([-1, k // block, block], np.int64), f"blocksum_shape_{k // block}x{block}"
+    )
+    axes = numpy_helper.from_array(np.array([-1], np.int64), "blocksum_axes")
+    nodes = [
+        helper.make_node("Reshape", [x, shape.name], [f"{out}_blocks"]),
+        helper.make_node("ReduceSum", [f"{out}_blocks", axes.name], [out], keepdims=0),
+    ]
+    return nodes, [shape, axes]
 
 
 def _add_residual(
     nodes: list[onnx.NodeProto], output: str, sums: str, prefix: str, blocks: Blocks
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """Route MatMulNBits to a temporary output and add blocksum(x) @ R to it."""
+    """Route MatMulNBits to a temporary output and add blocksum(x) @ R to it, given the
+    shape of that output (the sums are [M, K/block], see _blocksum)."""
     assert blocks.residual is not None
     main = nodes[-1]
     main.output[0] = f"{prefix}_main"
     r = numpy_helper.from_array(np.ascontiguousarray(blocks.residual.T), f"{prefix}_residual")
+    flat, correction = f"{prefix}_correction_flat", f"{prefix}_correction"
     extra = [
-        helper.make_node("MatMul", [sums, r.name], [f"{prefix}_correction"]),
-        helper.make_node("Add", [main.output[0], f"{prefix}_correction"], [output]),
+        helper.make_node("MatMul", [sums, r.name], [flat]),
+        helper.make_node("Shape", [main.output[0]], [f"{prefix}_shape"]),
+        helper.make_node("Reshape", [flat, f"{prefix}_shape"], [correction]),
+        helper.make_node("Add", [main.output[0], correction], [output]),
     ]
     return nodes + extra, [r]
 
