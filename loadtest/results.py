@@ -40,7 +40,9 @@ def machine() -> dict:
 
 def describe(m: dict) -> str:
     """A machine() dict in a few words, for a results file's summary."""
-    simd = [f for f in m.get("simd", []) if f.startswith(("avx512f", "amx"))]
+    have = m.get("simd", [])
+    simd = [f for f in have if f.startswith(("avx512f", "amx"))]
+    simd = simd or ["avx2 only"] * ("avx2" in have)
     return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (
         f" ({', '.join(simd)})" if simd else ""
     )
