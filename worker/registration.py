@@ -154,12 +154,10 @@ class Registration:
         """Leave the registry at once (drain, a failed group), so routers stop sending
         before we stop. The registration goes first (it is what routers read), then the
         scaling shares; a failed write is tried again until `within_s` is spent, after
-        which what is left expires with its TTL."""
+        which what is left expires with its TTL. Waiting for a write on its way to finish
+        counts against `within_s` too: a Redis that hangs cannot hold the drain."""
         deadline = time.monotonic() + within_s
-        async with self._writing:  # no heartbeat is on its way once we hold it
-            if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+        await self._stop_loop(within_s)
         steps = [self._leave, lambda: self.scale.withdraw(list(self.info.models))]
         while steps:
             try:
@@ -173,6 +171,23 @@ class Registration:
         else:
             log.info("worker_deregistered", worker=self.info.id)
         await self.redis.aclose()
+
+    async def _stop_loop(self, within_s: float) -> None:
+        """Cancel the heartbeat loop between writes (holding the lock it writes under),
+        or, when a write hangs past `within_s`, where it is."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._writing.acquire(), within_s)
+        except TimeoutError:
+            self._task.cancel()  # mid-write: the write may still land; its TTL ends it
+            await asyncio.wait([self._task], timeout=0.1)
+            return
+        try:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        finally:
+            self._writing.release()
 
     async def _leave(self) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

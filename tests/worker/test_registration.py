@@ -4,6 +4,7 @@ already on its way puts the worker back) and survives Redis being away for part 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from pathlib import Path
@@ -82,5 +83,36 @@ def test_a_leave_waits_out_a_redis_restart(tmp_path: Path) -> None:
         asyncio.run(run())
         assert not registered(client, "w")
     finally:
+        client.close()
+        server.kill()
+
+
+def test_a_leave_is_bounded_when_redis_hangs(tmp_path: Path) -> None:
+    """Redis stops answering (SIGSTOP) under a busy worker: its write on the way hangs, and
+    the leave still returns within its bound plus one socket timeout, not when Redis does."""
+    port = free_port()
+    server = redis_process(port, tmp_path).start()
+    wait_redis(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis(port=port, decode_responses=True)
+    reg = Registration(url, info("w"), depth=lambda: 1, heartbeat_s=0.0)
+
+    async def run() -> float:
+        reg.start()
+        deadline = time.monotonic() + 5
+        while not registered(client, "w"):
+            assert time.monotonic() < deadline, "never registered"
+            await asyncio.sleep(0.01)
+        server.signal(signal.SIGSTOP)
+        await asyncio.sleep(0.1)  # the loop's next write is now on its way, unanswered
+        start = time.monotonic()
+        await reg.deregister(within_s=1.0)
+        return time.monotonic() - start
+
+    try:
+        took = asyncio.run(run())
+        assert took < 2.5, f"the leave took {took:.1f} s"
+    finally:
+        server.signal(signal.SIGCONT)
         client.close()
         server.kill()
