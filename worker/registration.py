@@ -67,8 +67,10 @@ class Registration:
         self.redis_state = Outage("redis_unreachable", "redis_reconnected", worker=info.id)
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
-        # The loop writes under it, so the leave never races a heartbeat already on its
-        # way: a cancelled pipeline's MULTI..EXEC may still reach Redis after the ZREM.
+        # The loop writes under it and the leave cancels the loop holding it: a write
+        # cancelled on its way may still land after the leave, and a cancellation that
+        # arrives inside redis-py's pipeline can be lost (the loop went on heartbeating,
+        # and the worker stayed registered after it left).
         self._writing = asyncio.Lock()
 
     def start(self) -> None:
@@ -150,7 +152,7 @@ class Registration:
                 pipe.publish(mesh_state.REGISTRY_EVENTS, event.encode())
             await pipe.execute()
 
-    async def deregister(self, within_s: float = 2.0) -> None:
+    async def deregister(self, within_s: float) -> None:
         """Leave the registry at once (drain, a failed group), so routers stop sending
         before we stop. The registration goes first (it is what routers read), then the
         scaling shares; a failed write is tried again until `within_s` is spent, after

@@ -71,7 +71,7 @@ def test_a_leave_is_not_undone_by_a_heartbeat_in_flight(r: Redis) -> None:
         reg = r.registration(f"w{n}", depth=lambda: 1, heartbeat_s=0.0)
         await r.joined(reg)
         await asyncio.sleep(0.001 * (n % 7))  # leave at different points of a write
-        await reg.deregister()
+        await reg.deregister(within_s=2.0)
 
     for n in range(20):
         asyncio.run(join_and_leave(n))
