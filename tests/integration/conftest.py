@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,20 @@ def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("llm-repo")
     llm.build(root, llm.DEFAULT_RECIPE, ROOT / "build" / "quantize")
     return root
+
+
+@contextlib.contextmanager
+def llm_mesh(root: Path, parameters: Mapping[str, str]) -> Iterator[tuple[Mesh, str]]:
+    """SmolLM2 built with these engine `parameters` in root/repo, served by one worker of
+    a mesh with API keys (its logs in root/logs): (the mesh, the worker's address); every
+    process killed after."""
+    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=parameters)
+    mesh = Mesh(root / "logs")
+    mesh.auth = True
+    mesh.start_redis()
+    try:
+        worker = mesh.add_worker(root / "repo")
+        mesh.wait_registered(1, timeout=120)
+        yield mesh, worker
+    finally:
+        mesh.stop(kill=True)

@@ -18,12 +18,11 @@ from common import mesh_state, model_keys
 from common.mesh_state import DepthSample
 from common.net import free_port
 from common.tenancy import TenantPolicy
-from devmesh.processes import ROOT
 from devmesh.testing import Mesh
 from ledger.store import Store
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from quantize import llm
+from tests.integration.conftest import llm_mesh
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -75,13 +74,7 @@ def service_seconds(mesh: Mesh) -> float:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("admission")
-    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=ONE_SLOT)
-    mesh = Mesh(root / "logs")
-    mesh.auth = True
-    mesh.start_redis()
-    try:
-        worker = mesh.add_worker(root / "repo")
-        mesh.wait_registered(1, timeout=120)
+    with llm_mesh(root, ONE_SLOT) as (mesh, worker):
         for _ in range(3):  # the worker measures its service time: the routers read it
             infer(worker, None, LONG)
         time.sleep(0.5)  # a heartbeat publishes it
@@ -100,8 +93,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         store = Store(f"sqlite:///{root / 'ledger.db'}")
         mesh.start_ledger(store.url, "--interval-seconds", "0.1")
         yield Served(mesh, worker, bounded, f"http://127.0.0.1:{http}", free, store)
-    finally:
-        mesh.stop(kill=True)
 
 
 class Background:

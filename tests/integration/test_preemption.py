@@ -16,11 +16,10 @@ import pytest
 
 from common import model_keys
 from common.tenancy import TenantPolicy
-from devmesh.processes import ROOT
 from devmesh.testing import Mesh
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from quantize import llm
+from tests.integration.conftest import llm_mesh
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -32,16 +31,8 @@ TWO_SLOTS = {model_keys.MAX_NUM_SEQS: "2"}
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Path]]:
     root = tmp_path_factory.mktemp("preemption")
-    llm.build(root / "repo", llm.DEFAULT_RECIPE, ROOT / "build" / "quantize", parameters=TWO_SLOTS)
-    m = Mesh(root / "logs")
-    m.auth = True
-    m.start_redis()
-    try:
-        m.add_worker(root / "repo")
-        m.wait_registered(1, timeout=120)
+    with llm_mesh(root, TWO_SLOTS) as (m, _):
         yield m, m.start_router(), root / "logs"
-    finally:
-        m.stop(kill=True)
 
 
 def infer(address: str, key: str, tokens: int) -> pb.ModelInferResponse:
