@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 STUBS  := protos/grpc_service_pb2.py
 MODELS := build/models
 
-.PHONY: venv proto test test-unit run lint bench bench-quick compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server genaiperf-venv FORCE
+.PHONY: venv proto test test-unit run lint bench bench-quick compose-check k8s-check images k8s-apply clean llamacpp-venv llama-server genaiperf-venv ops FORCE
 
 venv: $(STAMP)
 
@@ -23,13 +23,37 @@ proto: $(STUBS)
 $(STUBS): protos/grpc_service.proto protos/model_config.proto protos/routing.proto protos/usage.proto protos/compile.py $(STAMP)
 	$(BIN)/python protos/compile.py
 
-test: $(STUBS) llamacpp-venv genaiperf-venv
+test: $(STUBS) ops llamacpp-venv genaiperf-venv
 	$(BIN)/python -m pytest -q
 
 # The fast set: every package's unit tests, no process-level tests (tests/integration) and
 # nothing marked slow.
-test-unit: $(STUBS)
+test-unit: $(STUBS) ops
 	$(BIN)/python -m pytest -q -m 'not slow' --ignore=tests/integration
+
+# meshserve's onnxruntime custom ops (common/custom_ops.py; kernels/matmul_q5.cc), a shared
+# library built against onnxruntime's C API headers, which no Python wheel ships: they come
+# from Debian's libonnxruntime-dev package (a registry, pinned by its checksum; its 1.21 API
+# is served by the onnxruntime 1.23 that runs it). The kernels pick AVX-512 VNNI, AVX2 or
+# plain C++ at run time, so one build serves any x86-64 CPU. Without the library, quantize/
+# writes MatMulNBits instead.
+ORT_DEV_DEB := libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
+ORT_DEV_URL := http://deb.debian.org/debian/pool/main/o/onnxruntime/$(ORT_DEV_DEB)
+ORT_DEV_SHA256 := 14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
+ORT_HEADERS := build/onnxruntime-headers
+OPS_LIB := build/ops/libmeshserve_ops.so
+ops: $(OPS_LIB)
+$(ORT_HEADERS)/onnxruntime_cxx_api.h:
+	mkdir -p build/ops $(ORT_HEADERS)
+	curl -fsSL --retry 3 -o build/ops/$(ORT_DEV_DEB) '$(ORT_DEV_URL)'
+	echo '$(ORT_DEV_SHA256)  build/ops/$(ORT_DEV_DEB)' | sha256sum -c -
+	cd build/ops && rm -rf deb && mkdir deb && cd deb && ar x ../$(ORT_DEV_DEB) && \
+	  tar xf data.tar.* ./usr/include/onnxruntime
+	cp build/ops/deb/usr/include/onnxruntime/*.h $(ORT_HEADERS)/
+	rm -rf build/ops/deb build/ops/$(ORT_DEV_DEB)
+$(OPS_LIB): kernels/matmul_q5.cc $(ORT_HEADERS)/onnxruntime_cxx_api.h
+	$(CXX) -O3 -std=c++17 -fPIC -shared -fvisibility=hidden -Wall -Wextra \
+	  -Wno-maybe-uninitialized -I$(ORT_HEADERS) $< -o $@
 
 $(MODELS)/mlp/config.pbtxt: devmesh/toy_models.py $(STUBS)
 	$(BIN)/python -m devmesh.toy_models $(MODELS)

@@ -17,6 +17,8 @@ import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from common import custom_ops
+
 EVALSET = Path(__file__).resolve().parent / "evalset"
 PAD = 0
 
@@ -26,6 +28,8 @@ def session(
 ) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if custom_ops.available():  # a graph may hold meshserve's MatMulQ5 (quantize/int4.py)
+        custom_ops.register(so)
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), sess_options=so, providers=[provider])

@@ -46,6 +46,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from common import custom_ops
 from quantize import gguf_blocks
 from quantize.blocks import (
     BLOCK,
@@ -68,6 +69,7 @@ INT8 = "int8-rtn"  # no exact grid: symmetric 8-bit blocks, round to nearest
 INT4 = "int4-rtn"  # no exact grid: asymmetric 4-bit blocks, round to nearest
 KEPT = "fp32-kept"  # left as a float MatMul
 FILE_EXACT = "-exact"  # after the GGUF types read from the file's bytes: "q4_k+q6_k-exact"
+FIVE_BIT = "+q5op"  # after an exact codec served by meshserve's MatMulQ5 (common/custom_ops.py)
 
 OTHERWISE = {"int8": INT8, "int4": INT4, "keep": KEPT}
 
@@ -246,6 +248,7 @@ def quantize_matmuls(
     otherwise: str = "int8",
     exact: bool = True,
     only: Iterable[str] | None = None,
+    q5_op: bool | None = None,
 ) -> Report:
     """Rewrite, in place, every MatMul of `model`'s main graph whose B is a float [K, N]
     initializer (or Transpose of one) as MatMulNBits; returns what each weight became.
@@ -256,7 +259,12 @@ def quantize_matmuls(
     only: restrict to these MatMul output names (default: all).
     accuracy_level: MatMulNBits' compute type (4 = int8 activations per block, the fast
     CPU path; 0/1 = float).
+    q5_op: serve 8-bit blocks of 5-bit codes (a GGUF's Q5_0, Q5_1, Q5_K) with
+    meshserve's MatMulQ5 at 5.5-6 bits a weight (default: when its library is built and
+    accuracy_level is 4, the CPU's; see _five_bit).
     """
+    if q5_op is None:
+        q5_op = accuracy_level == 4 and custom_ops.available()
     if otherwise not in OTHERWISE:
         raise ValueError(f"otherwise must be one of {sorted(OTHERWISE)}, not {otherwise!r}")
     types = gguf_types(gguf_path) if gguf_path is not None else {}
@@ -296,7 +304,13 @@ def quantize_matmuls(
         if not exact:
             blocks.residual = None
         prefix = _unique(source, g.inits)
-        nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, blocks.block, accuracy_level)
+        whole = blocks.codes.shape[1] * blocks.block == w.shape[0]
+        five = _five_bit(blocks) if q5_op and whole else None
+        if five is not None:
+            nodes, inits = _matmul_q5(node, prefix, *five, w.shape)
+            codec += FIVE_BIT
+        else:
+            nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, blocks.block, accuracy_level)
         if blocks.residual is not None and np.any(blocks.residual):
             key = (node.input[0], blocks.codes.shape[1])
             if key not in blocksums:
@@ -319,8 +333,10 @@ def quantize_matmuls(
             g.uses[source] -= 1
     unused = {name for name in replaced if g.uses[name] == 0}
     _replace(model.graph, new_nodes, new_inits, dropped, unused)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    five_bit = any(e.codec.endswith(FIVE_BIT) for e in report.entries)
+    for domain in [MS_DOMAIN, *([custom_ops.DOMAIN] if five_bit else [])]:
+        if not any(o.domain == domain for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(domain, 1))
     return report
 
 
@@ -361,6 +377,56 @@ def _matmulnbits(
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
     out.attribute.extend(helper.make_attribute(key, value) for key, value in attrs.items())
+    return [out], inits
+
+
+def _five_bit(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(codes 0..31, scales, zero points or None for all 16) of 8-bit blocks of 32 whose
+    codes span 5 bits: Q5_0 (codes q + 112, zero point 128: q, 16) and the affine Q5_1 /
+    Q5_K (codes q, their own zero points); scales fp16 where that holds them exactly (Q5_0,
+    Q5_1). None for any other blocks, which stay MatMulNBits."""
+    if blocks.bits != 8 or blocks.block != custom_ops.BLOCK:
+        return None
+    low, high = int(blocks.codes.min()), int(blocks.codes.max())
+    base = 112 if low >= 112 and high <= 143 else 0 if high <= 31 else None
+    if base is None:
+        return None
+    zp = blocks.zero_points if blocks.zero_points is not None else np.full(blocks.scales.shape, 128)
+    zp = zp.astype(np.int32) - base
+    if zp.min() < 0 or zp.max() > 255:
+        return None
+    half = blocks.scales.astype(np.float16)
+    exact = np.array_equal(half.astype(np.float32), blocks.scales)
+    scales: np.ndarray = half if exact else blocks.scales.astype(np.float32)
+    uniform = bool(np.all(zp == custom_ops.DEFAULT_ZERO_POINT))
+    return (blocks.codes - np.uint8(base)), scales, None if uniform else zp.astype(np.uint8)
+
+
+def _matmul_q5(
+    node: onnx.NodeProto,
+    prefix: str,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    shape: tuple[int, int],
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    k, n = shape
+    records, scales, zero_points = custom_ops.pack_q5(codes, scales, zero_points)
+    inits = [
+        numpy_helper.from_array(records, f"{prefix}_Q5"),
+        numpy_helper.from_array(scales, f"{prefix}_scales"),
+    ]
+    if zero_points is not None:
+        inits.append(numpy_helper.from_array(zero_points, f"{prefix}_zero_points"))
+    out = helper.make_node(
+        custom_ops.MATMUL_Q5,
+        [node.input[0], *(i.name for i in inits)],
+        [node.output[0]],
+        name=f"{node.name or prefix}_Q5",
+        domain=custom_ops.DOMAIN,
+        K=k,
+        N=n,
+    )
     return [out], inits
 
 

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import structlog
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from common import dtypes
+from common import custom_ops, dtypes
 from common.errors import Internal, InvalidArgument, MeshError, ResourceExhausted
 from worker.config import GraphTensor, ModelSpec
 
@@ -67,6 +67,8 @@ class OnnxSession:
         so.inter_op_num_threads = options.inter_op_threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
+        if custom_ops.available():  # a graph may hold meshserve's MatMulQ5 (quantize/int4.py)
+            custom_ops.register(so)
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if options.profile_prefix:
@@ -86,7 +88,12 @@ class OnnxSession:
             try:
                 self.session = ort.InferenceSession(str(path), sess_options=so, providers=requested)
             except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-                raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
+                hint = (
+                    " (it uses meshserve's custom ops, whose library is not built: `make ops`)"
+                    if custom_ops.DOMAIN in str(e) and not custom_ops.available()
+                    else ""
+                )
+                raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}{hint}") from e
         # onnxruntime drops a provider it cannot load (no CUDA libraries, no device) without
         # raising: what it actually runs on is what get_providers() says afterwards.
         self.provider = self.session.get_providers()[0]

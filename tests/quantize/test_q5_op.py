@@ -1,0 +1,155 @@
+"""meshserve's MatMulQ5 (kernels/matmul_q5.cc, common/custom_ops.py): a GGUF's 5-bit
+tensors served at their own bits. Real onnxruntime sessions with the built library, each
+kernel the CPU has (AVX-512 VNNI, AVX2, plain C++) checked against the same arithmetic in
+numpy, and quantize_matmuls choosing the op only for blocks it can hold exactly."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from common import cpu, custom_ops
+from quantize import int4
+from tests.quantize.test_gguf_blocks import graph, raw_blocks, values, write_gguf
+
+RNG = np.random.default_rng(5)
+FLAGS = cpu.flags()
+ISAS = ["scalar"]
+ISAS += ["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []
+ISAS += ["avx512"] if {"avx512_vnni", "avx512bw", "avx512vl"} <= FLAGS else []
+
+pytestmark = pytest.mark.skipif(
+    not custom_ops.available(), reason="`make ops` (which `make test` runs) builds the library"
+)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    os.environ["MESHSERVE_OPS_ISA"] = request.param
+    yield request.param
+    del os.environ["MESHSERVE_OPS_ISA"]
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    custom_ops.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def q5_model(k: int, n: int, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None):
+    records, scales, zp = custom_ops.pack_q5(codes, scales, zp)
+    inits = [numpy_helper.from_array(records, "codes"), numpy_helper.from_array(scales, "scales")]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "zp"))
+    node = helper.make_node(
+        custom_ops.MATMUL_Q5,
+        ["x", *(i.name for i in inits)],
+        ["y"],
+        domain=custom_ops.DOMAIN,
+        K=k,
+        N=n,
+    )
+    g = helper.make_graph(
+        [node],
+        "q5",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)]
+    return helper.make_model(g, opset_imports=opsets, ir_version=10)
+
+
+def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None):
+    """The op's arithmetic in numpy: x in blocks of 32 as llama.cpp's Q8_0 (d = amax / 127
+    held in fp16, codes rounded to nearest even), int dot products, float64 sums."""
+    rows = x.reshape(-1, x.shape[-1])
+    n, nb, _ = codes.shape
+    xb = rows.reshape(len(rows), nb, 32)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.rint(xb * inv[..., None]).astype(np.int64)
+    zero = np.full((n, nb), 16) if zp is None else zp.astype(np.int64)
+    dots = np.einsum("mbk,nbk->mnb", q, codes.astype(np.int64)) - zero[None] * q.sum(-1)[:, None]
+    scale = scales.astype(np.float64)[None] * d.astype(np.float16).astype(np.float64)[:, None]
+    return (dots * scale).sum(-1).reshape(*x.shape[:-1], n)
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "n", "half", "with_zp"),
+    [
+        ((1, 1), 64, 16, True, False),  # one row, one group
+        ((2, 3), 96, 40, False, True),  # a partial last group, fp32 scales, zero points
+        ((1, 17), 896, 136, True, False),  # rows past the kernels' row tiles (8 and 4)
+        ((3, 3), 4864, 48, False, True),
+    ],
+)
+def test_each_kernel_computes_the_blocks_arithmetic(
+    isa: str, shape: tuple[int, int], k: int, n: int, half: bool, with_zp: bool
+) -> None:
+    codes = RNG.integers(0, 32, (n, k // 32, 32), dtype=np.uint8)
+    scales = (RNG.random((n, k // 32)) * 0.01).astype(np.float16 if half else np.float32)
+    zp = RNG.integers(0, 32, (n, k // 32), dtype=np.uint8) if with_zp else None
+    x = RNG.standard_normal((*shape, k)).astype(np.float32)
+    x[0, 0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    (y,) = session(q5_model(k, n, codes, scales, zp)).run(None, {"x": x})
+    want = reference(x, codes, scales, zp)
+    assert y.shape == (*shape, n)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_bad_input_is_refused_by_name_and_the_session_keeps_serving() -> None:
+    codes = RNG.integers(0, 32, (16, 2, 32), dtype=np.uint8)
+    scales = np.full((16, 2), 0.01, np.float16)
+    model = q5_model(64, 16, codes, scales, None)
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "K"  # the op checks it
+    s = session(model)
+    with pytest.raises(Exception, match="last dimension must be K = 64"):
+        s.run(None, {"x": np.zeros((1, 1, 65), np.float32)})
+    x = RNG.standard_normal((1, 1, 64)).astype(np.float32)
+    np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(x, codes, scales, None), 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+def test_a_5_bit_file_tensor_becomes_matmulq5_over_its_codes(kind: str, tmp_path: Path) -> None:
+    raw = raw_blocks(kind, 48, 512)
+    w = values(kind, raw, 512).T.copy()  # [in, out]
+    path = write_gguf(tmp_path / f"{kind}.gguf", {"blk.0.ffn_up.weight": (kind, raw)})
+    model = graph({"layers.0.up.weight": w})
+    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, q5_op=True)
+    assert report.entries[0].max_abs_error <= 2.0**-20 * np.abs(w).max()
+    assert [e.codec for e in report.entries] == [f"{kind.lower()}-exact{int4.FIVE_BIT}"]
+    ops = {n.op_type for n in model.graph.node}
+    assert custom_ops.MATMUL_Q5 in ops and "MatMulNBits" not in ops
+    assert ("MatMul" in ops) == (kind != "Q5_0")  # Q5_1 / Q5_K: their residual's block sums
+    inits = {i.name.rsplit("_", 1)[-1]: i for i in model.graph.initializer}
+    assert 8 * len(inits["Q5"].raw_data) / w.size == 5.0  # bits a weight, and the scales':
+    half = TensorProto.FLOAT16 if kind != "Q5_K" else TensorProto.FLOAT  # fp16 holds d exactly
+    assert inits["scales"].data_type == half
+    x = RNG.standard_normal((2, 3, 512)).astype(np.float32)
+    (y,) = session(model).run(None, {"x": x})
+    # int8 activations per block, as llama.cpp's own dot products: within ~1% of exact
+    assert np.abs(y - x @ w).max() <= 0.02 * np.abs(x @ w).max()
+
+
+def test_blocks_that_are_not_5_bit_keep_matmulnbits(tmp_path: Path) -> None:
+    """A fused weight of Q5_0 and Q8_0 parts is 8-bit codes over 256 values: MatMulNBits."""
+    tensors = {
+        "blk.1.ffn_gate.weight": ("Q5_0", raw_blocks("Q5_0", 32, 256)),
+        "blk.1.ffn_up.weight": ("Q8_0", raw_blocks("Q8_0", 32, 256)),
+    }
+    path = write_gguf(tmp_path / "mixed.gguf", tensors)
+    w = np.concatenate([values(k, raw, 256) for k, raw in tensors.values()]).T.copy()
+    model = graph({"layers.1.gate_up.weight": w})
+    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, q5_op=True)
+    assert [e.codec for e in report.entries] == ["q5_0+q8_0-exact"]
+    assert custom_ops.MATMUL_Q5 not in {n.op_type for n in model.graph.node}
+    assert not custom_ops.uses_custom_ops(model)
