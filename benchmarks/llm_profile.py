@@ -34,7 +34,7 @@ import onnxruntime as ort
 from benchmarks import llm_checkpoint
 from benchmarks.common import figure, machine, parse, write_result
 from benchmarks.llm import default_build_dir, load_avg, wait_quiet
-from common import paths
+from common import custom_ops, paths
 from worker.llm.cache import KVCache, page_aligned
 from worker.llm.model import StepModel
 from worker.runtime import OnnxSession, RuntimeOptions
@@ -88,8 +88,12 @@ def new_cache(model: StepModel, slots: int, tokens: int) -> KVCache:
     return KVCache(f.cache_shape(slots, max_len))
 
 
+# the nodes that read a quantized weight: onnxruntime's, and meshserve's 5-bit one
+WEIGHT_OPS = ("MatMulNBits", custom_ops.MATMUL_Q5)
+
+
 def bucket(shapes: list[list[int]], out: list[int], model: StepModel, ffn: int) -> str:
-    """A MatMulNBits node's bucket from its activation's K and its output's N."""
+    """A weight node's (WEIGHT_OPS) bucket from its activation's K and its output's N."""
     f = model.facts
     k, n = shapes[0][-1], out[-1]
     if n == f.vocab_size:
@@ -115,10 +119,10 @@ def graph_facts(path: Path) -> tuple[int, int]:
     }
     ffn, weights = 0, set()
     for node in proto.graph.node:
-        if node.op_type not in ("MatMulNBits", "MatMul"):
+        if node.op_type not in (*WEIGHT_OPS, "MatMul"):
             continue
         weights |= {i for i in node.input if i in sizes}  # a shared one counted once
-        if node.op_type == "MatMulNBits" and any(".down.weight" in i for i in node.input):
+        if node.op_type in WEIGHT_OPS and any(".down.weight" in i for i in node.input):
             ffn = next(int(a.i) for a in node.attribute if a.name == "K")
     if not ffn:
         raise ValueError(f"{path}: no down projection found")
@@ -174,7 +178,7 @@ def profiled(path: Path, rows: int, args: argparse.Namespace, ffn: int) -> dict:
             continue
         a = e.get("args", {})
         op = a.get("op_name", "?")
-        if op == "MatMulNBits":
+        if op in WEIGHT_OPS:
             shapes = [next(iter(s.values())) for s in a.get("input_type_shape", [])]
             out = next(iter(a["output_type_shape"][0].values()))
             ms[bucket(shapes, out, model, ffn)] += e["dur"] / 1000
