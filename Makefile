@@ -31,7 +31,7 @@ test: $(STUBS) ops llamacpp-venv genaiperf-venv
 test-unit: $(STUBS) ops
 	$(BIN)/python -m pytest -q -m 'not slow' --ignore=tests/integration
 
-# meshserve's onnxruntime custom ops (common/custom_ops.py; kernels/matmul_q5.cc), a shared
+# meshserve's onnxruntime custom ops (common/custom_ops.py; kernels/matmul_q.cc), a shared
 # library built against onnxruntime's C API headers, which no Python wheel ships: they come
 # from Debian's libonnxruntime-dev package (a registry, pinned by its checksum; its 1.21 API
 # is served by the onnxruntime 1.23 that runs it). The kernels pick AVX-512 VNNI, AVX2 or
@@ -51,7 +51,7 @@ $(ORT_HEADERS)/onnxruntime_cxx_api.h:
 	  tar xf data.tar.* ./usr/include/onnxruntime
 	cp build/ops/deb/usr/include/onnxruntime/*.h $(ORT_HEADERS)/
 	rm -rf build/ops/deb build/ops/$(ORT_DEV_DEB)
-$(OPS_LIB): kernels/matmul_q5.cc $(ORT_HEADERS)/onnxruntime_cxx_api.h
+$(OPS_LIB): kernels/matmul_q.cc $(ORT_HEADERS)/onnxruntime_cxx_api.h
 	$(CXX) -O3 -std=c++17 -fPIC -shared -fvisibility=hidden -Wall -Wextra \
 	  -Wno-maybe-uninitialized -I$(ORT_HEADERS) $< -o $@
 

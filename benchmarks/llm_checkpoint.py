@@ -20,12 +20,13 @@ is deleted once quantized.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import paths
+from common import custom_ops, paths
 from quantize import gguf_random, llamacpp_quantize, llm, weights
 from quantize.gguf_random import Layout, Shape
 
@@ -68,8 +69,20 @@ def folder(name: str) -> Path:
     return paths.build("bench-checkpoints", name)
 
 
+def builder() -> str:
+    """What a repository built from a GGUF depends on besides the file: quantize/'s and the
+    custom op layout's code, and whether the op library is built (MatMulQ or MatMulNBits)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256(str(custom_ops.available()).encode())
+    sources = [*sorted((root / "quantize").glob("*.py")), root / "common" / "custom_ops.py"]
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def prepare(name: str, llamacpp_python: Path) -> Prepared:
-    """The checkpoint's GGUF and the worker's repository, written if missing."""
+    """The checkpoint's GGUF, written if missing, and the worker's repository, built again
+    when what builds it changed (builder()): a benchmark never serves a stale graph."""
     spec = CHECKPOINTS[name]
     root = folder(name)
     root.mkdir(parents=True, exist_ok=True)
@@ -90,8 +103,10 @@ def prepare(name: str, llamacpp_python: Path) -> Prepared:
             raise SystemExit(f"llama.cpp's quantizer failed{sigill}: {done.stderr[-1500:]}")
         partial.rename(gguf)
         os.remove(source)
-    repository = root / "models"
-    if not (repository / name / "config.pbtxt").exists():
+    repository, stamp, built_by = root / "models", root / "models.builder", builder()
+    fresh = stamp.exists() and stamp.read_text() == built_by
+    if not (fresh and (repository / name / "config.pbtxt").exists()):
         print(f"building the worker's repository in {repository}", flush=True)
         llm.build_checkpoint(gguf, repository, name, max_model_len=MAX_MODEL_LEN)
+        stamp.write_text(built_by)
     return Prepared(spec, gguf, repository, name)

@@ -160,8 +160,8 @@ def measure(
 def build_graphs(folder: Path, ck: checkpoint.Checkpoint, names: list[str]) -> dict[str, Path]:
     """The graphs named (q4-as-stored, fp16) in folder, float16 KV cache."""
     out = {}
-    if "q4-as-stored" in names:  # `build-llm --checkpoint --kv-dtype float16 --no-q5-op`
-        proto = llm.checkpoint_graph(ck, kv_dtype="float16", q5_op=False)
+    if "q4-as-stored" in names:  # `build-llm --checkpoint --kv-dtype float16 --no-custom-op`
+        proto = llm.checkpoint_graph(ck, kv_dtype="float16", custom_op=False)
         out["q4-as-stored"] = llm_graph.save_served(proto, folder / "q4" / "model.onnx")
     if "fp16" in names:
         fp32 = llm_graph.save(

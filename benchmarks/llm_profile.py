@@ -89,7 +89,7 @@ def new_cache(model: StepModel, slots: int, tokens: int) -> KVCache:
 
 
 # the nodes that read a quantized weight: onnxruntime's, and meshserve's 5-bit one
-WEIGHT_OPS = ("MatMulNBits", custom_ops.MATMUL_Q5)
+WEIGHT_OPS = ("MatMulNBits", custom_ops.MATMUL_Q)
 
 
 def bucket(shapes: list[list[int]], out: list[int], model: StepModel, ffn: int) -> str:

@@ -1,13 +1,14 @@
 """meshserve's onnxruntime custom ops: where the library is, how a session loads it, and the
-weight layout its MatMulQ5 reads (the one owner of that layout: quantize/ writes it, the
-C++ kernel in kernels/matmul_q5.cc reads it).
+weight layout its MatMulQ reads (the one owner of that layout: quantize/ writes it, the C++
+kernels in kernels/matmul_q.cc read it).
 
-MatMulQ5 (domain "meshserve"): y = x @ W, W held as 5-bit codes q in blocks of 32 along K,
-w = scale * (q - zero_point) per block and output column. A GGUF's Q5_0 tensors are
-5.5 bits a weight that way (Q5_1 / Q5_K: their zero points and scales, and quantize's
-residual), where MatMulNBits would hold them as 8-bit blocks. `make ops` builds the
-library (build/ops/libmeshserve_ops.so) against onnxruntime's C API headers; without it,
-graphs are written with MatMulNBits instead (quantize/int4.py asks `available()`).
+MatMulQ (domain "meshserve", attributes K, N, bits): y = x @ W, W held as 4-, 5- or 8-bit
+codes q in blocks of 32 along K, w = scale * (q - zero_point) per block and output column,
+x quantized to int8 per block as llama.cpp's Q8_0. A GGUF's Q5_0 tensors are 5.5 bits a
+weight that way where MatMulNBits holds them as 8-bit blocks (9 bits a weight), and its
+Q8_0 8.5 bits (9). `make ops` builds the library (build/ops/libmeshserve_ops.so) against
+onnxruntime's C API headers; without it, graphs are written with MatMulNBits instead
+(quantize/int4.py asks `available()`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ from typing import Any
 import numpy as np
 
 DOMAIN = "meshserve"
-MATMUL_Q5 = "MatMulQ5"
+MATMUL_Q = "MatMulQ"
+BITS = (4, 5, 8)
 BLOCK = 32  # weights along K per block (one scale and zero point)
 GROUP = 16  # output columns per record
-RECORD = 4 * 64 + 8 * 8  # bytes per group of 16 columns and block of 32: nibbles, fifth bits
-DEFAULT_ZERO_POINT = 16  # Q5_0's, when a node has no zero point input
+RECORD = {4: 256, 5: 256 + 64, 8: 512}  # bytes per group of 16 columns and block of 32
+
+
+def default_zero_point(bits: int) -> int:
+    """A node's zero point when it has no zero point input (Q5_0's 16, Q8_0's 128)."""
+    return 1 << (bits - 1)
+
 
 ENV = "MESHSERVE_OPS"  # a library elsewhere than the build's
 _BUILT = Path(__file__).resolve().parent.parent / "build" / "ops" / "libmeshserve_ops.so"
@@ -56,27 +63,27 @@ def uses_custom_ops(model: Any) -> bool:
     return any(o.domain == DOMAIN for o in model.opset_import)
 
 
-def pack_q5(
-    codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None
+def pack(
+    codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """MatMulQ5's inputs from blocks: codes uint8 [N, nb, 32] in 0..31, scales [N, nb]
-    (float16 or float32: kept as given), zero points uint8 [N, nb] or None (16).
+    """MatMulQ's inputs from blocks: codes uint8 [N, nb, 32] below 2**bits, scales [N, nb]
+    (float16 or float32: kept as given), zero points uint8 [N, nb] or None.
 
-    Returns (records uint8 [G, nb, RECORD], scales [G, nb, 16], zero points [G, nb, 16] or
-    None), G = ceil(N / 16), the last group's missing columns zero. In a record, vector j
-    (0..7) is 64 bytes: byte 4c + t is the code of column 16g + c at k = 32b + 4j + t;
-    vectors 0-3 are the low nibbles of bytes 0-255, vectors 4-7 their high nibbles, and
-    bytes 256-319 are eight little-endian uint64, bit 4c + t of the j-th the code's fifth
-    bit."""
+    Returns (records uint8 [G, nb, RECORD[bits]], scales [G, nb, 16], zero points
+    [G, nb, 16] or None), G = ceil(N / 16), the last group's missing columns zero. Within a
+    group and block, vector j (0..7) is 64 bytes: byte 4c + t holds the code of column
+    16g + c at k = 32b + 4j + t. 8-bit: the 8 vectors as they are. 4- and 5-bit: 256 bytes,
+    vectors 0-3 their low nibbles, vectors 4-7 their high nibbles; 5-bit then adds eight
+    little-endian uint64, bit 4c + t of the j-th the fifth bit of vector j's code."""
     n, nb, block = codes.shape
-    if block != BLOCK or codes.dtype != np.uint8 or int(codes.max(initial=0)) > 31:
-        raise ValueError(f"MatMulQ5 takes 5-bit codes in blocks of {BLOCK}, got {codes.shape}")
+    if bits not in BITS or block != BLOCK or codes.dtype != np.uint8:
+        raise ValueError(f"MatMulQ takes {BITS}-bit codes in blocks of {BLOCK}, got {codes.shape}")
+    if int(codes.max(initial=0)) >= 1 << bits:
+        raise ValueError(f"codes up to {int(codes.max())} do not fit {bits} bits")
     groups = -(-n // GROUP)
     pad = groups * GROUP - n
 
-    def grouped(
-        a: np.ndarray,
-    ) -> np.ndarray:  # [N, nb, ...] -> [G, 16, nb, ...] -> [G, nb, 16, ...]
+    def grouped(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [G, nb, 16, ...]
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
         a = a.reshape(groups, GROUP, *a.shape[1:])
         return np.ascontiguousarray(np.moveaxis(a, 1, 2))
@@ -84,10 +91,13 @@ def pack_q5(
     # [G, nb, 16 columns, 8 vectors, 4 weights] -> [G, nb, 8 vectors, 16 columns * 4 weights]
     q = grouped(codes).reshape(groups, nb, GROUP, 8, 4).transpose(0, 1, 3, 2, 4)
     q = q.reshape(groups, nb, 8, GROUP * 4)
-    nibbles = (q[:, :, :4] & 15) | ((q[:, :, 4:] & 15) << 4)
-    fifth = np.packbits(q >> 4, axis=-1, bitorder="little")  # [G, nb, 8, 8]: uint64 each
-    records = np.concatenate(
-        [nibbles.reshape(groups, nb, 256), fifth.reshape(groups, nb, 64)], axis=-1
-    )
+    if bits == 8:
+        records = q.reshape(groups, nb, 512)
+    else:
+        low = (q[:, :, :4] & 15) | ((q[:, :, 4:] & 15) << 4)
+        parts: list[np.ndarray] = [low.astype(np.uint8).reshape(groups, nb, 256)]
+        if bits == 5:  # the fifth bits: 8 x 64 bits
+            parts.append(np.packbits(q >> 4, axis=-1, bitorder="little").reshape(groups, nb, 64))
+        records = np.concatenate(parts, axis=-1)
     zp = None if zero_points is None else grouped(zero_points.astype(np.uint8))
     return np.ascontiguousarray(records, np.uint8), grouped(scales), zp

@@ -1,21 +1,24 @@
-// MatMulQ5: y = x @ W for W held as 5-bit codes in blocks of 32 along K, an onnxruntime
-// custom op (domain "meshserve") so that a GGUF's Q5_0 / Q5_1 / Q5_K tensors are read at
-// their own 5.5-6 bits a weight, where onnxruntime's MatMulNBits holds them as 8-bit
-// blocks (9 bits a weight with its fp32 scales).
+// MatMulQ: y = x @ W for W held as 4-, 5- or 8-bit codes in blocks of 32 along K, an
+// onnxruntime custom op (domain "meshserve"). It serves a GGUF's block types at their own
+// bits: Q5_0 / Q5_1 / Q5_K at 5 bits a weight plus scales, where onnxruntime's MatMulNBits
+// holds them as 8-bit blocks, and Q8_0 / Q4_x in a layout that its int8 dot products read
+// without horizontal sums.
 //
-//   w[k, n] = scale[n, b] * (q[n, k] - zp[n, b]),  b = k / 32,  q in 0..31
+//   w[k, n] = scale[n, b] * (q[n, k] - zp[n, b]),  b = k / 32
 //
-// (an affine block's residual, Q5_1 / Q5_K's min, stays with quantize/int4.py's block
-// sums). The layout is written by common/custom_ops.py (pack_q5), which is its one owner;
-// in short, per group of 16 output columns g and block b, one 320-byte record:
-//   nib[4][64]: byte 4c+t of vector j (j < 4: low nibble of nib[j]; j >= 4: high nibble of
-//               nib[j-4]) is the low 4 bits of q for column 16g+c, k = 32b + 4j + t
-//   hi[8]:      uint64, bit 4c+t of hi[j] is the fifth bit of that same code
+// (an affine block's residual, Q4_1 / Q5_1 / Q5_K's min, stays with quantize/int4.py's
+// block sums). The layout is written by common/custom_ops.py (pack), its one owner; in
+// short, per group of 16 output columns g and block b, one record:
+//   8-bit: 8 vectors of 64 bytes; byte 4c+t of vector j is the code of column 16g+c at
+//          k = 32b + 4j + t
+//   4-bit: 4 x 64 bytes; vector j < 4 is the low nibbles of bytes 64j.., j >= 4 the high
+//          nibbles of bytes 64(j-4)..
+//   5-bit: the 4-bit record, then hi[8] (uint64): bit 4c+t of hi[j] is that code's fifth bit
 // so that one 64-byte vector holds 4 consecutive weights of 16 columns: the int8 dot
 // product instructions (VNNI vpdpbusd, AVX2 vpmaddubsw) sum groups of 4 bytes into one
 // int32 lane, and 8 of them leave lane c holding column c's whole block: no horizontal
 // sums, and one scale multiply per 16 columns and block. scales: [G, nb, 16] fp16 or fp32;
-// zero points (optional): uint8 [G, nb, 16], 16 when absent (Q5_0).
+// zero points (optional): uint8 [G, nb, 16], else 2^(bits-1).
 //
 // x is quantized per block of 32 to int8 as llama.cpp's Q8_0 does (d = amax / 127 held in
 // fp16, q = round(x / d)), so the dot products are those of llama.cpp's Q5_0 x Q8_0.
@@ -42,8 +45,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;                  // output columns per record
-constexpr int64_t kRecord = 4 * 64 + 8 * 8;     // bytes of codes per group and block
-constexpr int kDefaultZeroPoint = 16;
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
@@ -186,13 +187,16 @@ void QuantizeRowAvx2(const float* x, int64_t blocks, int8_t* q, float* d, int32_
 
 // ---- the problem, as the kernels see it -------------------------------------------------
 
+constexpr int64_t RecordBytes(int bits) { return bits == 8 ? 512 : bits == 5 ? 320 : 256; }
+constexpr int DefaultZeroPoint(int bits) { return 1 << (bits - 1); }
+
 struct Problem {
   const QuantizedRows* x;
-  const uint8_t* codes;   // [G, nb, kRecord]
-  const void* scales;     // [G, nb, 16] fp16 or fp32
+  const uint8_t* codes;        // [G, nb, RecordBytes(bits)]
+  const void* scales;          // [G, nb, 16] fp16 or fp32
   bool half_scales;
-  const uint8_t* zero_points;  // [G, nb, 16] or nullptr (16)
-  float* y;               // [rows, n]
+  const uint8_t* zero_points;  // [G, nb, 16] or nullptr (DefaultZeroPoint)
+  float* y;                    // [rows, n]
   int64_t n, groups;
 };
 
@@ -201,29 +205,34 @@ inline float ScaleAt(const Problem& p, int64_t i) {
                        : static_cast<const float*>(p.scales)[i];
 }
 
+// the code of column c at k = 4j + t of a block's record
+template <int BITS>
+inline int CodeAt(const uint8_t* rec, int c, int j, int t) {
+  if (BITS == 8) return rec[64 * j + 4 * c + t];
+  const uint8_t nib = rec[(j & 3) * 64 + 4 * c + t];
+  const int low = j < 4 ? (nib & 15) : (nib >> 4);
+  if (BITS == 4) return low;
+  uint64_t hi;
+  std::memcpy(&hi, rec + 256 + 8 * j, 8);
+  return low | static_cast<int>(((hi >> (4 * c + t)) & 1) << 4);
+}
+
+template <int BITS>
 void GroupScalar(const Problem& p, int64_t g) {
   const int64_t nb = p.x->blocks;
   for (int64_t r = 0; r < p.x->rows; ++r) {
     float acc[kGroup] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* rec = p.codes + (g * nb + b) * kRecord;
+      const uint8_t* rec = p.codes + (g * nb + b) * RecordBytes(BITS);
       const int8_t* xq = p.x->q.data() + (r * nb + b) * kBlock;
       const int32_t xsum = p.x->sums[r * nb + b];
       const float xd = p.x->d[r * nb + b];
       for (int c = 0; c < kGroup; ++c) {
         int32_t dot = 0;
-        for (int j = 0; j < 8; ++j) {
-          uint64_t hi;
-          std::memcpy(&hi, rec + 256 + 8 * j, 8);
-          for (int t = 0; t < 4; ++t) {
-            const uint8_t nib = rec[(j & 3) * 64 + 4 * c + t];
-            const int low = j < 4 ? (nib & 15) : (nib >> 4);
-            const int q = low | static_cast<int>(((hi >> (4 * c + t)) & 1) << 4);
-            dot += q * xq[4 * j + t];
-          }
-        }
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) dot += CodeAt<BITS>(rec, c, j, t) * xq[4 * j + t];
         const int64_t at = (g * nb + b) * kGroup + c;
-        const int zp = p.zero_points ? p.zero_points[at] : kDefaultZeroPoint;
+        const int zp = p.zero_points ? p.zero_points[at] : DefaultZeroPoint(BITS);
         acc[c] += static_cast<float>(dot - zp * xsum) * (ScaleAt(p, at) * xd);
       }
     }
@@ -231,76 +240,132 @@ void GroupScalar(const Problem& p, int64_t g) {
   }
 }
 
-// AVX-512: one zmm is one vector of the record (16 columns x 4 weights); R rows at a time
-// share the unpacked codes. Fewer rows keep more dot-product chains in flight.
-template <int R>
+// AVX-512: one zmm is one vector of the record (16 columns x 4 weights). vpdpbusd takes
+// the codes unsigned (0..255) and x signed, 4 products into each int32 lane, x's 4 bytes
+// broadcast. The zero point is taken off in float: scale x zp per column once a block,
+// times x's block sum. A block's codes are unpacked into 8 registers once for R rows.
+template <int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-void RowsAvx512(const Problem& p, int64_t g, int64_t r0) {
-  constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  const int64_t nb = p.x->blocks;
+inline void UnpackAvx512(const uint8_t* rec, __m512i w[8]) {
   const __m512i low4 = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* rec = p.codes + (g * nb + b) * kRecord;
-    __m512i w[8];
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
+  } else {
     for (int j = 0; j < 4; ++j) {
       const __m512i nib = _mm512_loadu_si512(rec + 64 * j);
       w[j] = _mm512_and_si512(nib, low4);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
     }
+  }
+  if constexpr (BITS == 5) {
     for (int j = 0; j < 8; ++j) {
       __mmask64 hi;
       std::memcpy(&hi, rec + 256 + 8 * j, 8);
       w[j] = _mm512_mask_add_epi8(w[j], hi, w[j], fifth);
     }
-    const int64_t at = (g * nb + b) * kGroup;
-    const __m512 scale =
-        p.half_scales
-            ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                  reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.scales) + at)))
-            : _mm512_loadu_ps(static_cast<const float*>(p.scales) + at);
-    const __m512i zp =
-        p.zero_points
-            ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero_points + at)))
-            : _mm512_set1_epi32(kDefaultZeroPoint);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * nb + b;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(p.x->q.data() + rb * kBlock);
-      __m512i dot[kChains];
-      for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j)
-        dot[j % kChains] = _mm512_dpbusd_epi32(dot[j % kChains], w[j], _mm512_set1_epi32(xq[j]));
-      for (int c = 1; c < kChains; ++c) dot[0] = _mm512_add_epi32(dot[0], dot[c]);
-      const __m512i centered =
-          _mm512_sub_epi32(dot[0], _mm512_mullo_epi32(zp, _mm512_set1_epi32(p.x->sums[rb])));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centered),
-                               _mm512_mul_ps(scale, _mm512_set1_ps(p.x->d[rb])), acc[r]);
-    }
+  }
+}
+
+// (scale, scale x zero point) of 16 columns in a block
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+inline void ScalesAvx512(const Problem& p, int64_t at, __m512* scale, __m512* offset) {
+  *scale = p.half_scales
+               ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                     reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.scales) + at)))
+               : _mm512_loadu_ps(static_cast<const float*>(p.scales) + at);
+  const __m512 zp =
+      p.zero_points
+          ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero_points + at))))
+          : _mm512_set1_ps(static_cast<float>(DefaultZeroPoint(BITS)));
+  *offset = _mm512_mul_ps(*scale, zp);
+}
+
+// acc += the block's dot products for row block rb, scaled, less the zero point's share
+template <int kChains>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+inline __m512 BlockAvx512(const Problem& p, int64_t rb, const __m512i w[8], __m512 scale,
+                          __m512 offset, __m512 acc) {
+  const int32_t* xq = reinterpret_cast<const int32_t*>(p.x->q.data() + rb * kBlock);
+  __m512i dot[kChains];
+  for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j)
+    dot[j % kChains] = _mm512_dpbusd_epi32(dot[j % kChains], w[j], _mm512_set1_epi32(xq[j]));
+  for (int c = 1; c < kChains; ++c) dot[0] = _mm512_add_epi32(dot[0], dot[c]);
+  const float xd = p.x->d[rb];
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc);
+  return _mm512_fnmadd_ps(offset, _mm512_set1_ps(xd * static_cast<float>(p.x->sums[rb])), acc);
+}
+
+// up to 8 rows: their sums stay in registers
+template <int BITS, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+void RowsAvx512(const Problem& p, int64_t g, int64_t r0) {
+  constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  const int64_t nb = p.x->blocks;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    UnpackAvx512<BITS>(p.codes + (g * nb + b) * RecordBytes(BITS), w);
+    __m512 scale, offset;
+    ScalesAvx512<BITS>(p, (g * nb + b) * kGroup, &scale, &offset);
+    for (int r = 0; r < R; ++r)
+      acc[r] = BlockAvx512<kChains>(p, (r0 + r) * nb + b, w, scale, offset, acc[r]);
   }
   const int64_t col = g * kGroup, valid = std::min<int64_t>(kGroup, p.n - col);
   const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (r0 + r) * p.n + col, keep, acc[r]);
 }
 
+// more rows: a block is unpacked once for a tile of up to 64, whose sums wait in L1
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+void TileAvx512(const Problem& p, int64_t g, int64_t r0, int64_t tile) {
+  constexpr int64_t kTile = 64;
+  const int64_t nb = p.x->blocks;
+  alignas(64) float acc[kTile * kGroup];
+  for (int64_t r = 0; r < tile; ++r) _mm512_store_ps(acc + r * kGroup, _mm512_setzero_ps());
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    UnpackAvx512<BITS>(p.codes + (g * nb + b) * RecordBytes(BITS), w);
+    __m512 scale, offset;
+    ScalesAvx512<BITS>(p, (g * nb + b) * kGroup, &scale, &offset);
+    for (int64_t r = 0; r < tile; ++r)
+      _mm512_store_ps(acc + r * kGroup, BlockAvx512<2>(p, (r0 + r) * nb + b, w, scale, offset,
+                                                       _mm512_load_ps(acc + r * kGroup)));
+  }
+  const int64_t col = g * kGroup, valid = std::min<int64_t>(kGroup, p.n - col);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  for (int64_t r = 0; r < tile; ++r)
+    _mm512_mask_storeu_ps(p.y + (r0 + r) * p.n + col, keep, _mm512_load_ps(acc + r * kGroup));
+}
+
+template <int BITS>
 void GroupAvx512(const Problem& p, int64_t g) {
-  int64_t r = 0;
   const int64_t rows = p.x->rows;
-  for (; r + 8 <= rows; r += 8) RowsAvx512<8>(p, g, r);
-  switch (rows - r) {
-    case 7: RowsAvx512<7>(p, g, r); break;
-    case 6: RowsAvx512<6>(p, g, r); break;
-    case 5: RowsAvx512<5>(p, g, r); break;
-    case 4: RowsAvx512<4>(p, g, r); break;
-    case 3: RowsAvx512<3>(p, g, r); break;
-    case 2: RowsAvx512<2>(p, g, r); break;
-    case 1: RowsAvx512<1>(p, g, r); break;
+  if (rows > 8) {
+    for (int64_t r = 0; r < rows; r += 64) TileAvx512<BITS>(p, g, r, std::min<int64_t>(64, rows - r));
+    return;
+  }
+  switch (rows) {
+    case 8: RowsAvx512<BITS, 8>(p, g, 0); break;
+    case 7: RowsAvx512<BITS, 7>(p, g, 0); break;
+    case 6: RowsAvx512<BITS, 6>(p, g, 0); break;
+    case 5: RowsAvx512<BITS, 5>(p, g, 0); break;
+    case 4: RowsAvx512<BITS, 4>(p, g, 0); break;
+    case 3: RowsAvx512<BITS, 3>(p, g, 0); break;
+    case 2: RowsAvx512<BITS, 2>(p, g, 0); break;
+    case 1: RowsAvx512<BITS, 1>(p, g, 0); break;
     default: break;
   }
 }
 
 // AVX2: a record's vector is two ymm (columns 0-7, 8-15); each half is its own pass.
-// vpmaddubsw multiplies unsigned codes (0..31) by signed int8 x: pairs stay within int16.
+// vpmaddubsw multiplies unsigned codes by signed int8 x into int16 pairs: codes below 32
+// cannot overflow them; 8-bit codes are taken signed (c - 128) and multiplied as
+// |c - 128| times x with c - 128's sign, as llama.cpp's AVX2 dot products do.
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i FifthBits(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(
@@ -312,25 +377,37 @@ inline __m256i FifthBits(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-template <int R>
+template <int BITS, int R>
 __attribute__((target("avx2,fma,f16c")))
 void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
+  // 8-bit codes are made signed (c ^ 0x80 = c - 128): their zero point moves by 128
+  constexpr int kShift = BITS == 8 ? 128 : 0;
   const int64_t nb = p.x->blocks;
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* rec = p.codes + (g * nb + b) * kRecord;
+    const uint8_t* rec = p.codes + (g * nb + b) * RecordBytes(BITS);
     __m256i w[8];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half));
-      w[j] = _mm256_and_si256(nib, low4);
-      w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
+    if constexpr (BITS == 8) {
+      for (int j = 0; j < 8; ++j)
+        w[j] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half)),
+            _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i nib =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half));
+        w[j] = _mm256_and_si256(nib, low4);
+        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
+      }
     }
-    for (int j = 0; j < 8; ++j) {
-      uint32_t bits;
-      std::memcpy(&bits, rec + 256 + 8 * j + 4 * half, 4);
-      w[j] = _mm256_or_si256(w[j], FifthBits(bits));
+    if constexpr (BITS == 5) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, rec + 256 + 8 * j + 4 * half, 4);
+        w[j] = _mm256_or_si256(w[j], FifthBits(bits));
+      }
     }
     const int64_t at = (g * nb + b) * kGroup + 8 * half;
     const __m256 scale =
@@ -338,17 +415,26 @@ void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
             ? _mm256_cvtph_ps(_mm_loadu_si128(
                   reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.scales) + at)))
             : _mm256_loadu_ps(static_cast<const float*>(p.scales) + at);
-    const __m256i zp =
+    const __m256i zp = _mm256_sub_epi32(
         p.zero_points
             ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zero_points + at)))
-            : _mm256_set1_epi32(kDefaultZeroPoint);
+            : _mm256_set1_epi32(DefaultZeroPoint(BITS)),
+        _mm256_set1_epi32(kShift));
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
       const int32_t* xq = reinterpret_cast<const int32_t*>(p.x->q.data() + rb * kBlock);
       __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
       for (int j = 0; j < 8; j += 2) {
-        const __m256i a = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq[j]));
-        const __m256i c = _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(xq[j + 1]));
+        __m256i a, c;
+        if constexpr (BITS == 8) {
+          const __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);
+          a = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(x0, w[j]));
+          c = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j + 1], w[j + 1]),
+                                   _mm256_sign_epi8(x1, w[j + 1]));
+        } else {
+          a = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq[j]));
+          c = _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(xq[j + 1]));
+        }
         dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(a, ones));
         dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(c, ones));
       }
@@ -370,26 +456,38 @@ void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
   }
 }
 
+template <int BITS>
 void GroupAvx2(const Problem& p, int64_t g) {
   const int64_t rows = p.x->rows;
   for (int half = 0; half < 2; ++half) {
     if (g * kGroup + 8 * half >= p.n) break;
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) RowsAvx2<4>(p, g, r, half);
+    for (; r + 4 <= rows; r += 4) RowsAvx2<BITS, 4>(p, g, r, half);
     switch (rows - r) {
-      case 3: RowsAvx2<3>(p, g, r, half); break;
-      case 2: RowsAvx2<2>(p, g, r, half); break;
-      case 1: RowsAvx2<1>(p, g, r, half); break;
+      case 3: RowsAvx2<BITS, 3>(p, g, r, half); break;
+      case 2: RowsAvx2<BITS, 2>(p, g, r, half); break;
+      case 1: RowsAvx2<BITS, 1>(p, g, r, half); break;
       default: break;
     }
   }
+}
+
+using GroupFn = void (*)(const Problem&, int64_t);
+
+template <int BITS>
+GroupFn GroupFor(Isa isa) {
+  return isa == Isa::kAvx512 ? GroupAvx512<BITS> : isa == Isa::kAvx2 ? GroupAvx2<BITS> : GroupScalar<BITS>;
+}
+
+GroupFn GroupFor(Isa isa, int bits) {
+  return bits == 8 ? GroupFor<8>(isa) : bits == 5 ? GroupFor<5>(isa) : GroupFor<4>(isa);
 }
 
 // ---- the op ---------------------------------------------------------------------------
 
 struct Batch {
   const Problem* problem;
-  void (*group)(const Problem&, int64_t);
+  GroupFn group;
   int64_t groups_per_task;
 };
 
@@ -401,11 +499,11 @@ void RunTask(void* data, size_t task) {
 }
 
 OrtStatusPtr Failed(const std::string& what) {
-  return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, ("MatMulQ5: " + what).c_str());
+  return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, ("MatMulQ: " + what).c_str());
 }
 
-struct MatMulQ5Kernel {
-  MatMulQ5Kernel(int64_t k, int64_t n, Isa isa) : k_(k), n_(n), isa_(isa) {}
+struct MatMulQKernel {
+  MatMulQKernel(int64_t k, int64_t n, int bits, Isa isa) : k_(k), n_(n), bits_(bits), isa_(isa) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     try {
@@ -425,7 +523,7 @@ struct MatMulQ5Kernel {
     if (shape.empty() || shape.back() != k_)
       return Failed("the input's last dimension must be K = " + std::to_string(k_));
     const int64_t groups = (n_ + kGroup - 1) / kGroup, nb = k_ / kBlock;
-    const size_t want = static_cast<size_t>(groups * nb * kRecord);
+    const size_t want = static_cast<size_t>(groups * nb * RecordBytes(bits_));
     const size_t have = codes.GetTensorTypeAndShapeInfo().GetElementCount();
     if (have != want)
       return Failed("codes hold " + std::to_string(have) + " bytes, expected " + std::to_string(want));
@@ -470,33 +568,35 @@ struct MatMulQ5Kernel {
     // tasks of a few groups each: enough of them to balance the pool's threads, each a
     // contiguous run of the weight so that the hardware prefetcher streams it
     const int64_t per_task = std::max<int64_t>(1, groups / 64);
-    Batch batch{&problem,
-                isa_ == Isa::kAvx512 ? GroupAvx512 : isa_ == Isa::kAvx2 ? GroupAvx2 : GroupScalar,
-                per_task};
+    Batch batch{&problem, GroupFor(isa_, bits_), per_task};
     const size_t tasks = static_cast<size_t>((groups + per_task - 1) / per_task);
     ctx.ParallelFor(RunTask, tasks, 0, &batch);
     return nullptr;
   }
 
   int64_t k_, n_;
+  int bits_;
   Isa isa_;
 };
 
-struct MatMulQ5Op : Ort::CustomOpBase<MatMulQ5Op, MatMulQ5Kernel, /*WithStatus=*/true> {
+struct MatMulQOp : Ort::CustomOpBase<MatMulQOp, MatMulQKernel, /*WithStatus=*/true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
     try {
       Ort::ConstKernelInfo ki(info);
       const int64_t k = ki.GetAttribute<int64_t>("K"), n = ki.GetAttribute<int64_t>("N");
+      const int64_t bits = ki.GetAttribute<int64_t>("bits");
+      if (bits != 4 && bits != 5 && bits != 8)
+        return Failed("bits = " + std::to_string(bits) + ", expected 4, 5 or 8");
       if (k <= 0 || k % kBlock != 0)
         return Failed("K = " + std::to_string(k) + ", expected a positive multiple of 32");
       if (n <= 0) return Failed("N = " + std::to_string(n) + ", expected a positive count");
-      *kernel = new MatMulQ5Kernel(k, n, BestIsa());
+      *kernel = new MatMulQKernel(k, n, static_cast<int>(bits), BestIsa());
       return nullptr;
     } catch (const std::exception& e) {
       return Failed(e.what());
     }
   }
-  const char* GetName() const { return "MatMulQ5"; }
+  const char* GetName() const { return "MatMulQ"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
@@ -518,7 +618,7 @@ struct MatMulQ5Op : Ort::CustomOpBase<MatMulQ5Op, MatMulQ5Kernel, /*WithStatus=*
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
-  static MatMulQ5Op op;
+  static MatMulQOp op;
   static Ort::CustomOpDomain domain{nullptr};
   try {
     if (!domain) {

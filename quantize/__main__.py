@@ -88,10 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "graphs cache float32",
     )
     p.add_argument(
-        "--no-q5-op",
+        "--no-custom-op",
         action="store_true",
-        help="with --checkpoint: 5-bit GGUF weights as MatMulNBits 8-bit, not meshserve's "
-        "CPU op MatMulQ5 (for a GPU, or a worker without `make ops`)",
+        help="with --checkpoint: GGUF blocks as onnxruntime's MatMulNBits only, not "
+        "meshserve's CPU op MatMulQ (for a GPU, or a worker without `make ops`)",
     )
     p.add_argument(
         "--by-cpu",
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
                     args.name,
                     args.max_model_len,
                     args.kv_dtype or "float32",
-                    q5_op=False if args.no_q5_op else None,
+                    custom_op=False if args.no_custom_op else None,
                 )
             except CheckpointError as e:
                 console.print(f"[red]refused:[/red] {e}")

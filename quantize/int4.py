@@ -69,7 +69,7 @@ INT8 = "int8-rtn"  # no exact grid: symmetric 8-bit blocks, round to nearest
 INT4 = "int4-rtn"  # no exact grid: asymmetric 4-bit blocks, round to nearest
 KEPT = "fp32-kept"  # left as a float MatMul
 FILE_EXACT = "-exact"  # after the GGUF types read from the file's bytes: "q4_k+q6_k-exact"
-FIVE_BIT = "+q5op"  # after an exact codec served by meshserve's MatMulQ5 (common/custom_ops.py)
+OP = "+matmulq"  # after a codec served by meshserve's MatMulQ (common/custom_ops.py)
 
 OTHERWISE = {"int8": INT8, "int4": INT4, "keep": KEPT}
 
@@ -248,7 +248,7 @@ def quantize_matmuls(
     otherwise: str = "int8",
     exact: bool = True,
     only: Iterable[str] | None = None,
-    q5_op: bool | None = None,
+    custom_op: bool | None = None,
 ) -> Report:
     """Rewrite, in place, every MatMul of `model`'s main graph whose B is a float [K, N]
     initializer (or Transpose of one) as MatMulNBits; returns what each weight became.
@@ -259,12 +259,12 @@ def quantize_matmuls(
     only: restrict to these MatMul output names (default: all).
     accuracy_level: MatMulNBits' compute type (4 = int8 activations per block, the fast
     CPU path; 0/1 = float).
-    q5_op: serve 8-bit blocks of 5-bit codes (a GGUF's Q5_0, Q5_1, Q5_K) with
-    meshserve's MatMulQ5 at 5.5-6 bits a weight (default: when its library is built and
-    accuracy_level is 4, the CPU's; see _five_bit).
+    custom_op: serve a GGUF's blocks of 32 with meshserve's MatMulQ (_op_blocks: its 5-bit
+    types at 5 bits a weight, not MatMulNBits' 8) rather than MatMulNBits. Default: with
+    gguf_path, accuracy_level 4 (the CPU's int8 path) and the library built.
     """
-    if q5_op is None:
-        q5_op = accuracy_level == 4 and custom_ops.available()
+    if custom_op is None:
+        custom_op = gguf_path is not None and accuracy_level == 4 and custom_ops.available()
     if otherwise not in OTHERWISE:
         raise ValueError(f"otherwise must be one of {sorted(OTHERWISE)}, not {otherwise!r}")
     types = gguf_types(gguf_path) if gguf_path is not None else {}
@@ -305,10 +305,10 @@ def quantize_matmuls(
             blocks.residual = None
         prefix = _unique(source, g.inits)
         whole = blocks.codes.shape[1] * blocks.block == w.shape[0]
-        five = _five_bit(blocks) if q5_op and whole else None
-        if five is not None:
-            nodes, inits = _matmul_q5(node, prefix, *five, w.shape)
-            codec += FIVE_BIT
+        op = _op_blocks(blocks) if custom_op and whole else None
+        if op is not None:
+            nodes, inits = _matmul_q(node, prefix, *op, w.shape)
+            codec += OP
         else:
             nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, blocks.block, accuracy_level)
         if blocks.residual is not None and np.any(blocks.residual):
@@ -333,8 +333,8 @@ def quantize_matmuls(
             g.uses[source] -= 1
     unused = {name for name in replaced if g.uses[name] == 0}
     _replace(model.graph, new_nodes, new_inits, dropped, unused)
-    five_bit = any(e.codec.endswith(FIVE_BIT) for e in report.entries)
-    for domain in [MS_DOMAIN, *([custom_ops.DOMAIN] if five_bit else [])]:
+    ours = any(e.codec.endswith(OP) for e in report.entries)
+    for domain in [MS_DOMAIN, *([custom_ops.DOMAIN] if ours else [])]:
         if not any(o.domain == domain for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(domain, 1))
     return report
@@ -380,52 +380,60 @@ def _matmulnbits(
     return [out], inits
 
 
-def _five_bit(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """(codes 0..31, scales, zero points or None for all 16) of 8-bit blocks of 32 whose
-    codes span 5 bits: Q5_0 (codes q + 112, zero point 128: q, 16) and the affine Q5_1 /
-    Q5_K (codes q, their own zero points); scales fp16 where that holds them exactly (Q5_0,
-    Q5_1). None for any other blocks, which stay MatMulNBits."""
-    if blocks.bits != 8 or blocks.block != custom_ops.BLOCK:
+def _op_blocks(blocks: Blocks) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(bits, codes, scales, zero points or None for the default) of blocks of 32 as MatMulQ
+    takes them, or None (other blocks stay MatMulNBits). 8-bit blocks whose codes span 5
+    bits become 5-bit: Q5_0 (codes q + 112, zero point 128: q, 16) and the affine Q5_1 /
+    Q5_K (codes q, their own zero points); other 8-bit blocks (Q8_0, IQ4_NL) and 4-bit ones
+    stay at their bits. Scales are fp16 where that holds them exactly (every legacy type's
+    d), else fp32 (a K-quant's d x sc)."""
+    if blocks.block != custom_ops.BLOCK or blocks.bits not in (4, 8):
         return None
+    bits, base = blocks.bits, 0
     low, high = int(blocks.codes.min()), int(blocks.codes.max())
-    base = 112 if low >= 112 and high <= 143 else 0 if high <= 31 else None
-    if base is None:
-        return None
-    zp = blocks.zero_points if blocks.zero_points is not None else np.full(blocks.scales.shape, 128)
+    if bits == 8 and high - low < 32:
+        bits, base = 5, 112 if low >= 112 and high <= 143 else 0 if high <= 31 else -1
+        if base < 0:
+            bits, base = 8, 0
+    zp = blocks.zero_points
+    zp = zp if zp is not None else np.full(blocks.scales.shape, 1 << (blocks.bits - 1))
     zp = zp.astype(np.int32) - base
     if zp.min() < 0 or zp.max() > 255:
         return None
     half = blocks.scales.astype(np.float16)
     exact = np.array_equal(half.astype(np.float32), blocks.scales)
     scales: np.ndarray = half if exact else blocks.scales.astype(np.float32)
-    uniform = bool(np.all(zp == custom_ops.DEFAULT_ZERO_POINT))
-    return (blocks.codes - np.uint8(base)), scales, None if uniform else zp.astype(np.uint8)
+    uniform = bool(np.all(zp == custom_ops.default_zero_point(bits)))
+    codes = blocks.codes - np.uint8(base)
+    return bits, codes, scales, None if uniform else zp.astype(np.uint8)
 
 
-def _matmul_q5(
+def _matmul_q(
     node: onnx.NodeProto,
     prefix: str,
+    bits: int,
     codes: np.ndarray,
     scales: np.ndarray,
     zero_points: np.ndarray | None,
     shape: tuple[int, int],
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     k, n = shape
-    records, scales, zero_points = custom_ops.pack_q5(codes, scales, zero_points)
+    records, scales, zero_points = custom_ops.pack(codes, scales, zero_points, bits)
     inits = [
-        numpy_helper.from_array(records, f"{prefix}_Q5"),
+        numpy_helper.from_array(records, f"{prefix}_Q{bits}"),
         numpy_helper.from_array(scales, f"{prefix}_scales"),
     ]
     if zero_points is not None:
         inits.append(numpy_helper.from_array(zero_points, f"{prefix}_zero_points"))
     out = helper.make_node(
-        custom_ops.MATMUL_Q5,
+        custom_ops.MATMUL_Q,
         [node.input[0], *(i.name for i in inits)],
         [node.output[0]],
-        name=f"{node.name or prefix}_Q5",
+        name=f"{node.name or prefix}_Q{bits}",
         domain=custom_ops.DOMAIN,
         K=k,
         N=n,
+        bits=bits,
     )
     return [out], inits
 

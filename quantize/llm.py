@@ -186,19 +186,19 @@ AS_STORED = "as-stored"  # the checkpoint's own numbers: GGUF codes kept exactly
 
 
 def checkpoint_graph(
-    ck: checkpoint.Checkpoint, kv_dtype: str = "float32", q5_op: bool | None = None
+    ck: checkpoint.Checkpoint, kv_dtype: str = "float32", custom_op: bool | None = None
 ) -> onnx.ModelProto:
     """The step graph of a checkpoint as stored: RoPE tables for its context length, and
     every GGUF block-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K-quants)
-    as MatMulNBits over the file's very codes (quantize/int4.py, quantize/gguf_blocks.py;
-    int8 activations per block as llama.cpp's own kernels), its 5-bit ones (Q5_0, Q5_1,
-    Q5_K) as meshserve's MatMulQ5 where that is built (q5_op: int4.quantize_matmuls); F32 /
-    F16 weights (and every Hugging Face weight) as float32 MatMuls."""
+    over the file's very codes (quantize/int4.py, quantize/gguf_blocks.py; int8 activations
+    per block as llama.cpp's own kernels): meshserve's MatMulQ for blocks of 32 where its
+    library is built (custom_op, see int4.quantize_matmuls), else MatMulNBits; F32 / F16
+    weights (and every Hugging Face weight) as float32 MatMuls."""
     proto = llm_graph.build(ck.model(), kv_dtype=kv_dtype)
     if ck.gguf is not None:
         try:
             int4.quantize_matmuls(
-                proto, gguf_path=ck.gguf, otherwise="keep", accuracy_level=4, q5_op=q5_op
+                proto, gguf_path=ck.gguf, otherwise="keep", accuracy_level=4, custom_op=custom_op
             )
         except int4.QuantizeError as e:
             raise checkpoint.CheckpointError(str(e)) from e
@@ -211,12 +211,12 @@ def build_checkpoint(
     name: str,
     max_model_len: int | None = None,
     kv_dtype: str = "float32",
-    q5_op: bool | None = None,
+    custom_op: bool | None = None,
 ) -> Path:
     """OUTPUT/<name>/ serving the checkpoint as stored (version 1). Without max_model_len,
     the worker serves the model's own context length, bounded by its KV budget."""
     ck = checkpoints.load(path)
-    proto = checkpoint_graph(ck, kv_dtype, q5_op)
+    proto = checkpoint_graph(ck, kv_dtype, custom_op)
     params = dict(pipeline.source(MODEL).config)
     params.pop(MAX_MODEL_LEN)
     if max_model_len is not None:

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from onnx import helper
 from safetensors.torch import save_file
 
+from common import custom_ops
 from quantize import __main__ as cli
 from quantize import checkpoints, evaluate, llm, llm_graph
 from quantize.checkpoint import CheckpointError
@@ -85,7 +86,8 @@ def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> N
     ck = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q8_0"))
     folder = llm.build_checkpoint(tmp_path / "s.gguf", tmp_path / "repo", "tiny")
     nodes = onnx.load(str(folder / "1" / "model.onnx"), load_external_data=False).graph.node
-    assert [n.op_type for n in nodes if "logits" in n.output] == ["MatMulNBits"]
+    head = custom_ops.MATMUL_Q if custom_ops.available() else "MatMulNBits"  # Q8_0's blocks
+    assert [n.op_type for n in nodes if "logits" in n.output] == [head]
     model = evaluate.step_model(folder / "1" / "model.onnx")
     assert model.position_logits and model.top_k == 64
     f = model.facts

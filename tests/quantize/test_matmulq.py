@@ -1,7 +1,7 @@
-"""meshserve's MatMulQ5 (kernels/matmul_q5.cc, common/custom_ops.py): a GGUF's 5-bit
-tensors served at their own bits. Real onnxruntime sessions with the built library, each
-kernel the CPU has (AVX-512 VNNI, AVX2, plain C++) checked against the same arithmetic in
-numpy, and quantize_matmuls choosing the op only for blocks it can hold exactly."""
+"""meshserve's MatMulQ (kernels/matmul_q.cc, common/custom_ops.py): a GGUF's blocks of 32
+served at their own bits. Real onnxruntime sessions with the built library, each kernel the
+CPU has (AVX-512 VNNI, AVX2, plain C++) and code width (4, 5, 8 bits) checked against the
+same arithmetic in numpy, and quantize_matmuls choosing the op for the blocks it holds."""
 
 from __future__ import annotations
 
@@ -44,22 +44,25 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def q5_model(k: int, n: int, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None):
-    records, scales, zp = custom_ops.pack_q5(codes, scales, zp)
+def q_model(
+    k: int, n: int, bits: int, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None
+) -> onnx.ModelProto:
+    records, scales, zp = custom_ops.pack(codes, scales, zp, bits)
     inits = [numpy_helper.from_array(records, "codes"), numpy_helper.from_array(scales, "scales")]
     if zp is not None:
         inits.append(numpy_helper.from_array(zp, "zp"))
     node = helper.make_node(
-        custom_ops.MATMUL_Q5,
+        custom_ops.MATMUL_Q,
         ["x", *(i.name for i in inits)],
         ["y"],
         domain=custom_ops.DOMAIN,
         K=k,
         N=n,
+        bits=bits,
     )
     g = helper.make_graph(
         [node],
-        "q5",
+        "matmulq",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
         inits,
@@ -68,7 +71,9 @@ def q5_model(k: int, n: int, codes: np.ndarray, scales: np.ndarray, zp: np.ndarr
     return helper.make_model(g, opset_imports=opsets, ir_version=10)
 
 
-def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None):
+def reference(
+    x: np.ndarray, bits: int, codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None
+) -> np.ndarray:
     """The op's arithmetic in numpy: x in blocks of 32 as llama.cpp's Q8_0 (d = amax / 127
     held in fp16, codes rounded to nearest even), int dot products, float64 sums."""
     rows = x.reshape(-1, x.shape[-1])
@@ -77,12 +82,13 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zp: np.ndarr
     d = np.abs(xb).max(-1) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     q = np.rint(xb * inv[..., None]).astype(np.int64)
-    zero = np.full((n, nb), 16) if zp is None else zp.astype(np.int64)
+    zero = np.full((n, nb), 1 << (bits - 1)) if zp is None else zp.astype(np.int64)
     dots = np.einsum("mbk,nbk->mnb", q, codes.astype(np.int64)) - zero[None] * q.sum(-1)[:, None]
     scale = scales.astype(np.float64)[None] * d.astype(np.float16).astype(np.float64)[:, None]
     return (dots * scale).sum(-1).reshape(*x.shape[:-1], n)
 
 
+@pytest.mark.parametrize("bits", custom_ops.BITS)
 @pytest.mark.parametrize(
     ("shape", "k", "n", "half", "with_zp"),
     [
@@ -93,15 +99,18 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zp: np.ndarr
     ],
 )
 def test_each_kernel_computes_the_blocks_arithmetic(
-    isa: str, shape: tuple[int, int], k: int, n: int, half: bool, with_zp: bool
+    isa: str, bits: int, shape: tuple[int, int], k: int, n: int, half: bool, with_zp: bool
 ) -> None:
-    codes = RNG.integers(0, 32, (n, k // 32, 32), dtype=np.uint8)
+    codes = RNG.integers(0, 1 << bits, (n, k // 32, 32), dtype=np.uint8)
+    codes[0, 0] = (1 << bits) - 1  # the extremes: 8-bit codes far from x's sign (AVX2's
+    codes[0, 1] = 0  # vpmaddubsw pairs must not saturate)
     scales = (RNG.random((n, k // 32)) * 0.01).astype(np.float16 if half else np.float32)
-    zp = RNG.integers(0, 32, (n, k // 32), dtype=np.uint8) if with_zp else None
+    zp = RNG.integers(0, 1 << bits, (n, k // 32), dtype=np.uint8) if with_zp else None
     x = RNG.standard_normal((*shape, k)).astype(np.float32)
     x[0, 0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    (y,) = session(q5_model(k, n, codes, scales, zp)).run(None, {"x": x})
-    want = reference(x, codes, scales, zp)
+    x[-1, -1, 32:64] = -np.abs(x[-1, -1, 32:64])  # codes 0 x -127: the int16 pairs' bound
+    (y,) = session(q_model(k, n, bits, codes, scales, zp)).run(None, {"x": x})
+    want = reference(x, bits, codes, scales, zp)
     assert y.shape == (*shape, n)
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -109,30 +118,36 @@ def test_each_kernel_computes_the_blocks_arithmetic(
 def test_bad_input_is_refused_by_name_and_the_session_keeps_serving() -> None:
     codes = RNG.integers(0, 32, (16, 2, 32), dtype=np.uint8)
     scales = np.full((16, 2), 0.01, np.float16)
-    model = q5_model(64, 16, codes, scales, None)
+    model = q_model(64, 16, 5, codes, scales, None)
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "K"  # the op checks it
     s = session(model)
     with pytest.raises(Exception, match="last dimension must be K = 64"):
         s.run(None, {"x": np.zeros((1, 1, 65), np.float32)})
     x = RNG.standard_normal((1, 1, 64)).astype(np.float32)
-    np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(x, codes, scales, None), 1e-5)
+    want = reference(x, 5, codes, scales, None)
+    np.testing.assert_allclose(s.run(None, {"x": x})[0], want, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
-def test_a_5_bit_file_tensor_becomes_matmulq5_over_its_codes(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "bits"),
+    [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q4_K", 4), ("IQ4_NL", 8)],  # as read from the file
+)
+def test_a_file_tensor_in_blocks_of_32_becomes_matmulq_over_its_codes(
+    kind: str, bits: int, tmp_path: Path
+) -> None:
     raw = raw_blocks(kind, 48, 512)
     w = values(kind, raw, 512).T.copy()  # [in, out]
     path = write_gguf(tmp_path / f"{kind}.gguf", {"blk.0.ffn_up.weight": (kind, raw)})
     model = graph({"layers.0.up.weight": w})
-    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, q5_op=True)
+    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, custom_op=True)
+    assert report.entries[0].codec.endswith(int4.OP)
     assert report.entries[0].max_abs_error <= 2.0**-20 * np.abs(w).max()
-    assert [e.codec for e in report.entries] == [f"{kind.lower()}-exact{int4.FIVE_BIT}"]
     ops = {n.op_type for n in model.graph.node}
-    assert custom_ops.MATMUL_Q5 in ops and "MatMulNBits" not in ops
-    assert ("MatMul" in ops) == (kind != "Q5_0")  # Q5_1 / Q5_K: their residual's block sums
+    assert custom_ops.MATMUL_Q in ops and "MatMulNBits" not in ops
+    assert ("MatMul" in ops) == (kind in ("Q5_1", "Q5_K", "Q4_K"))  # a residual's block sums
     inits = {i.name.rsplit("_", 1)[-1]: i for i in model.graph.initializer}
-    assert 8 * len(inits["Q5"].raw_data) / w.size == 5.0  # bits a weight, and the scales':
-    half = TensorProto.FLOAT16 if kind != "Q5_K" else TensorProto.FLOAT  # fp16 holds d exactly
+    assert 8 * len(inits[f"Q{bits}"].raw_data) / w.size == bits  # bits a weight, and scales:
+    half = TensorProto.FLOAT if kind.endswith("_K") else TensorProto.FLOAT16  # d x sc: fp32
     assert inits["scales"].data_type == half
     x = RNG.standard_normal((2, 3, 512)).astype(np.float32)
     (y,) = session(model).run(None, {"x": x})
@@ -140,8 +155,19 @@ def test_a_5_bit_file_tensor_becomes_matmulq5_over_its_codes(kind: str, tmp_path
     assert np.abs(y - x @ w).max() <= 0.02 * np.abs(x @ w).max()
 
 
-def test_blocks_that_are_not_5_bit_keep_matmulnbits(tmp_path: Path) -> None:
-    """A fused weight of Q5_0 and Q8_0 parts is 8-bit codes over 256 values: MatMulNBits."""
+def test_blocks_of_16_keep_matmulnbits(tmp_path: Path) -> None:
+    """Q6_K's sub-blocks are 16 weights: MatMulNBits (8-bit, block 16) serves them."""
+    raw = raw_blocks("Q6_K", 16, 256)
+    path = write_gguf(tmp_path / "q6k.gguf", {"blk.1.ffn_down.weight": ("Q6_K", raw)})
+    model = graph({"layers.1.down.weight": values("Q6_K", raw, 256).T.copy()})
+    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, custom_op=True)
+    assert [e.codec for e in report.entries] == ["q6_k-exact"]
+    assert custom_ops.MATMUL_Q not in {n.op_type for n in model.graph.node}
+    assert not custom_ops.uses_custom_ops(model)
+
+
+def test_a_fused_weight_of_5_and_8_bit_parts_is_one_8_bit_matmulq(tmp_path: Path) -> None:
+    """q/k/v of Qwen2.5-0.5B's Q4_K_M file: Q5_0 q and k, a Q8_0 v."""
     tensors = {
         "blk.1.ffn_gate.weight": ("Q5_0", raw_blocks("Q5_0", 32, 256)),
         "blk.1.ffn_up.weight": ("Q8_0", raw_blocks("Q8_0", 32, 256)),
@@ -149,7 +175,10 @@ def test_blocks_that_are_not_5_bit_keep_matmulnbits(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "mixed.gguf", tensors)
     w = np.concatenate([values(k, raw, 256) for k, raw in tensors.values()]).T.copy()
     model = graph({"layers.1.gate_up.weight": w})
-    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, q5_op=True)
-    assert [e.codec for e in report.entries] == ["q5_0+q8_0-exact"]
-    assert custom_ops.MATMUL_Q5 not in {n.op_type for n in model.graph.node}
-    assert not custom_ops.uses_custom_ops(model)
+    report = int4.quantize_matmuls(model, gguf_path=path, accuracy_level=4, custom_op=True)
+    assert [e.codec for e in report.entries] == [f"q5_0+q8_0-exact{int4.OP}"]
+    (node,) = [n for n in model.graph.node if n.op_type == custom_ops.MATMUL_Q]
+    assert {a.name: a.i for a in node.attribute}["bits"] == 8
+    x = RNG.standard_normal((1, 2, 256)).astype(np.float32)
+    (y,) = session(model).run(None, {"x": x})
+    assert np.abs(y - x @ w).max() <= 0.02 * np.abs(x @ w).max()
