@@ -1,27 +1,30 @@
-// MatMulQ: y = x @ W for W held as 4-, 5- or 8-bit codes in blocks of 32 along K, an
-// onnxruntime custom op (domain "meshserve"). It serves a GGUF's block types at their own
-// bits: Q5_0 / Q5_1 / Q5_K at 5 bits a weight plus scales, where onnxruntime's MatMulNBits
-// holds them as 8-bit blocks, and Q8_0 / Q4_x in a layout that its int8 dot products read
-// without horizontal sums.
+// MatMulQ: y = x @ W for W held as 4-, 5-, 6- or 8-bit codes in blocks of 16 or 32 along K,
+// an onnxruntime custom op (domain "meshserve"). It serves a GGUF's block types at their
+// own bits: Q5_0 / Q5_1 / Q5_K at 5 bits a weight plus scales and Q6_K at 6, where
+// onnxruntime's MatMulNBits holds them as 8-bit blocks, and Q8_0 / Q4_x / Q3_K / Q2_K in a
+// layout that its int8 dot products read without horizontal sums.
 //
-//   w[k, n] = scale[n, b] * (q[n, k] - zp[n, b]),  b = k / 32
+//   w[k, n] = scale[n, s] * (q[n, k] - zp[n, s]) + bias[n, s],  s = k / block_size
 //
-// (an affine block's residual, Q4_1 / Q5_1 / Q5_K's min, stays with quantize/int4.py's
-// block sums). The layout is written by common/custom_ops.py (pack), its one owner; in
-// short, per group of 16 output columns g and block b, one record:
+// (bias: an affine block's min, Q4_1 / Q4_K / Q5_1 / Q5_K / Q2_K, beyond its integer zero
+// point). The layout is written by common/custom_ops.py (pack), its one owner; in short,
+// per group of 16 output columns g and 32 weights along K (b), one record:
 //   8-bit: 8 vectors of 64 bytes; byte 4c+t of vector j is the code of column 16g+c at
 //          k = 32b + 4j + t
 //   4-bit: 4 x 64 bytes; vector j < 4 is the low nibbles of bytes 64j.., j >= 4 the high
 //          nibbles of bytes 64(j-4)..
-//   5-bit: the 4-bit record, then hi[8] (uint64): bit 4c+t of hi[j] is that code's fifth bit
+//   5-bit: the 4-bit record, then 8 uint64: bit 4c+t of the j-th is that code's bit 4
+//   6-bit: the 5-bit record, then 8 uint64 more: bit 5
 // so that one 64-byte vector holds 4 consecutive weights of 16 columns: the int8 dot
 // product instructions (VNNI vpdpbusd, AVX2 vpmaddubsw) sum groups of 4 bytes into one
-// int32 lane, and 8 of them leave lane c holding column c's whole block: no horizontal
-// sums, and one scale multiply per 16 columns and block. scales: [G, nb, 16] fp16 or fp32;
-// zero points (optional): uint8 [G, nb, 16], else 2^(bits-1).
+// int32 lane, and 8 of them (4 for a block of 16) leave lane c holding column c's whole
+// block: no horizontal sums, one scale multiply per 16 columns and block. scales:
+// [G, K / block_size, 16] fp16 or fp32; zero points (optional): uint8, the same shape, else
+// 2^(bits-1); bias (optional): fp32, the same shape.
 //
-// x is quantized per block of 32 to int8 as llama.cpp's Q8_0 does (d = amax / 127 held in
-// fp16, q = round(x / d)), so the dot products are those of llama.cpp's Q5_0 x Q8_0.
+// x is quantized per 32 to int8 as llama.cpp's Q8_0 does (d = amax / 127 held in fp16,
+// q = round(x / d)), so the dot products are those of llama.cpp's; a block's bias and zero
+// point are applied against x's block sum d * sum(q), as llama.cpp's Q8_1 / Q8_K sums are.
 //
 // Kernels: AVX-512 VNNI (BW, VL), AVX2, and plain C++; the best the CPU has is used, or the
 // one MESHSERVE_OPS_ISA names (avx512 / avx2 / scalar: tests compare them).
@@ -119,7 +122,7 @@ struct QuantizedRows {
   int64_t rows = 0, blocks = 0;
   std::vector<int8_t> q;      // [rows, blocks * 32]
   std::vector<float> d;       // [rows, blocks] the scale, rounded to fp16
-  std::vector<int32_t> sums;  // [rows, blocks] sum of the block's codes
+  std::vector<int32_t> sums;  // [rows, blocks, 2] sums of the block's two halves' codes
 };
 
 void QuantizeRowScalar(const float* x, int64_t blocks, int8_t* q, float* d, int32_t* sums) {
@@ -127,14 +130,15 @@ void QuantizeRowScalar(const float* x, int64_t blocks, int8_t* q, float* d, int3
     float amax = 0.0f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[b * kBlock + i]));
     const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-    int32_t sum = 0;
+    int32_t sum[2] = {0, 0};
     for (int i = 0; i < kBlock; ++i) {
       const int v = static_cast<int>(std::nearbyint(x[b * kBlock + i] * inv));
       q[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
+      sum[i / 16] += v;
     }
     d[b] = HalfToFloat(FloatToHalf(scale));
-    sums[b] = sum;
+    sums[2 * b] = sum[0];
+    sums[2 * b + 1] = sum[1];
   }
 }
 
@@ -150,7 +154,8 @@ void QuantizeRowAvx512(const float* x, int64_t blocks, int8_t* q, float* d, int3
     const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, m));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(i1));
-    sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    sums[2 * b] = _mm512_reduce_add_epi32(i0);
+    sums[2 * b + 1] = _mm512_reduce_add_epi32(i1);
     d[b] = _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));
   }
 }
@@ -171,11 +176,13 @@ void QuantizeRowAvx2(const float* x, int64_t blocks, int8_t* q, float* d, int32_
     const __m256 m = _mm256_set1_ps(inv);
     __m256i i[4];
     for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], m));
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
-    sums[b] = _mm_cvtsi128_si32(s4);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i s = _mm256_add_epi32(i[2 * h], i[2 * h + 1]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      sums[2 * b + h] = _mm_cvtsi128_si32(s4);
+    }
     // int32 -> int16 -> int8 with saturation (values are within -127..127), in order
     __m256i p01 = _mm256_packs_epi32(i[0], i[1]), p23 = _mm256_packs_epi32(i[2], i[3]);
     __m256i p = _mm256_packs_epi16(p01, p23);
@@ -187,15 +194,18 @@ void QuantizeRowAvx2(const float* x, int64_t blocks, int8_t* q, float* d, int32_
 
 // ---- the problem, as the kernels see it -------------------------------------------------
 
-constexpr int64_t RecordBytes(int bits) { return bits == 8 ? 512 : bits == 5 ? 320 : 256; }
+constexpr int64_t RecordBytes(int bits) {
+  return bits == 8 ? 512 : bits == 6 ? 384 : bits == 5 ? 320 : 256;
+}
 constexpr int DefaultZeroPoint(int bits) { return 1 << (bits - 1); }
 
 struct Problem {
   const QuantizedRows* x;
-  const uint8_t* codes;        // [G, nb, RecordBytes(bits)]
-  const void* scales;          // [G, nb, 16] fp16 or fp32
+  const uint8_t* codes;        // [G, nb, RecordBytes(bits)], nb = K / 32
+  const void* scales;          // [G, ns, 16] fp16 or fp32, ns = K / block_size
   bool half_scales;
-  const uint8_t* zero_points;  // [G, nb, 16] or nullptr (DefaultZeroPoint)
+  const uint8_t* zero_points;  // [G, ns, 16] or nullptr (DefaultZeroPoint)
+  const float* bias;           // [G, ns, 16] or nullptr
   float* y;                    // [rows, n]
   int64_t n, groups;
 };
@@ -205,19 +215,23 @@ inline float ScaleAt(const Problem& p, int64_t i) {
                        : static_cast<const float*>(p.scales)[i];
 }
 
-// the code of column c at k = 4j + t of a block's record
+// the code of column c at k = 4j + t of a record
 template <int BITS>
 inline int CodeAt(const uint8_t* rec, int c, int j, int t) {
   if (BITS == 8) return rec[64 * j + 4 * c + t];
   const uint8_t nib = rec[(j & 3) * 64 + 4 * c + t];
-  const int low = j < 4 ? (nib & 15) : (nib >> 4);
-  if (BITS == 4) return low;
-  uint64_t hi;
-  std::memcpy(&hi, rec + 256 + 8 * j, 8);
-  return low | static_cast<int>(((hi >> (4 * c + t)) & 1) << 4);
+  int code = j < 4 ? (nib & 15) : (nib >> 4);
+  for (int plane = 0; plane < BITS - 4; ++plane) {
+    uint64_t bits;
+    std::memcpy(&bits, rec + 256 + 64 * plane + 8 * j, 8);
+    code |= static_cast<int>(((bits >> (4 * c + t)) & 1) << (4 + plane));
+  }
+  return code;
 }
 
-template <int BITS>
+// A sub-block's part of a record: SUB sub-blocks of 32 / SUB weights each (1: blocks of 32,
+// 2: blocks of 16), vectors [8 / SUB * h, 8 / SUB * (h + 1)).
+template <int BITS, int SUB>
 void GroupScalar(const Problem& p, int64_t g) {
   const int64_t nb = p.x->blocks;
   for (int64_t r = 0; r < p.x->rows; ++r) {
@@ -225,15 +239,19 @@ void GroupScalar(const Problem& p, int64_t g) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* rec = p.codes + (g * nb + b) * RecordBytes(BITS);
       const int8_t* xq = p.x->q.data() + (r * nb + b) * kBlock;
-      const int32_t xsum = p.x->sums[r * nb + b];
+      const int32_t* half_sums = p.x->sums.data() + 2 * (r * nb + b);
       const float xd = p.x->d[r * nb + b];
-      for (int c = 0; c < kGroup; ++c) {
-        int32_t dot = 0;
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) dot += CodeAt<BITS>(rec, c, j, t) * xq[4 * j + t];
-        const int64_t at = (g * nb + b) * kGroup + c;
-        const int zp = p.zero_points ? p.zero_points[at] : DefaultZeroPoint(BITS);
-        acc[c] += static_cast<float>(dot - zp * xsum) * (ScaleAt(p, at) * xd);
+      for (int h = 0; h < SUB; ++h) {
+        const int32_t xsum = SUB == 1 ? half_sums[0] + half_sums[1] : half_sums[h];
+        for (int c = 0; c < kGroup; ++c) {
+          int32_t dot = 0;
+          for (int j = 8 / SUB * h; j < 8 / SUB * (h + 1); ++j)
+            for (int t = 0; t < 4; ++t) dot += CodeAt<BITS>(rec, c, j, t) * xq[4 * j + t];
+          const int64_t at = ((g * nb + b) * SUB + h) * kGroup + c;
+          const int zp = p.zero_points ? p.zero_points[at] : DefaultZeroPoint(BITS);
+          const float offset = ScaleAt(p, at) * static_cast<float>(zp) - (p.bias ? p.bias[at] : 0.0f);
+          acc[c] += static_cast<float>(dot) * (ScaleAt(p, at) * xd) - offset * (xd * static_cast<float>(xsum));
+        }
       }
     }
     for (int c = 0; c < kGroup && g * kGroup + c < p.n; ++c) p.y[r * p.n + g * kGroup + c] = acc[c];
@@ -242,12 +260,14 @@ void GroupScalar(const Problem& p, int64_t g) {
 
 // AVX-512: one zmm is one vector of the record (16 columns x 4 weights). vpdpbusd takes
 // the codes unsigned (0..255) and x signed, 4 products into each int32 lane, x's 4 bytes
-// broadcast. The zero point is taken off in float: scale x zp per column once a block,
-// times x's block sum. A block's codes are unpacked into 8 registers once for R rows.
+// broadcast. The zero point and bias are taken off in float: scale x zp - bias per column
+// once a block, times x's block sum. A block's codes are unpacked into 8 registers once for
+// up to 8 rows held in registers, or for a tile of 64 rows whose sums wait in L1.
+#define MESHSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
 template <int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-inline void UnpackAvx512(const uint8_t* rec, __m512i w[8]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);
+MESHSERVE_AVX512 inline void UnpackAvx512(const uint8_t* rec, __m512i w[8]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
   if constexpr (BITS == 8) {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
   } else {
@@ -256,20 +276,21 @@ inline void UnpackAvx512(const uint8_t* rec, __m512i w[8]) {
       w[j] = _mm512_and_si512(nib, low4);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
     }
-  }
-  if constexpr (BITS == 5) {
-    for (int j = 0; j < 8; ++j) {
-      __mmask64 hi;
-      std::memcpy(&hi, rec + 256 + 8 * j, 8);
-      w[j] = _mm512_mask_add_epi8(w[j], hi, w[j], fifth);
+    for (int plane = 0; plane < BITS - 4; ++plane) {
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << plane));
+      for (int j = 0; j < 8; ++j) {
+        __mmask64 set;
+        std::memcpy(&set, rec + 256 + 64 * plane + 8 * j, 8);
+        w[j] = _mm512_mask_add_epi8(w[j], set, w[j], bit);
+      }
     }
   }
 }
 
-// (scale, scale x zero point) of 16 columns in a block
+// a sub-block's (scale, scale x zero point - bias) for 16 columns
 template <int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-inline void ScalesAvx512(const Problem& p, int64_t at, __m512* scale, __m512* offset) {
+MESHSERVE_AVX512 inline void ScalesAvx512(const Problem& p, int64_t at, __m512* scale,
+                                          __m512* offset) {
   *scale = p.half_scales
                ? _mm512_cvtph_ps(_mm256_loadu_si256(
                      reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.scales) + at)))
@@ -280,49 +301,64 @@ inline void ScalesAvx512(const Problem& p, int64_t at, __m512* scale, __m512* of
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero_points + at))))
           : _mm512_set1_ps(static_cast<float>(DefaultZeroPoint(BITS)));
   *offset = _mm512_mul_ps(*scale, zp);
+  if (p.bias) *offset = _mm512_sub_ps(*offset, _mm512_loadu_ps(p.bias + at));
 }
 
-// acc += the block's dot products for row block rb, scaled, less the zero point's share
-template <int kChains>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-inline __m512 BlockAvx512(const Problem& p, int64_t rb, const __m512i w[8], __m512 scale,
-                          __m512 offset, __m512 acc) {
+template <int SUB>
+struct BlockScales {
+  __m512 scale[SUB], offset[SUB];
+};
+
+template <int BITS, int SUB>
+MESHSERVE_AVX512 inline BlockScales<SUB> BlockScalesAvx512(const Problem& p, int64_t g, int64_t b) {
+  BlockScales<SUB> out;
+  for (int h = 0; h < SUB; ++h)
+    ScalesAvx512<BITS>(p, ((g * p.x->blocks + b) * SUB + h) * kGroup, &out.scale[h], &out.offset[h]);
+  return out;
+}
+
+// acc += row block rb's dot products, scaled, less the zero point's and bias' share
+template <int SUB, int kChains>
+MESHSERVE_AVX512 inline __m512 BlockAvx512(const Problem& p, int64_t rb, const __m512i w[8],
+                                           const BlockScales<SUB>& s, __m512 acc) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(p.x->q.data() + rb * kBlock);
-  __m512i dot[kChains];
-  for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
-  for (int j = 0; j < 8; ++j)
-    dot[j % kChains] = _mm512_dpbusd_epi32(dot[j % kChains], w[j], _mm512_set1_epi32(xq[j]));
-  for (int c = 1; c < kChains; ++c) dot[0] = _mm512_add_epi32(dot[0], dot[c]);
+  const int32_t* half_sums = p.x->sums.data() + 2 * rb;
   const float xd = p.x->d[rb];
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc);
-  return _mm512_fnmadd_ps(offset, _mm512_set1_ps(xd * static_cast<float>(p.x->sums[rb])), acc);
+  const __m512 dx = _mm512_set1_ps(xd);
+  for (int h = 0; h < SUB; ++h) {
+    constexpr int kPer = 8 / SUB;
+    __m512i dot[kChains];
+    for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
+    for (int j = 0; j < kPer; ++j)
+      dot[j % kChains] = _mm512_dpbusd_epi32(dot[j % kChains], w[kPer * h + j],
+                                             _mm512_set1_epi32(xq[kPer * h + j]));
+    for (int c = 1; c < kChains; ++c) dot[0] = _mm512_add_epi32(dot[0], dot[c]);
+    const int32_t xsum = SUB == 1 ? half_sums[0] + half_sums[1] : half_sums[h];
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), _mm512_mul_ps(s.scale[h], dx), acc);
+    acc = _mm512_fnmadd_ps(s.offset[h], _mm512_set1_ps(xd * static_cast<float>(xsum)), acc);
+  }
+  return acc;
 }
 
-// up to 8 rows: their sums stay in registers
-template <int BITS, int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-void RowsAvx512(const Problem& p, int64_t g, int64_t r0) {
-  constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
+template <int BITS, int SUB, int R>
+MESHSERVE_AVX512 void RowsAvx512(const Problem& p, int64_t g, int64_t r0) {
+  constexpr int kChains = R == 1 ? 4 / SUB : (R == 2 ? 2 : 1);
   const int64_t nb = p.x->blocks;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i w[8];
     UnpackAvx512<BITS>(p.codes + (g * nb + b) * RecordBytes(BITS), w);
-    __m512 scale, offset;
-    ScalesAvx512<BITS>(p, (g * nb + b) * kGroup, &scale, &offset);
-    for (int r = 0; r < R; ++r)
-      acc[r] = BlockAvx512<kChains>(p, (r0 + r) * nb + b, w, scale, offset, acc[r]);
+    const BlockScales<SUB> s = BlockScalesAvx512<BITS, SUB>(p, g, b);
+    for (int r = 0; r < R; ++r) acc[r] = BlockAvx512<SUB, kChains>(p, (r0 + r) * nb + b, w, s, acc[r]);
   }
   const int64_t col = g * kGroup, valid = std::min<int64_t>(kGroup, p.n - col);
   const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (r0 + r) * p.n + col, keep, acc[r]);
 }
 
-// more rows: a block is unpacked once for a tile of up to 64, whose sums wait in L1
-template <int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-void TileAvx512(const Problem& p, int64_t g, int64_t r0, int64_t tile) {
+template <int BITS, int SUB>
+MESHSERVE_AVX512 void TileAvx512(const Problem& p, int64_t g, int64_t r0, int64_t tile) {
   constexpr int64_t kTile = 64;
   const int64_t nb = p.x->blocks;
   alignas(64) float acc[kTile * kGroup];
@@ -330,11 +366,10 @@ void TileAvx512(const Problem& p, int64_t g, int64_t r0, int64_t tile) {
   for (int64_t b = 0; b < nb; ++b) {
     __m512i w[8];
     UnpackAvx512<BITS>(p.codes + (g * nb + b) * RecordBytes(BITS), w);
-    __m512 scale, offset;
-    ScalesAvx512<BITS>(p, (g * nb + b) * kGroup, &scale, &offset);
+    const BlockScales<SUB> s = BlockScalesAvx512<BITS, SUB>(p, g, b);
     for (int64_t r = 0; r < tile; ++r)
-      _mm512_store_ps(acc + r * kGroup, BlockAvx512<2>(p, (r0 + r) * nb + b, w, scale, offset,
-                                                       _mm512_load_ps(acc + r * kGroup)));
+      _mm512_store_ps(acc + r * kGroup, BlockAvx512<SUB, 2 / SUB>(p, (r0 + r) * nb + b, w, s,
+                                                                 _mm512_load_ps(acc + r * kGroup)));
   }
   const int64_t col = g * kGroup, valid = std::min<int64_t>(kGroup, p.n - col);
   const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
@@ -342,46 +377,47 @@ void TileAvx512(const Problem& p, int64_t g, int64_t r0, int64_t tile) {
     _mm512_mask_storeu_ps(p.y + (r0 + r) * p.n + col, keep, _mm512_load_ps(acc + r * kGroup));
 }
 
-template <int BITS>
+template <int BITS, int SUB>
 void GroupAvx512(const Problem& p, int64_t g) {
   const int64_t rows = p.x->rows;
   if (rows > 8) {
-    for (int64_t r = 0; r < rows; r += 64) TileAvx512<BITS>(p, g, r, std::min<int64_t>(64, rows - r));
+    for (int64_t r = 0; r < rows; r += 64)
+      TileAvx512<BITS, SUB>(p, g, r, std::min<int64_t>(64, rows - r));
     return;
   }
   switch (rows) {
-    case 8: RowsAvx512<BITS, 8>(p, g, 0); break;
-    case 7: RowsAvx512<BITS, 7>(p, g, 0); break;
-    case 6: RowsAvx512<BITS, 6>(p, g, 0); break;
-    case 5: RowsAvx512<BITS, 5>(p, g, 0); break;
-    case 4: RowsAvx512<BITS, 4>(p, g, 0); break;
-    case 3: RowsAvx512<BITS, 3>(p, g, 0); break;
-    case 2: RowsAvx512<BITS, 2>(p, g, 0); break;
-    case 1: RowsAvx512<BITS, 1>(p, g, 0); break;
+    case 8: RowsAvx512<BITS, SUB, 8>(p, g, 0); break;
+    case 7: RowsAvx512<BITS, SUB, 7>(p, g, 0); break;
+    case 6: RowsAvx512<BITS, SUB, 6>(p, g, 0); break;
+    case 5: RowsAvx512<BITS, SUB, 5>(p, g, 0); break;
+    case 4: RowsAvx512<BITS, SUB, 4>(p, g, 0); break;
+    case 3: RowsAvx512<BITS, SUB, 3>(p, g, 0); break;
+    case 2: RowsAvx512<BITS, SUB, 2>(p, g, 0); break;
+    case 1: RowsAvx512<BITS, SUB, 1>(p, g, 0); break;
     default: break;
   }
 }
 
 // AVX2: a record's vector is two ymm (columns 0-7, 8-15); each half is its own pass.
-// vpmaddubsw multiplies unsigned codes by signed int8 x into int16 pairs: codes below 32
+// vpmaddubsw multiplies unsigned codes by signed int8 x into int16 pairs: codes below 64
 // cannot overflow them; 8-bit codes are taken signed (c - 128) and multiplied as
 // |c - 128| times x with c - 128's sign, as llama.cpp's AVX2 dot products do.
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i FifthBits(uint32_t bits) {
+#define MESHSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+MESHSERVE_AVX2 inline __m256i BitsToBytes(uint32_t bits, char value) {
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int>(bits)),
       _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                        3, 3, 3, 3, 3, 3, 3));
   const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(set, _mm256_set1_epi8(value));
 }
 
-template <int BITS, int R>
-__attribute__((target("avx2,fma,f16c")))
-void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
-  // 8-bit codes are made signed (c ^ 0x80 = c - 128): their zero point moves by 128
-  constexpr int kShift = BITS == 8 ? 128 : 0;
+template <int BITS, int SUB, int R>
+MESHSERVE_AVX2 void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
+  constexpr int kShift = BITS == 8 ? 128 : 0;  // 8-bit codes made signed: c ^ 0x80 = c - 128
+  constexpr int kPer = 8 / SUB;
   const int64_t nb = p.x->blocks;
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -401,47 +437,48 @@ void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
         w[j] = _mm256_and_si256(nib, low4);
         w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
       }
+      for (int plane = 0; plane < BITS - 4; ++plane)
+        for (int j = 0; j < 8; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, rec + 256 + 64 * plane + 8 * j + 4 * half, 4);
+          w[j] = _mm256_or_si256(w[j], BitsToBytes(bits, static_cast<char>(16 << plane)));
+        }
     }
-    if constexpr (BITS == 5) {
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, rec + 256 + 8 * j + 4 * half, 4);
-        w[j] = _mm256_or_si256(w[j], FifthBits(bits));
-      }
+    __m256 scale[SUB], offset[SUB];
+    for (int h = 0; h < SUB; ++h) {
+      const int64_t at = ((g * nb + b) * SUB + h) * kGroup + 8 * half;
+      scale[h] = p.half_scales
+                     ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                           static_cast<const uint16_t*>(p.scales) + at)))
+                     : _mm256_loadu_ps(static_cast<const float*>(p.scales) + at);
+      const __m256 zp =
+          p.zero_points
+              ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zero_points + at))))
+              : _mm256_set1_ps(static_cast<float>(DefaultZeroPoint(BITS)));
+      // the dot products below are of c - kShift: the zero point moves by kShift
+      offset[h] = _mm256_mul_ps(scale[h], _mm256_sub_ps(zp, _mm256_set1_ps(kShift)));
+      if (p.bias) offset[h] = _mm256_sub_ps(offset[h], _mm256_loadu_ps(p.bias + at));
     }
-    const int64_t at = (g * nb + b) * kGroup + 8 * half;
-    const __m256 scale =
-        p.half_scales
-            ? _mm256_cvtph_ps(_mm_loadu_si128(
-                  reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p.scales) + at)))
-            : _mm256_loadu_ps(static_cast<const float*>(p.scales) + at);
-    const __m256i zp = _mm256_sub_epi32(
-        p.zero_points
-            ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zero_points + at)))
-            : _mm256_set1_epi32(DefaultZeroPoint(BITS)),
-        _mm256_set1_epi32(kShift));
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
       const int32_t* xq = reinterpret_cast<const int32_t*>(p.x->q.data() + rb * kBlock);
-      __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j += 2) {
-        __m256i a, c;
-        if constexpr (BITS == 8) {
-          const __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);
-          a = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(x0, w[j]));
-          c = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j + 1], w[j + 1]),
-                                   _mm256_sign_epi8(x1, w[j + 1]));
-        } else {
-          a = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq[j]));
-          c = _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(xq[j + 1]));
+      const int32_t* half_sums = p.x->sums.data() + 2 * rb;
+      const float xd = p.x->d[rb];
+      for (int h = 0; h < SUB; ++h) {
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = kPer * h; j < kPer * (h + 1); ++j) {
+          const __m256i xj = _mm256_set1_epi32(xq[j]);
+          const __m256i pairs =
+              BITS == 8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xj, w[j]))
+                        : _mm256_maddubs_epi16(w[j], xj);
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
         }
-        dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(a, ones));
-        dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(c, ones));
+        const int32_t xsum = SUB == 1 ? half_sums[0] + half_sums[1] : half_sums[h];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(scale[h], _mm256_set1_ps(xd)), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(offset[h], _mm256_set1_ps(xd * static_cast<float>(xsum)), acc[r]);
       }
-      const __m256i centered = _mm256_sub_epi32(
-          _mm256_add_epi32(dot0, dot1), _mm256_mullo_epi32(zp, _mm256_set1_epi32(p.x->sums[rb])));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centered),
-                               _mm256_mul_ps(scale, _mm256_set1_ps(p.x->d[rb])), acc[r]);
     }
   }
   const int64_t col = g * kGroup + 8 * half;
@@ -456,17 +493,17 @@ void RowsAvx2(const Problem& p, int64_t g, int64_t r0, int half) {
   }
 }
 
-template <int BITS>
+template <int BITS, int SUB>
 void GroupAvx2(const Problem& p, int64_t g) {
   const int64_t rows = p.x->rows;
   for (int half = 0; half < 2; ++half) {
     if (g * kGroup + 8 * half >= p.n) break;
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) RowsAvx2<BITS, 4>(p, g, r, half);
+    for (; r + 4 <= rows; r += 4) RowsAvx2<BITS, SUB, 4>(p, g, r, half);
     switch (rows - r) {
-      case 3: RowsAvx2<BITS, 3>(p, g, r, half); break;
-      case 2: RowsAvx2<BITS, 2>(p, g, r, half); break;
-      case 1: RowsAvx2<BITS, 1>(p, g, r, half); break;
+      case 3: RowsAvx2<BITS, SUB, 3>(p, g, r, half); break;
+      case 2: RowsAvx2<BITS, SUB, 2>(p, g, r, half); break;
+      case 1: RowsAvx2<BITS, SUB, 1>(p, g, r, half); break;
       default: break;
     }
   }
@@ -474,13 +511,25 @@ void GroupAvx2(const Problem& p, int64_t g) {
 
 using GroupFn = void (*)(const Problem&, int64_t);
 
-template <int BITS>
+template <int BITS, int SUB>
 GroupFn GroupFor(Isa isa) {
-  return isa == Isa::kAvx512 ? GroupAvx512<BITS> : isa == Isa::kAvx2 ? GroupAvx2<BITS> : GroupScalar<BITS>;
+  return isa == Isa::kAvx512 ? GroupAvx512<BITS, SUB>
+         : isa == Isa::kAvx2 ? GroupAvx2<BITS, SUB>
+                             : GroupScalar<BITS, SUB>;
 }
 
-GroupFn GroupFor(Isa isa, int bits) {
-  return bits == 8 ? GroupFor<8>(isa) : bits == 5 ? GroupFor<5>(isa) : GroupFor<4>(isa);
+template <int BITS>
+GroupFn GroupFor(Isa isa, int64_t block_size) {
+  return block_size == 16 ? GroupFor<BITS, 2>(isa) : GroupFor<BITS, 1>(isa);
+}
+
+GroupFn GroupFor(Isa isa, int bits, int64_t block_size) {
+  switch (bits) {
+    case 8: return GroupFor<8>(isa, block_size);
+    case 6: return GroupFor<6>(isa, block_size);
+    case 5: return GroupFor<5>(isa, block_size);
+    default: return GroupFor<4>(isa, block_size);
+  }
 }
 
 // ---- the op ---------------------------------------------------------------------------
@@ -503,7 +552,8 @@ OrtStatusPtr Failed(const std::string& what) {
 }
 
 struct MatMulQKernel {
-  MatMulQKernel(int64_t k, int64_t n, int bits, Isa isa) : k_(k), n_(n), bits_(bits), isa_(isa) {}
+  MatMulQKernel(int64_t k, int64_t n, int bits, int64_t block_size, Isa isa)
+      : k_(k), n_(n), bits_(bits), block_size_(block_size), isa_(isa) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     try {
@@ -519,6 +569,7 @@ struct MatMulQKernel {
     const Ort::ConstValue a = ctx.GetInput(0), codes = ctx.GetInput(1), scales = ctx.GetInput(2);
     const Ort::ConstValue zero_points =
         ctx.GetInputCount() > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
+    const Ort::ConstValue bias = ctx.GetInputCount() > 4 ? ctx.GetInput(4) : Ort::ConstValue{nullptr};
     const std::vector<int64_t> shape = a.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() != k_)
       return Failed("the input's last dimension must be K = " + std::to_string(k_));
@@ -531,10 +582,12 @@ struct MatMulQKernel {
     if (scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 &&
         scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
       return Failed("scales must be float16 or float");
-    const size_t per_block = static_cast<size_t>(groups * nb * kGroup);
+    const size_t per_block = static_cast<size_t>(groups * (k_ / block_size_) * kGroup);
     if (scales.GetTensorTypeAndShapeInfo().GetElementCount() != per_block ||
-        (zero_points && zero_points.GetTensorTypeAndShapeInfo().GetElementCount() != per_block))
-      return Failed("scales and zero points must hold " + std::to_string(per_block) + " values");
+        (zero_points && zero_points.GetTensorTypeAndShapeInfo().GetElementCount() != per_block) ||
+        (bias && bias.GetTensorTypeAndShapeInfo().GetElementCount() != per_block))
+      return Failed("scales, zero points and bias must hold " + std::to_string(per_block) +
+                    " values each");
 
     std::vector<int64_t> out_shape(shape);
     out_shape.back() = n_;
@@ -549,26 +602,27 @@ struct MatMulQKernel {
     x.blocks = nb;
     x.q.resize(static_cast<size_t>(rows * k_));
     x.d.resize(static_cast<size_t>(rows * nb));
-    x.sums.resize(static_cast<size_t>(rows * nb));
+    x.sums.resize(static_cast<size_t>(2 * rows * nb));
     auto quantize = isa_ == Isa::kAvx512 ? QuantizeRowAvx512
                     : isa_ == Isa::kAvx2 ? QuantizeRowAvx2
                                          : QuantizeRowScalar;
     const float* in = a.GetTensorData<float>();
     for (int64_t r = 0; r < rows; ++r)
-      quantize(in + r * k_, nb, x.q.data() + r * k_, x.d.data() + r * nb, x.sums.data() + r * nb);
+      quantize(in + r * k_, nb, x.q.data() + r * k_, x.d.data() + r * nb, x.sums.data() + 2 * r * nb);
 
     const Problem problem{&x,
                           codes.GetTensorData<uint8_t>(),
                           scales.GetTensorRawData(),
                           scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                           zero_points ? zero_points.GetTensorData<uint8_t>() : nullptr,
+                          bias ? bias.GetTensorData<float>() : nullptr,
                           y.GetTensorMutableData<float>(),
                           n_,
                           groups};
     // tasks of a few groups each: enough of them to balance the pool's threads, each a
     // contiguous run of the weight so that the hardware prefetcher streams it
     const int64_t per_task = std::max<int64_t>(1, groups / 64);
-    Batch batch{&problem, GroupFor(isa_, bits_), per_task};
+    Batch batch{&problem, GroupFor(isa_, bits_, block_size_), per_task};
     const size_t tasks = static_cast<size_t>((groups + per_task - 1) / per_task);
     ctx.ParallelFor(RunTask, tasks, 0, &batch);
     return nullptr;
@@ -576,6 +630,7 @@ struct MatMulQKernel {
 
   int64_t k_, n_;
   int bits_;
+  int64_t block_size_;
   Isa isa_;
 };
 
@@ -585,12 +640,15 @@ struct MatMulQOp : Ort::CustomOpBase<MatMulQOp, MatMulQKernel, /*WithStatus=*/tr
       Ort::ConstKernelInfo ki(info);
       const int64_t k = ki.GetAttribute<int64_t>("K"), n = ki.GetAttribute<int64_t>("N");
       const int64_t bits = ki.GetAttribute<int64_t>("bits");
-      if (bits != 4 && bits != 5 && bits != 8)
-        return Failed("bits = " + std::to_string(bits) + ", expected 4, 5 or 8");
+      const int64_t block_size = ki.GetAttribute<int64_t>("block_size");
+      if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
+        return Failed("bits = " + std::to_string(bits) + ", expected 4, 5, 6 or 8");
+      if (block_size != 16 && block_size != 32)
+        return Failed("block_size = " + std::to_string(block_size) + ", expected 16 or 32");
       if (k <= 0 || k % kBlock != 0)
         return Failed("K = " + std::to_string(k) + ", expected a positive multiple of 32");
       if (n <= 0) return Failed("N = " + std::to_string(n) + ", expected a positive count");
-      *kernel = new MatMulQKernel(k, n, static_cast<int>(bits), BestIsa());
+      *kernel = new MatMulQKernel(k, n, static_cast<int>(bits), block_size, BestIsa());
       return nullptr;
     } catch (const std::exception& e) {
       return Failed(e.what());
@@ -598,16 +656,16 @@ struct MatMulQOp : Ort::CustomOpBase<MatMulQOp, MatMulQKernel, /*WithStatus=*/tr
   }
   const char* GetName() const { return "MatMulQ"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 5; }  // x, codes, scales, zero points, bias
   ONNXTensorElementDataType GetInputType(size_t index) const {
     switch (index) {
-      case 0: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      case 0: case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
       case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float16 or float
       default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
     }
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t /*index*/) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -304,14 +304,13 @@ def quantize_matmuls(
         if not exact:
             blocks.residual = None
         prefix = _unique(source, g.inits)
-        whole = blocks.codes.shape[1] * blocks.block == w.shape[0]
-        op = _op_blocks(blocks) if custom_op and whole else None
+        op = _op_blocks(blocks, w.shape[0]) if custom_op else None
         if op is not None:
-            nodes, inits = _matmul_q(node, prefix, *op, w.shape)
+            nodes, inits = _matmul_q(node, prefix, op, w.shape)
             codec += OP
         else:
             nodes, inits = _matmulnbits(node, prefix, blocks, w.shape, blocks.block, accuracy_level)
-        if blocks.residual is not None and np.any(blocks.residual):
+        if op is None and blocks.residual is not None and np.any(blocks.residual):
             key = (node.input[0], blocks.codes.shape[1])
             if key not in blocksums:
                 blocksums[key] = f"{prefix}_blocksum"
@@ -380,61 +379,86 @@ def _matmulnbits(
     return [out], inits
 
 
-def _op_blocks(blocks: Blocks) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """(bits, codes, scales, zero points or None for the default) of blocks of 32 as MatMulQ
-    takes them, or None (other blocks stay MatMulNBits). 8-bit blocks whose codes span 5
-    bits become 5-bit: Q5_0 (codes q + 112, zero point 128: q, 16) and the affine Q5_1 /
-    Q5_K (codes q, their own zero points); other 8-bit blocks (Q8_0, IQ4_NL) and 4-bit ones
-    stay at their bits. Scales are fp16 where that holds them exactly (every legacy type's
-    d), else fp32 (a K-quant's d x sc)."""
-    if blocks.block != custom_ops.BLOCK or blocks.bits not in (4, 8):
+@dataclass
+class OpBlocks:
+    """Blocks as MatMulQ takes them (common/custom_ops.py)."""
+
+    bits: int
+    codes: np.ndarray  # uint8 [N, nb, block], below 2**bits
+    scales: np.ndarray  # fp16 where that holds them exactly (every legacy type's d), else fp32
+    zero_points: np.ndarray | None  # None: the op's default, 2**(bits-1)
+    bias: np.ndarray | None  # an affine block's residual, added by the op
+
+
+def _op_blocks(blocks: Blocks, k: int) -> OpBlocks | None:
+    """`blocks` of a [k, N] weight as MatMulQ takes them, or None (they stay MatMulNBits).
+    8-bit blocks take the fewest bits that their codes span: 5 for Q5_0 (codes q + 112,
+    zero point 128: q, 16) and the affine Q5_1 / Q5_K, 6 for Q6_K (codes q + 96: q, 32), 8
+    for Q8_0 and IQ4_NL; 4-bit blocks stay 4. The residual of an affine block becomes the
+    op's bias."""
+    nb, block = blocks.codes.shape[1], blocks.block
+    if block not in custom_ops.BLOCK_SIZES or nb * block != k or k % custom_ops.RECORD_K:
         return None
-    bits, base = blocks.bits, 0
+    default = np.full(blocks.scales.shape, 1 << (blocks.bits - 1))
+    zp = (blocks.zero_points if blocks.zero_points is not None else default).astype(np.int32)
     low, high = int(blocks.codes.min()), int(blocks.codes.max())
-    if bits == 8 and high - low < 32:
-        bits, base = 5, 112 if low >= 112 and high <= 143 else 0 if high <= 31 else -1
-        if base < 0:
-            bits, base = 8, 0
-    zp = blocks.zero_points
-    zp = zp if zp is not None else np.full(blocks.scales.shape, 1 << (blocks.bits - 1))
-    zp = zp.astype(np.int32) - base
-    if zp.min() < 0 or zp.max() > 255:
+    bits = 4 if blocks.bits == 4 else next(b for b in (5, 6, 8) if high - low < 1 << b)
+    # codes - base must fit the bits and zero points - base a byte: first choice, the base
+    # that leaves the op's default zero point (no zero point input), then 0, then low
+    one = int(zp.flat[0])
+    bases = [one - custom_ops.default_zero_point(bits)] if np.all(zp == one) else []
+    fits = [
+        b
+        for b in [*bases, 0, low]
+        if b <= low and high - b < 1 << bits and zp.min() >= b and zp.max() - b <= 255
+    ]
+    if not fits:
         return None
+    base = fits[0]
+    zp = zp - base
     half = blocks.scales.astype(np.float16)
     exact = np.array_equal(half.astype(np.float32), blocks.scales)
-    scales: np.ndarray = half if exact else blocks.scales.astype(np.float32)
     uniform = bool(np.all(zp == custom_ops.default_zero_point(bits)))
-    codes = blocks.codes - np.uint8(base)
-    return bits, codes, scales, None if uniform else zp.astype(np.uint8)
+    return OpBlocks(
+        bits,
+        blocks.codes - np.uint8(base),
+        half if exact else blocks.scales.astype(np.float32),
+        None if uniform else zp.astype(np.uint8),
+        blocks.residual,
+    )
 
 
 def _matmul_q(
-    node: onnx.NodeProto,
-    prefix: str,
-    bits: int,
-    codes: np.ndarray,
-    scales: np.ndarray,
-    zero_points: np.ndarray | None,
-    shape: tuple[int, int],
+    node: onnx.NodeProto, prefix: str, op: OpBlocks, shape: tuple[int, int]
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     k, n = shape
-    records, scales, zero_points = custom_ops.pack(codes, scales, zero_points, bits)
+    records, scales, zero_points, bias = custom_ops.pack(
+        op.codes, op.scales, op.zero_points, op.bits, op.bias
+    )
     inits = [
-        numpy_helper.from_array(records, f"{prefix}_Q{bits}"),
+        numpy_helper.from_array(records, f"{prefix}_Q{op.bits}"),
         numpy_helper.from_array(scales, f"{prefix}_scales"),
     ]
+    names = [i.name for i in inits]
     if zero_points is not None:
         inits.append(numpy_helper.from_array(zero_points, f"{prefix}_zero_points"))
+    names.append(inits[-1].name if zero_points is not None else "")
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, f"{prefix}_bias"))
+        names.append(inits[-1].name)
     out = helper.make_node(
         custom_ops.MATMUL_Q,
-        [node.input[0], *(i.name for i in inits)],
+        [node.input[0], *names],
         [node.output[0]],
-        name=f"{node.name or prefix}_Q{bits}",
+        name=f"{node.name or prefix}_Q{op.bits}",
         domain=custom_ops.DOMAIN,
         K=k,
         N=n,
-        bits=bits,
+        bits=op.bits,
+        block_size=op.codes.shape[-1],
     )
+    while out.input[-1] == "":  # trailing optional inputs left out
+        out.input.pop()
     return [out], inits
 
 
