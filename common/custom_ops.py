@@ -48,7 +48,7 @@ def available() -> bool:
 
 
 def register(options: Any) -> None:
-    """Load the library into onnxruntime SessionOptions (a session reading MatMulQ5 needs
+    """Load the library into onnxruntime SessionOptions (a session reading MatMulQ needs
     it). Raises FileNotFoundError naming `make ops` when it is not built."""
     path = library()
     if path is None:

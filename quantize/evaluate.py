@@ -28,7 +28,7 @@ def session(
 ) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if custom_ops.available():  # a graph may hold meshserve's MatMulQ5 (quantize/int4.py)
+    if custom_ops.available():  # a graph may hold meshserve's MatMulQ (quantize/int4.py)
         custom_ops.register(so)
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -33,6 +33,11 @@ its exactness): the decoded codes must reproduce the graph's weight values (colu
 by value, so RoPE-permuted or fused rows are found wherever they are), else QuantizeError.
 Parts of different layouts share one MatMulNBits by re-blocking to the widest bits and the
 smallest block (blocks.joined).
+
+Where meshserve's own op is built (common/custom_ops.py, `make ops`), a GGUF's blocks go to
+MatMulQ instead of MatMulNBits (_op_blocks): the same codes at their own width (Q5_0 at 5
+bits, Q6_K at 6, where MatMulNBits takes 8), and an affine block's residual as the op's
+bias rather than a block-sum MatMul.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class OnnxSession:
         so.inter_op_num_threads = options.inter_op_threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        if custom_ops.available():  # a graph may hold meshserve's MatMulQ5 (quantize/int4.py)
+        if custom_ops.available():  # a graph may hold meshserve's MatMulQ (quantize/int4.py)
             custom_ops.register(so)
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
