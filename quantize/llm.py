@@ -25,7 +25,7 @@ from pathlib import Path
 import onnx
 
 from common import cpu, model_keys, paths
-from quantize import checkpoint, checkpoints, int4, llm_graph, pipeline, weights
+from quantize import checkpoint, checkpoints, embedding, int4, llm_graph, pipeline, weights
 from quantize.pipeline import FP32, MODEL_FILE, TOKENIZER_FILE, BuildError
 from quantize.repository import llm_config_text
 
@@ -193,14 +193,16 @@ def checkpoint_graph(
     over the file's very codes (quantize/int4.py, quantize/gguf_blocks.py; int8 activations
     per block as llama.cpp's own kernels): meshserve's MatMulQ for blocks of 32 where its
     library is built (custom_op, see int4.quantize_matmuls), else MatMulNBits; F32 / F16
-    weights (and every Hugging Face weight) as float32 MatMuls."""
+    weights (and every Hugging Face weight) as float32 MatMuls. The embedding table keeps the
+    file's codes where its block type is symmetric (quantize/embedding.py), else fp32."""
     proto = llm_graph.build(ck.model(), kv_dtype=kv_dtype)
     if ck.gguf is not None:
         try:
             int4.quantize_matmuls(
                 proto, gguf_path=ck.gguf, otherwise="keep", accuracy_level=4, custom_op=custom_op
             )
-        except int4.QuantizeError as e:
+            embedding.gather_from_gguf(proto, ck.gguf)
+        except (int4.QuantizeError, embedding.EmbeddingError) as e:
             raise checkpoint.CheckpointError(str(e)) from e
     return proto
 
