@@ -194,14 +194,16 @@ def checkpoint_graph(
     per block as llama.cpp's own kernels): meshserve's MatMulQ for blocks of 32 where its
     library is built (custom_op, see int4.quantize_matmuls), else MatMulNBits; F32 / F16
     weights (and every Hugging Face weight) as float32 MatMuls. The embedding table keeps the
-    file's codes where its block type is symmetric (quantize/embedding.py), else fp32."""
+    file's codes where its block type is symmetric (quantize/embedding.py), else, and in a
+    build without the custom op (custom_op False: a GPU's), fp32."""
     proto = llm_graph.build(ck.model(), kv_dtype=kv_dtype)
     if ck.gguf is not None:
         try:
             int4.quantize_matmuls(
                 proto, gguf_path=ck.gguf, otherwise="keep", accuracy_level=4, custom_op=custom_op
             )
-            embedding.gather_from_gguf(proto, ck.gguf)
+            if custom_op is not False:  # a GPU's build keeps the fp32 table (see embedding.py)
+                embedding.gather_from_gguf(proto, ck.gguf)
         except (int4.QuantizeError, embedding.EmbeddingError) as e:
             raise checkpoint.CheckpointError(str(e)) from e
     return proto

@@ -101,6 +101,21 @@ def test_a_served_graph_verifies_drafts_and_keeps_its_top_k(tmp_path: Path) -> N
     cache.close()
 
 
+def test_the_embedding_keeps_the_files_codes_and_a_gpu_build_keeps_it_fp32(
+    tmp_path: Path,
+) -> None:
+    """Q8_0's table as 8-bit GatherBlockQuantized on the file's codes (quantize/embedding.py);
+    custom_op=False (a GPU's build: CUDA graphs need every node on CUDA) keeps the Gather."""
+    ck = checkpoints.load(tiny_gguf.write(tmp_path / "s.gguf", "smollm", "Q8_0"))
+
+    def embedding(custom_op: bool | None) -> list[str]:
+        graph = llm.checkpoint_graph(ck, custom_op=custom_op).graph
+        return [n.op_type for n in graph.node if "Gather" in n.op_type and "embed" in n.input[0]]
+
+    assert embedding(None) == ["GatherBlockQuantized"]
+    assert embedding(False) == ["Gather"]
+
+
 @torch.no_grad()
 def test_attention_runs_at_scale_one_and_the_logits_stay_the_models(tmp_path: Path) -> None:
     """The step graph's attention op runs with scale 1 (onnxruntime's one-row q.k routine
