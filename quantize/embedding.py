@@ -14,8 +14,9 @@ instead (`gather_from_gguf`): a symmetric block type (Q8_0, Q4_0, Q5_0, IQ4_NL, 
 blocks of 16, Q6_K in blocks of 16) becomes 8-bit codes q - z + 128 over the file's own
 scales, bit for bit; an affine one (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K: w = s*q - m, which
 GatherBlockQuantized cannot hold) leaves the table fp32. So does a GPU's build
-(`build-llm --no-custom-op`): onnxruntime's CUDA GatherBlockQuantized takes fp16 / bf16
-scales only, and a node left on the CPU would keep the step off CUDA graphs.
+(`build-llm --no-custom-op`): onnxruntime's CUDA GatherBlockQuantized (fp32 scales in its
+recent sources) has not been run on our GPU path, and a node left on the CPU would keep the
+step off CUDA graphs.
 """
 
 from __future__ import annotations
